@@ -1,0 +1,384 @@
+//! Gated DeltaNet on the CPU: the causal convolution and the gated delta rule, both as a
+//! token-by-token recurrence (decode) and in chunks of 64 with the UT transform (prefill).
+//!
+//! Per value head `h` the state `S` is a `k_head_dim x v_head_dim` matrix and each token does
+//! `S ← exp(g)·S;  S ← S + k ⊗ β(v − Sᵀk);  o = Sᵀq`. The chunked form computes the same
+//! thing for `L` tokens at once: with `γᵢ = g₁ + … + gᵢ` inside the chunk and
+//! `A = strict_lower((β k) kᵀ ⊙ exp(γᵢ − γⱼ))`, solving `(I + A) U = β v` and
+//! `(I + A) W = β k exp(γ)` gives `v' = U − W S`, the outputs
+//! `o = (q exp(γ)) S + (q kᵀ ⊙ exp(γᵢ − γⱼ))_{j≤i} v'` and the next state
+//! `S exp(γ_L) + (k exp(γ_L − γ))ᵀ v'` — `torch_chunk_gated_delta_rule` step for step.
+
+use rayon::prelude::*;
+
+use super::simd::{axpy, dot, scale};
+use super::{sigmoid, silu};
+use crate::backend::DeltaNetShape;
+
+/// Tokens per chunk of the chunked form (the reference's `chunk_size`).
+pub const CHUNK: usize = 64;
+
+/// Depthwise causal convolution with SiLU, in place on `qkv: [tokens, conv_dim]`.
+pub fn causal_conv1d_silu(shape: &DeltaNetShape, qkv: &mut [f32], tokens: usize, weight: &[f32], state: &mut [f32]) {
+    let channels = shape.conv_dim();
+    let k = shape.conv_kernel;
+    let hist = k - 1;
+    assert_eq!(qkv.len(), tokens * channels);
+    assert_eq!(weight.len(), channels * k);
+    assert_eq!(state.len(), channels * hist);
+    let raw = qkv.to_vec();
+    // Input j steps back from token t: the raw input, or the carried state before the call.
+    let input = |t: usize, back: usize, c: usize| -> f32 {
+        if back <= t {
+            raw[(t - back) * channels + c]
+        } else {
+            state[c * hist + (hist - (back - t))]
+        }
+    };
+    qkv.par_chunks_mut(channels).enumerate().for_each(|(t, row)| {
+        for (c, out) in row.iter_mut().enumerate() {
+            let w = &weight[c * k..(c + 1) * k];
+            let mut acc = 0.0f32;
+            for (j, &wj) in w.iter().enumerate() {
+                acc += wj * input(t, k - 1 - j, c);
+            }
+            *out = silu(acc);
+        }
+    });
+    // The new state is the last `hist` inputs, old state included when the run was short.
+    let mut next = vec![0.0f32; state.len()];
+    for c in 0..channels {
+        for i in 0..hist {
+            let back = hist - i; // 1 = the newest input
+            next[c * hist + i] = if back <= tokens {
+                raw[(tokens - back) * channels + c]
+            } else {
+                state[c * hist + (hist - (back - tokens))]
+            };
+        }
+    }
+    state.copy_from_slice(&next);
+}
+
+/// The per-token, per-head quantities of the delta rule, laid out head-major so each head's
+/// work reads contiguous memory: q (normalised and scaled), k (normalised), v, β and g.
+pub struct DeltaRuleInputs {
+    tokens: usize,
+    /// `[num_k_heads, tokens, k_head_dim]`
+    q: Vec<f32>,
+    k: Vec<f32>,
+    /// `[num_v_heads, tokens, v_head_dim]`
+    v: Vec<f32>,
+    /// `[num_v_heads, tokens]`
+    beta: Vec<f32>,
+    g: Vec<f32>,
+}
+
+fn l2_normalize(x: &mut [f32]) {
+    // The reference's l2norm: x * rsqrt(sum(x²) + 1e-6).
+    let inv = 1.0 / (dot(x, x) + 1e-6).sqrt();
+    scale(x, inv);
+}
+
+fn softplus(x: f32) -> f32 {
+    // torch.nn.functional.softplus with beta 1 and threshold 20.
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+impl DeltaRuleInputs {
+    pub fn prepare(
+        shape: &DeltaNetShape,
+        qkv: &[f32],
+        a: &[f32],
+        b: &[f32],
+        a_log: &[f32],
+        dt_bias: &[f32],
+        tokens: usize,
+    ) -> DeltaRuleInputs {
+        let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
+        let conv_dim = shape.conv_dim();
+        let key_dim = shape.key_dim();
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let mut q = vec![0.0f32; nk * tokens * dk];
+        let mut k = vec![0.0f32; nk * tokens * dk];
+        let mut v = vec![0.0f32; nv * tokens * dv];
+        q.par_chunks_mut(tokens * dk).zip(k.par_chunks_mut(tokens * dk)).enumerate().for_each(|(h, (q, k))| {
+            for t in 0..tokens {
+                let row = &qkv[t * conv_dim..(t + 1) * conv_dim];
+                let qt = &mut q[t * dk..(t + 1) * dk];
+                qt.copy_from_slice(&row[h * dk..(h + 1) * dk]);
+                l2_normalize(qt);
+                scale(qt, q_scale);
+                let kt = &mut k[t * dk..(t + 1) * dk];
+                kt.copy_from_slice(&row[key_dim + h * dk..key_dim + (h + 1) * dk]);
+                l2_normalize(kt);
+            }
+        });
+        v.par_chunks_mut(tokens * dv).enumerate().for_each(|(h, v)| {
+            for t in 0..tokens {
+                let src = 2 * key_dim + h * dv;
+                v[t * dv..(t + 1) * dv].copy_from_slice(&qkv[t * conv_dim + src..t * conv_dim + src + dv]);
+            }
+        });
+        let mut beta = vec![0.0f32; nv * tokens];
+        let mut g = vec![0.0f32; nv * tokens];
+        for h in 0..nv {
+            let decay_rate = -a_log[h].exp();
+            for t in 0..tokens {
+                beta[h * tokens + t] = sigmoid(b[t * nv + h]);
+                g[h * tokens + t] = decay_rate * softplus(a[t * nv + h] + dt_bias[h]);
+            }
+        }
+        DeltaRuleInputs { tokens, q, k, v, beta, g }
+    }
+
+    fn head(&self, shape: &DeltaNetShape, h: usize) -> HeadInputs<'_> {
+        let t = self.tokens;
+        let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
+        // Value heads are grouped onto key heads in consecutive runs.
+        let kh = h / (shape.num_v_heads / shape.num_k_heads);
+        HeadInputs {
+            q: &self.q[kh * t * dk..(kh + 1) * t * dk],
+            k: &self.k[kh * t * dk..(kh + 1) * t * dk],
+            v: &self.v[h * t * dv..(h + 1) * t * dv],
+            beta: &self.beta[h * t..(h + 1) * t],
+            g: &self.g[h * t..(h + 1) * t],
+        }
+    }
+}
+
+struct HeadInputs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    beta: &'a [f32],
+    g: &'a [f32],
+}
+
+/// Runs `per_head(h, state_h, out_h)` for every value head in parallel, where `out_h` is a
+/// `[tokens, v_head_dim]` scratch, then scatters the heads into `out: [tokens, value_dim]`.
+fn for_each_head(
+    shape: &DeltaNetShape,
+    tokens: usize,
+    state: &mut [f32],
+    out: &mut [f32],
+    per_head: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) {
+    let (dk, dv, nv) = (shape.k_head_dim, shape.v_head_dim, shape.num_v_heads);
+    assert_eq!(state.len(), nv * dk * dv);
+    assert_eq!(out.len(), tokens * nv * dv);
+    let mut head_out = vec![0.0f32; nv * tokens * dv];
+    state.par_chunks_mut(dk * dv).zip(head_out.par_chunks_mut(tokens * dv)).enumerate().for_each(
+        |(h, (s, o))| per_head(h, s, o),
+    );
+    for h in 0..nv {
+        for t in 0..tokens {
+            out[t * nv * dv + h * dv..t * nv * dv + (h + 1) * dv]
+                .copy_from_slice(&head_out[h * tokens * dv + t * dv..h * tokens * dv + (t + 1) * dv]);
+        }
+    }
+}
+
+/// The delta rule one token at a time (`torch_recurrent_gated_delta_rule`).
+pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32], out: &mut [f32]) {
+    let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
+    let tokens = inputs.tokens;
+    for_each_head(shape, tokens, state, out, |h, s, o| {
+        let x = inputs.head(shape, h);
+        let mut kv_mem = vec![0.0f32; dv];
+        let mut delta = vec![0.0f32; dv];
+        for t in 0..tokens {
+            let q = &x.q[t * dk..(t + 1) * dk];
+            let k = &x.k[t * dk..(t + 1) * dk];
+            let v = &x.v[t * dv..(t + 1) * dv];
+            let decay = x.g[t].exp();
+            kv_mem.fill(0.0);
+            for (i, row) in s.chunks_mut(dv).enumerate() {
+                scale(row, decay);
+                axpy(&mut kv_mem, k[i], row);
+            }
+            for ((d, &v), &m) in delta.iter_mut().zip(v).zip(&kv_mem) {
+                *d = (v - m) * x.beta[t];
+            }
+            let ot = &mut o[t * dv..(t + 1) * dv];
+            ot.fill(0.0);
+            for (i, row) in s.chunks_mut(dv).enumerate() {
+                axpy(row, k[i], &delta);
+                axpy(ot, q[i], row);
+            }
+        }
+    });
+}
+
+/// The delta rule in chunks of [`CHUNK`] tokens (`torch_chunk_gated_delta_rule`).
+pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32], out: &mut [f32]) {
+    let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
+    let tokens = inputs.tokens;
+    for_each_head(shape, tokens, state, out, |h, s, o| {
+        let x = inputs.head(shape, h);
+        let mut cum = [0.0f32; CHUNK];
+        let mut a = vec![0.0f32; CHUNK * CHUNK];
+        let mut u = vec![0.0f32; CHUNK * dv];
+        let mut w = vec![0.0f32; CHUNK * dk];
+        let mut kbeta = vec![0.0f32; dk];
+        let mut qs = vec![0.0f32; dk];
+        for start in (0..tokens).step_by(CHUNK) {
+            let len = CHUNK.min(tokens - start);
+            let q = &x.q[start * dk..(start + len) * dk];
+            let k = &x.k[start * dk..(start + len) * dk];
+            let v = &x.v[start * dv..(start + len) * dv];
+            let beta = &x.beta[start..start + len];
+            let mut acc = 0.0f32;
+            for i in 0..len {
+                acc += x.g[start + i];
+                cum[i] = acc;
+            }
+            // A[i][j] = (β_i k_i · k_j) exp(γ_i − γ_j) for j < i.
+            for i in 0..len {
+                for (kb, &ki) in kbeta.iter_mut().zip(&k[i * dk..(i + 1) * dk]) {
+                    *kb = ki * beta[i];
+                }
+                for j in 0..i {
+                    a[i * CHUNK + j] = dot(&kbeta, &k[j * dk..(j + 1) * dk]) * (cum[i] - cum[j]).exp();
+                }
+            }
+            // Forward substitution through the unit lower-triangular (I + A):
+            // U_i = β_i v_i − Σ_j A_ij U_j and W_i = β_i k_i exp(γ_i) − Σ_j A_ij W_j.
+            for i in 0..len {
+                let (done, rest) = u.split_at_mut(i * dv);
+                let ui = &mut rest[..dv];
+                for (uv, &vv) in ui.iter_mut().zip(&v[i * dv..(i + 1) * dv]) {
+                    *uv = vv * beta[i];
+                }
+                let (wdone, wrest) = w.split_at_mut(i * dk);
+                let wi = &mut wrest[..dk];
+                let e = cum[i].exp();
+                for (wv, &kv) in wi.iter_mut().zip(&k[i * dk..(i + 1) * dk]) {
+                    *wv = kv * beta[i] * e;
+                }
+                for j in 0..i {
+                    let aij = a[i * CHUNK + j];
+                    axpy(ui, -aij, &done[j * dv..(j + 1) * dv]);
+                    axpy(wi, -aij, &wdone[j * dk..(j + 1) * dk]);
+                }
+            }
+            // v' = U − W S, in place in `u`.
+            for i in 0..len {
+                let ui = &mut u[i * dv..(i + 1) * dv];
+                for (r, row) in s.chunks(dv).enumerate() {
+                    axpy(ui, -w[i * dk + r], row);
+                }
+            }
+            // o_i = (q_i exp(γ_i)) S + Σ_{j≤i} (q_i · k_j) exp(γ_i − γ_j) v'_j
+            for i in 0..len {
+                let oi = &mut o[(start + i) * dv..(start + i + 1) * dv];
+                oi.fill(0.0);
+                let e = cum[i].exp();
+                for (qv, &qi) in qs.iter_mut().zip(&q[i * dk..(i + 1) * dk]) {
+                    *qv = qi * e;
+                }
+                for (r, row) in s.chunks(dv).enumerate() {
+                    axpy(oi, qs[r], row);
+                }
+                let qi = &q[i * dk..(i + 1) * dk];
+                for j in 0..=i {
+                    let c = dot(qi, &k[j * dk..(j + 1) * dk]) * (cum[i] - cum[j]).exp();
+                    axpy(oi, c, &u[j * dv..(j + 1) * dv]);
+                }
+            }
+            // S ← S exp(γ_L) + Σ_j (k_j exp(γ_L − γ_j)) ⊗ v'_j
+            let last = cum[len - 1];
+            scale(s, last.exp());
+            for j in 0..len {
+                let e = (last - cum[j]).exp();
+                let kj = &k[j * dk..(j + 1) * dk];
+                let vj = &u[j * dv..(j + 1) * dv];
+                for (r, row) in s.chunks_mut(dv).enumerate() {
+                    axpy(row, kj[r] * e, vj);
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn vec(&mut self, n: usize, s: f32) -> Vec<f32> {
+            (0..n).map(|_| self.next() * s).collect()
+        }
+    }
+
+    fn shape(nk: usize, nv: usize, dk: usize, dv: usize) -> DeltaNetShape {
+        DeltaNetShape { num_k_heads: nk, num_v_heads: nv, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, eps: 1e-6 }
+    }
+
+    fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+        let max_ref = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let max_d = a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        max_d / max_ref
+    }
+
+    #[test]
+    fn chunked_matches_recurrent_across_chunk_boundaries() {
+        for &(nk, nv, dk, dv) in &[(1, 1, 8, 8), (2, 4, 16, 24), (3, 3, 5, 7)] {
+            let sh = shape(nk, nv, dk, dv);
+            for &tokens in &[1usize, 2, 63, 64, 65, 130, 200] {
+                let mut rng = Rng(tokens as u64 * 31 + nv as u64);
+                let qkv = rng.vec(tokens * sh.conv_dim(), 1.0);
+                let a = rng.vec(tokens * nv, 2.0);
+                let b = rng.vec(tokens * nv, 2.0);
+                let a_log = rng.vec(nv, 1.0);
+                let dt_bias = rng.vec(nv, 1.0);
+                let init = rng.vec(sh.state_len(), 0.5);
+                let inputs = DeltaRuleInputs::prepare(&sh, &qkv, &a, &b, &a_log, &dt_bias, tokens);
+                let (mut s1, mut s2) = (init.clone(), init.clone());
+                let mut o1 = vec![f32::NAN; tokens * sh.value_dim()];
+                let mut o2 = vec![f32::NAN; tokens * sh.value_dim()];
+                recurrent(&sh, &inputs, &mut s1, &mut o1);
+                chunked(&sh, &inputs, &mut s2, &mut o2);
+                let (eo, es) = (rel_err(&o2, &o1), rel_err(&s2, &s1));
+                // f32 rounding of two summation orders: max|Δ|/max|ref| ≤ 1e-5.
+                assert!(eo <= 1e-5 && es <= 1e-5, "heads {nk}/{nv} dims {dk}/{dv} T={tokens}: out {eo}, state {es}");
+            }
+        }
+    }
+
+    #[test]
+    fn conv_state_carries_across_calls() {
+        let sh = shape(1, 2, 4, 3);
+        let c = sh.conv_dim();
+        let mut rng = Rng(7);
+        let w = rng.vec(c * 4, 1.0);
+        let x = rng.vec(9 * c, 1.0);
+        let mut whole = x.clone();
+        let mut st = vec![0.0; sh.conv_state_len()];
+        causal_conv1d_silu(&sh, &mut whole, 9, &w, &mut st);
+        // The same 9 tokens fed as 1 + 2 + 6.
+        let mut st2 = vec![0.0; sh.conv_state_len()];
+        let mut parts = Vec::new();
+        for (s, e) in [(0, 1), (1, 3), (3, 9)] {
+            let mut p = x[s * c..e * c].to_vec();
+            causal_conv1d_silu(&sh, &mut p, e - s, &w, &mut st2);
+            parts.extend(p);
+        }
+        assert_eq!(parts, whole);
+        assert_eq!(st, st2);
+        // Token 0 sees only itself: silu(w[c][3] * x0[c]).
+        for ch in 0..c {
+            let expect = silu(w[ch * 4 + 3] * x[ch]);
+            assert!((whole[ch] - expect).abs() < 1e-6);
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! The CPU backend: f32 arithmetic on all cores (rayon), SIMD kernels in [`matmul`] and
+//! [`simd`], weights read in place from the memory-mapped checkpoint in their stored dtype.
+
+pub mod attention;
+pub mod deltanet;
+pub mod matmul;
+pub mod simd;
+
+use rayon::prelude::*;
+
+use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use crate::error::{Error, Result};
+use crate::tensor::{Bytes, DType, HostTensor};
+use matmul::WeightRef;
+
+/// Runs every op on the host CPU.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> CpuBackend {
+        CpuBackend
+    }
+}
+
+/// A `[rows, cols]` matrix kept in its checkpoint dtype (a view into the mapped file).
+pub struct CpuWeight {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    bytes: Bytes,
+}
+
+impl CpuWeight {
+    pub fn view(&self) -> WeightRef<'_> {
+        let b = self.bytes.as_slice();
+        // SAFETY: `CpuBackend::weight` checked the length and `Bytes::aligned` the alignment
+        // for the element type; safetensors data is little-endian, as are the hosts we build for.
+        unsafe {
+            match self.dtype {
+                DType::BF16 => WeightRef::Bf16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)),
+                DType::F16 => WeightRef::F16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)),
+                DType::F32 => WeightRef::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4)),
+            }
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("strix reads little-endian safetensors data in place and needs a little-endian host");
+
+/// Rows per rayon task for row-wise elementwise ops: enough work to amortise scheduling.
+fn rows_per_task(dim: usize) -> usize {
+    (16384 / dim.max(1)).max(1)
+}
+
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss = simd::dot(x, x);
+    1.0 / (ss / x.len() as f32 + eps).sqrt()
+}
+
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Weight = CpuWeight;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CpuWeight> {
+        if t.numel() != rows * cols || t.bytes.len() != rows * cols * t.dtype.size() {
+            return Err(Error::Input(format!(
+                "tensor `{}` of shape {:?} ({} bytes) is not a {rows}x{cols} {} matrix",
+                t.name,
+                t.shape,
+                t.bytes.len(),
+                t.dtype.name()
+            )));
+        }
+        Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.size()) })
+    }
+
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn zeros(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn resize(&self, buf: &mut Vec<f32>, len: usize) {
+        buf.resize(len, 0.0);
+    }
+
+    fn download(&self, buf: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
+        buf[offset..offset + len].to_vec()
+    }
+
+    fn weight_bytes(&self, w: &CpuWeight) -> usize {
+        w.bytes.len()
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
+        assert_eq!(table.cols, dim);
+        let view = table.view();
+        out[..ids.len() * dim]
+            .par_chunks_mut(dim)
+            .zip(ids.par_iter())
+            .for_each(|(row, &id)| matmul::row_to_f32(view, dim, id as usize, row));
+    }
+
+    fn matmul(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
+        matmul::matmul(
+            &x[..tokens * w.cols],
+            tokens,
+            w.view(),
+            w.rows,
+            w.cols,
+            &mut out[..tokens * w.rows],
+        );
+    }
+
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
+        let rows = x.len().min(out.len()) / dim;
+        out[..rows * dim]
+            .par_chunks_mut(dim * rows_per_task(dim))
+            .zip(x[..rows * dim].par_chunks(dim * rows_per_task(dim)))
+            .for_each(|(o, x)| {
+                for (o, x) in o.chunks_mut(dim).zip(x.chunks(dim)) {
+                    let s = rms_scale(x, eps);
+                    for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
+                        *o = x * s * (1.0 + w);
+                    }
+                }
+            });
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
+        let rows = residual.len().min(x.len()).min(out.len()) / dim;
+        let n = dim * rows_per_task(dim);
+        residual[..rows * dim]
+            .par_chunks_mut(n)
+            .zip(x[..rows * dim].par_chunks(n))
+            .zip(out[..rows * dim].par_chunks_mut(n))
+            .for_each(|((r, x), o)| {
+                for ((r, x), o) in r.chunks_mut(dim).zip(x.chunks(dim)).zip(o.chunks_mut(dim)) {
+                    for (r, &x) in r.iter_mut().zip(x) {
+                        *r += x;
+                    }
+                    let s = rms_scale(r, eps);
+                    for ((o, &r), &w) in o.iter_mut().zip(r.iter()).zip(weight) {
+                        *o = r * s * (1.0 + w);
+                    }
+                }
+            });
+    }
+
+    fn add(&self, residual: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        residual[..len].par_chunks_mut(16384).zip(x[..len].par_chunks(16384)).for_each(|(r, x)| {
+            for (r, &x) in r.iter_mut().zip(x) {
+                *r += x;
+            }
+        });
+    }
+
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        out[..len]
+            .par_chunks_mut(16384)
+            .zip(gate[..len].par_chunks(16384))
+            .zip(up[..len].par_chunks(16384))
+            .for_each(|((o, g), u)| {
+                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                    *o = silu(g) * u;
+                }
+            });
+    }
+
+    fn copy_row(&self, src: &Vec<f32>, src_row: usize, dim: usize, out: &mut Vec<f32>) {
+        out[..dim].copy_from_slice(&src[src_row * dim..(src_row + 1) * dim]);
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut Vec<f32>,
+        tokens: usize,
+        weight: &Vec<f32>,
+        state: &mut Vec<f32>,
+    ) {
+        deltanet::causal_conv1d_silu(shape, &mut qkv[..tokens * shape.conv_dim()], tokens, weight, state);
+    }
+
+    fn gated_delta_rule(
+        &self,
+        shape: &DeltaNetShape,
+        mode: DeltaRuleMode,
+        qkv: &Vec<f32>,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+        tokens: usize,
+        state: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        let inputs = deltanet::DeltaRuleInputs::prepare(shape, qkv, a, b, a_log, dt_bias, tokens);
+        let out = &mut out[..tokens * shape.value_dim()];
+        match mode {
+            DeltaRuleMode::Recurrent => deltanet::recurrent(shape, &inputs, state, out),
+            DeltaRuleMode::Chunked => deltanet::chunked(shape, &inputs, state, out),
+        }
+    }
+
+    fn gated_rms_norm(&self, x: &mut Vec<f32>, z: &Vec<f32>, weight: &Vec<f32>, rows: usize, dim: usize, eps: f32) {
+        let n = dim * rows_per_task(dim);
+        x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
+            for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {
+                let s = rms_scale(x, eps);
+                for ((x, &z), &w) in x.iter_mut().zip(z).zip(weight) {
+                    *x = w * (*x * s) * silu(z);
+                }
+            }
+        });
+    }
+
+    fn attention_prologue(
+        &self,
+        shape: &AttentionShape,
+        q_and_gate: &Vec<f32>,
+        k: &mut Vec<f32>,
+        q_norm: &Vec<f32>,
+        k_norm: &Vec<f32>,
+        inv_freq: &Vec<f32>,
+        pos0: usize,
+        tokens: usize,
+        q: &mut Vec<f32>,
+        gate: &mut Vec<f32>,
+    ) {
+        attention::prologue(shape, q_and_gate, k, q_norm, k_norm, inv_freq, pos0, tokens, q, gate);
+    }
+
+    fn attention(
+        &self,
+        shape: &AttentionShape,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        gate: &Vec<f32>,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+        pos0: usize,
+        tokens: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let kv = shape.kv_dim();
+        k_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&k[..tokens * kv]);
+        v_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&v[..tokens * kv]);
+        attention::causal(shape, q, gate, k_cache, v_cache, pos0, tokens, out);
+    }
+}

@@ -1,0 +1,199 @@
+//! The ops a backend implements so that the model, written once in [`crate::model`], runs on it.
+//!
+//! Activations and states are `f32` buffers owned by the backend ([`Backend::Buf`]); weight
+//! matrices stay in their checkpoint dtype ([`Backend::Weight`]). Shapes are passed explicitly
+//! and rows are tokens: a `[tokens, dim]` activation is `tokens * dim` floats, row-major.
+//! Each op says what it computes in the terms of `modeling_qwen3_5.py`; a backend may fuse
+//! internally but must compute the same function.
+
+pub mod cpu;
+
+use crate::error::Result;
+use crate::tensor::HostTensor;
+
+/// Per-layer shapes of a Gated DeltaNet mixer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetShape {
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+    pub eps: f32,
+}
+
+impl DeltaNetShape {
+    pub fn key_dim(&self) -> usize {
+        self.num_k_heads * self.k_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_v_heads * self.v_head_dim
+    }
+    /// Channels of the causal convolution: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Floats of recurrent state: one `k_head_dim x v_head_dim` matrix per value head.
+    pub fn state_len(&self) -> usize {
+        self.num_v_heads * self.k_head_dim * self.v_head_dim
+    }
+    /// Floats of convolution state: the last `conv_kernel - 1` inputs of every channel.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1)
+    }
+}
+
+/// Per-layer shapes of a gated attention mixer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub eps: f32,
+}
+
+impl AttentionShape {
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// Which algorithm evaluates the gated delta rule over a run of tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeltaRuleMode {
+    /// One token at a time (decode), exactly `torch_recurrent_gated_delta_rule`.
+    Recurrent,
+    /// Chunks of 64 tokens with the UT transform (prefill), `torch_chunk_gated_delta_rule`.
+    Chunked,
+}
+
+/// The compute ops of the Qwen3.5 forward pass.
+pub trait Backend: Send + Sync {
+    /// An `f32` buffer on the device.
+    type Buf: Send + Sync;
+    /// A `[rows, cols]` weight matrix on the device, in its stored dtype.
+    type Weight: Send + Sync;
+
+    /// A short name for logs and benchmarks ("cpu", "cuda:0").
+    fn name(&self) -> String;
+
+    // --- memory -------------------------------------------------------------------------------
+
+    /// Takes a `[rows, cols]` matrix from a checkpoint tensor (no widening to f32 on the host).
+    fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<Self::Weight>;
+    fn upload(&self, data: &[f32]) -> Self::Buf;
+    fn zeros(&self, len: usize) -> Self::Buf;
+    /// Grows or shrinks `buf` to `len` floats, keeping the common prefix (new space is zero).
+    fn resize(&self, buf: &mut Self::Buf, len: usize);
+    /// Copies `len` floats starting at `offset` to the host.
+    fn download(&self, buf: &Self::Buf, offset: usize, len: usize) -> Vec<f32>;
+    /// Bytes read from memory per decoded token for a weight (for roofline figures).
+    fn weight_bytes(&self, w: &Self::Weight) -> usize;
+
+    // --- dense ops ----------------------------------------------------------------------------
+
+    /// `out[t] = table[ids[t]]` widened to f32; `out` is `[ids.len(), dim]`.
+    fn embed(&self, table: &Self::Weight, ids: &[u32], dim: usize, out: &mut Self::Buf);
+    /// `out = x · Wᵀ` for `x: [tokens, cols]`, `W: [rows, cols]`, `out: [tokens, rows]`.
+    fn matmul(&self, x: &Self::Buf, tokens: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
+    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
+    /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Buf,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    );
+    /// `residual += x` over the first `len` floats.
+    fn add(&self, residual: &mut Self::Buf, x: &Self::Buf, len: usize);
+    /// `out = silu(gate) * up` over `len` floats.
+    fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
+    /// Copies row `src_row` of a `[_, dim]` buffer into row 0 of `out` (to run the lm_head on
+    /// the last position only).
+    fn copy_row(&self, src: &Self::Buf, src_row: usize, dim: usize, out: &mut Self::Buf);
+
+    // --- Gated DeltaNet -----------------------------------------------------------------------
+
+    /// Depthwise causal conv1d over time with SiLU, in place on `qkv: [tokens, conv_dim]`.
+    /// `weight: [conv_dim, kernel]`; `state: [conv_dim, kernel - 1]` holds the inputs before
+    /// this call and is updated to the last `kernel - 1` inputs.
+    fn causal_conv1d_silu(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut Self::Buf,
+        tokens: usize,
+        weight: &Self::Buf,
+        state: &mut Self::Buf,
+    );
+
+    /// The gated delta rule over `tokens` tokens, from the convolved `qkv`, the raw `a` and `b`
+    /// projections (`[tokens, num_v_heads]`), `a_log` and `dt_bias` (`[num_v_heads]`):
+    /// q and k are L2-normalised, q scaled by `1/sqrt(k_head_dim)`, `beta = sigmoid(b)`,
+    /// `g = -exp(a_log) * softplus(a + dt_bias)`, value head `h` reads key head
+    /// `h / (num_v_heads / num_k_heads)`. Writes `out: [tokens, value_dim]` and updates
+    /// `state: [num_v_heads, k_head_dim, v_head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        shape: &DeltaNetShape,
+        mode: DeltaRuleMode,
+        qkv: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        a_log: &Self::Buf,
+        dt_bias: &Self::Buf,
+        tokens: usize,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+    );
+
+    /// `Qwen3_5RMSNormGated` in place: each `dim`-row of `x` becomes
+    /// `weight * x / rms(x) * silu(z)` (weight not offset by one).
+    fn gated_rms_norm(&self, x: &mut Self::Buf, z: &Self::Buf, weight: &Self::Buf, rows: usize, dim: usize, eps: f32);
+
+    // --- gated attention ----------------------------------------------------------------------
+
+    /// Splits `q_proj`'s output `[tokens, heads, 2 * head_dim]` (query then gate, per head) into
+    /// `q: [tokens, heads * head_dim]` and `gate` (same shape), RMS-norms q and `k`
+    /// (`[tokens, kv_heads * head_dim]`, in place) per head with `(1 + q_norm)` / `(1 + k_norm)`,
+    /// and applies rotate-half RoPE to the first `rotary_dim` dims of every head of q and k at
+    /// positions `pos0..pos0 + tokens`, with `inv_freq: [rotary_dim / 2]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_prologue(
+        &self,
+        shape: &AttentionShape,
+        q_and_gate: &Self::Buf,
+        k: &mut Self::Buf,
+        q_norm: &Self::Buf,
+        k_norm: &Self::Buf,
+        inv_freq: &Self::Buf,
+        pos0: usize,
+        tokens: usize,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+    );
+
+    /// Writes `k`, `v` (`[tokens, kv_dim]`) into the caches (`[capacity, kv_dim]`) at rows
+    /// `pos0..`, then causal softmax attention of `q` over cache rows `0..pos0 + tokens`
+    /// (query `t` sees rows `..=pos0 + t`), scaled by `1/sqrt(head_dim)`, GQA; the result is
+    /// multiplied by `sigmoid(gate)` into `out: [tokens, heads * head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        shape: &AttentionShape,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        gate: &Self::Buf,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        pos0: usize,
+        tokens: usize,
+        out: &mut Self::Buf,
+    );
+}

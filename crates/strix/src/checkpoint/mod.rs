@@ -1,0 +1,186 @@
+//! Reading Hugging Face safetensors checkpoints: one file or shards listed in
+//! `model.safetensors.index.json`, memory-mapped, with every header validated up front.
+//!
+//! A [`Checkpoint`] maps tensor names to their bytes without copying. Only the tensors the
+//! model asks for are checked for dtype and shape, so tensors the text model never uses
+//! (`model.visual.*`, `mtp.*`, odd dtypes among them) do not stop a load.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors};
+
+use crate::error::{Error, Result};
+use crate::tensor::{Bytes, DType, HostTensor};
+
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Absolute byte range in the mapped file.
+    start: usize,
+    end: usize,
+}
+
+/// A set of memory-mapped safetensors files and the tensors they hold.
+pub struct Checkpoint {
+    files: Vec<(PathBuf, Arc<Mmap>)>,
+    entries: HashMap<String, Entry>,
+}
+
+impl Checkpoint {
+    /// Opens the weights of a model directory: `model.safetensors.index.json` (sharded) if
+    /// present, else `model.safetensors`, else the only `*.safetensors` file.
+    pub fn open_dir(dir: &Path) -> Result<Checkpoint> {
+        let index = dir.join("model.safetensors.index.json");
+        if index.exists() {
+            return Checkpoint::open_index(&index);
+        }
+        let single = dir.join("model.safetensors");
+        if single.exists() {
+            return Checkpoint::open_files(&[single]);
+        }
+        let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| Error::io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        found.sort();
+        match found.len() {
+            0 => Err(Error::checkpoint(dir, "no model.safetensors, model.safetensors.index.json or *.safetensors file")),
+            _ => Checkpoint::open_files(&found),
+        }
+    }
+
+    /// Opens the shards named by a `model.safetensors.index.json`.
+    pub fn open_index(index: &Path) -> Result<Checkpoint> {
+        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(index, format!("invalid JSON: {e}")))?;
+        let map = value
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::checkpoint(index, "missing object `weight_map`"))?;
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let mut shards: BTreeMap<String, ()> = BTreeMap::new();
+        for (name, file) in map {
+            let file = file.as_str().ok_or_else(|| {
+                Error::checkpoint(index, format!("weight_map entry for `{name}` is not a file name"))
+            })?;
+            shards.insert(file.to_string(), ());
+        }
+        let paths: Vec<PathBuf> = shards.keys().map(|f| dir.join(f)).collect();
+        for p in &paths {
+            if !p.exists() {
+                return Err(Error::checkpoint(index, format!("shard {} listed in weight_map does not exist", p.display())));
+            }
+        }
+        let ckpt = Checkpoint::open_files(&paths)?;
+        // The index is a promise about where tensors live: a name it lists that no shard holds
+        // is a broken download, better reported now than as a missing tensor later.
+        for (name, file) in map {
+            let file = file.as_str().unwrap_or_default();
+            match ckpt.entries.get(name) {
+                Some(e) if ckpt.files[e.file].0.file_name().is_some_and(|f| f == file) => {}
+                Some(_) | None => {
+                    return Err(Error::checkpoint(
+                        index,
+                        format!("weight_map says tensor `{name}` is in {file}, but that shard does not hold it"),
+                    ))
+                }
+            }
+        }
+        Ok(ckpt)
+    }
+
+    /// Maps and validates each file; later files may not redefine a tensor.
+    pub fn open_files(paths: &[PathBuf]) -> Result<Checkpoint> {
+        let mut files = Vec::new();
+        let mut entries = HashMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let file = File::open(path).map_err(|e| Error::io(path, e))?;
+            // SAFETY: the file is opened read-only; strix never writes checkpoint files while
+            // they are mapped (modifying one under a running process is outside our contract).
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&map)
+                .map_err(|e| Error::checkpoint(path, describe_safetensors_error(&e, map.len())))?;
+            let base = 8 + header_len;
+            for (name, info) in metadata.tensors() {
+                let (s, e) = info.data_offsets;
+                let entry = Entry { file: i, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e };
+                if entries.insert(name.clone(), entry).is_some() {
+                    return Err(Error::checkpoint(path, format!("tensor `{name}` is defined in more than one file")));
+                }
+            }
+            files.push((path.clone(), Arc::new(map)));
+        }
+        Ok(Checkpoint { files, entries })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// The file holding `name`, or the first file when no file holds it (for error messages).
+    pub fn file_of(&self, name: &str) -> &Path {
+        let i = self.entries.get(name).map_or(0, |e| e.file);
+        self.files.get(i).map_or(Path::new("<no file>"), |f| f.0.as_path())
+    }
+
+    /// Total bytes of all mapped files.
+    pub fn total_bytes(&self) -> usize {
+        self.files.iter().map(|f| f.1.len()).sum()
+    }
+
+    /// A tensor by name, checked to have `shape`, in one of the float dtypes strix reads.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        let entry = self.entries.get(name).ok_or_else(|| {
+            let files: Vec<String> = self.files.iter().map(|f| f.0.display().to_string()).collect();
+            Error::checkpoint(files.join(", "), format!("missing tensor `{name}`"))
+        })?;
+        let (path, map) = &self.files[entry.file];
+        let dtype = match entry.dtype {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(Error::checkpoint(
+                    path,
+                    format!("tensor `{name}` has dtype {other:?}; strix reads F32, F16 and BF16"),
+                ))
+            }
+        };
+        if entry.shape != shape {
+            return Err(Error::checkpoint(
+                path,
+                format!("tensor `{name}` has shape {:?}, expected {:?}", entry.shape, shape),
+            ));
+        }
+        let bytes = Bytes::Mapped { map: map.clone(), range: entry.start..entry.end }.aligned(dtype.size());
+        Ok(HostTensor { name: name.to_string(), dtype, shape: entry.shape.clone(), bytes })
+    }
+}
+
+fn describe_safetensors_error(e: &safetensors::SafeTensorError, file_len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => format!("not a safetensors file: {file_len} bytes is too short for a header"),
+        E::InvalidHeaderLength => {
+            "corrupt safetensors header: its declared length runs past the end of the file (truncated?)".into()
+        }
+        E::MetadataIncompleteBuffer => {
+            "truncated or padded safetensors file: the tensor data does not end where the header says".into()
+        }
+        E::InvalidHeader(_) | E::InvalidHeaderDeserialization(_) | E::JsonError(_) => {
+            format!("corrupt safetensors header: {e}")
+        }
+        other => format!("invalid safetensors file: {other}"),
+    }
+}

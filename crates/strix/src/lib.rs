@@ -1,0 +1,23 @@
+//! strix: an inference engine for the Qwen3.5 family of hybrid language models.
+//!
+//! The layers, from the file on disk to the sampled token (see ARCHITECTURE.md):
+//! [`checkpoint`] reads safetensors → [`config`] and [`model::Weights`] describe the model →
+//! [`model`] is the forward pass, written once against the [`backend::Backend`] ops →
+//! [`backend::cpu`] implements those ops → [`session`] holds the per-sequence state and
+//! [`generate`] drives decoding with [`sampling`], [`tokenizer`] and [`chat`].
+
+pub mod backend;
+pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod hub;
+pub mod model;
+pub mod sampling;
+pub mod session;
+pub mod synthetic;
+pub mod tensor;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,1434 @@
+//! Turning a logits vector into the next token id, and matching stop strings on streamed text.
+//!
+//! # Processing order
+//!
+//! [`Sampler::sample`] applies, in this order (the order of llama.cpp and vLLM):
+//!
+//! 1. **penalties**: repetition penalty (CTRL / Hugging Face style) over every distinct token of
+//!    the prompt and the generated text, then frequency and presence penalties (OpenAI style)
+//!    over the generated text only: vLLM does the same, so that a prompt that quotes a document
+//!    does not make the model avoid that document's words;
+//! 2. **temperature**: logits are divided by it, after subtracting the largest so that a tiny
+//!    temperature cannot overflow (0 means greedy: the argmax of the penalised logits, ties
+//!    going to the lowest id, and nothing below applies);
+//! 3. **top-k**: keep the `k` most likely tokens;
+//! 4. **top-p** (nucleus): keep the smallest set of the most likely tokens whose probability,
+//!    renormalised over what top-k kept, reaches `p`;
+//! 5. **min-p**: drop tokens whose probability is below `min_p` times the most likely one's;
+//! 6. **softmax** over what is left, and a **draw**.
+//!
+//! NaN logits count as −∞. Ties in the sort order (equal logits) always go to the lower token
+//! id, and the draw walks the kept tokens in an order fixed by the logits (never by how std's
+//! selection algorithms happen to shuffle), so the token is a function of the logits and the
+//! seed alone.
+//!
+//! # Reproducibility
+//!
+//! The random stream is xoshiro256** seeded through SplitMix64, both written out here, so a
+//! seed gives the same draws in every release and on every platform (rand's `StdRng` does not
+//! promise that). Each drawn token takes exactly one 64-bit output, turned into a uniform in
+//! [0, 1) from its top 53 bits; greedy decoding takes none. The probabilities go through the
+//! platform's `exp`, which may differ in the last bit between platforms: a uniform landing
+//! within that rounding of the boundary between two tokens is the only way two platforms can
+//! disagree.
+
+use crate::error::{Error, Result};
+use std::cmp::Ordering;
+
+/// How to pick the next token; see the module documentation for the order the steps apply in.
+///
+/// Deserialising fills missing fields from [`SamplingParams::default`], which is greedy.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 means greedy: the argmax of the penalised logits, ties going to the lowest id.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 turns it off.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`, in
+    /// (0, 1]; 1 turns it off.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one, in [0, 1]; 0 turns it
+    /// off.
+    pub min_p: f32,
+    /// A positive logit `l` of a token seen in the prompt or the generated text becomes
+    /// `l / p`, a negative one `l * p`, once per distinct token; 1 turns it off.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token that appears in the generated text.
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every token, times its count in the generated text.
+    pub frequency_penalty: f32,
+    /// The same seed gives the same tokens for the same logits; `None` seeds from the OS.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Argmax decoding with every penalty and filter off.
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    /// Rejects values outside each parameter's range, NaN and infinities, naming the parameter.
+    /// Presence and frequency penalties may be any finite number (negative ones encourage
+    /// repetition); a server wanting OpenAI's [-2, 2] checks that itself.
+    pub fn validate(&self) -> Result<()> {
+        let p = self;
+        if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+            return Err(bad("temperature", "a finite number >= 0", p.temperature));
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return Err(bad("top_p", "in (0, 1]", p.top_p));
+        }
+        if !(p.min_p >= 0.0 && p.min_p <= 1.0) {
+            return Err(bad("min_p", "in [0, 1]", p.min_p));
+        }
+        if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
+            return Err(bad(
+                "repetition_penalty",
+                "a finite number > 0",
+                p.repetition_penalty,
+            ));
+        }
+        if !p.presence_penalty.is_finite() {
+            return Err(bad(
+                "presence_penalty",
+                "a finite number",
+                p.presence_penalty,
+            ));
+        }
+        if !p.frequency_penalty.is_finite() {
+            return Err(bad(
+                "frequency_penalty",
+                "a finite number",
+                p.frequency_penalty,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the token is always the argmax of the penalised logits: temperature 0, or
+    /// top-k 1 (which keeps the lowest-id maximum, the same token).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    fn penalises(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+}
+
+fn bad(name: &str, range: &str, value: f32) -> Error {
+    Error::input(format!(
+        "sampling parameter {name} must be {range}, got {value}"
+    ))
+}
+
+/// The log-probabilities reported for one sampled token, for an OpenAI-style `logprobs` field.
+///
+/// They are the log-softmax of the processed logits: after the penalties and the temperature,
+/// before top-k, top-p and min-p. So they describe the distribution the filters cut from, and
+/// tokens the filters removed still get a finite value. Temperature 0 (greedy) counts as 1.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Draws tokens for one sequence. Holds the random stream and scratch buffers, so reuse one
+/// sampler across the tokens of a sequence rather than building one per token.
+#[derive(Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    seed: u64,
+    rng: Xoshiro256StarStar,
+    /// Candidate `(id, logit)` pairs, which become `(id, weight)` once truncation is done.
+    candidates: Vec<(u32, f32)>,
+    /// Per-token counts for the penalties; all zero between calls. Sized to the vocabulary on
+    /// first use, so samplers without penalties never allocate it.
+    counts: Vec<u32>,
+    scratch: Scratch,
+}
+
+/// Buffers for top-p, kept between calls.
+#[derive(Clone, Default)]
+struct Scratch {
+    mass: Vec<f64>,
+    crossing: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// Validates `params` and seeds the random stream.
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        let seed = params.seed.unwrap_or_else(entropy_seed);
+        Ok(Sampler {
+            params,
+            seed,
+            rng: Xoshiro256StarStar::from_seed(seed),
+            candidates: Vec::new(),
+            counts: Vec::new(),
+            scratch: Scratch::default(),
+        })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The seed in use: the one asked for, or the one drawn from the OS, so that an unseeded
+    /// run can be logged and replayed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Picks the next token. `logits` is modified in place (penalties, temperature, NaN made
+    /// −∞). `prompt` and `generated` are the token history: the repetition penalty uses both,
+    /// the presence and frequency penalties only `generated`; ids outside the vocabulary are
+    /// ignored. NaN logits count as −∞; a row that is all −∞ or NaN, or empty, gives token 0.
+    pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) -> u32 {
+        self.apply_penalties(logits, prompt, generated);
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        if !normalise(logits, self.params.temperature) {
+            return 0;
+        }
+        self.truncate(logits);
+        self.draw()
+    }
+
+    /// Like [`Sampler::sample`], and also returns the log-probabilities of the chosen token
+    /// and of the `top_n` most likely ones (see [`TokenLogprobs`] for which distribution).
+    /// Draws the same token as `sample` would from the same state.
+    pub fn sample_with_logprobs(
+        &mut self,
+        logits: &mut [f32],
+        prompt: &[u32],
+        generated: &[u32],
+        top_n: usize,
+    ) -> (u32, TokenLogprobs) {
+        self.apply_penalties(logits, prompt, generated);
+        let greedy = self.params.is_greedy().then(|| argmax(logits));
+        let temperature = if self.params.temperature == 0.0 {
+            1.0
+        } else {
+            self.params.temperature
+        };
+        let token = if let Some(token) = greedy {
+            normalise(logits, temperature);
+            token
+        } else if !normalise(logits, temperature) {
+            0
+        } else {
+            self.truncate(logits);
+            self.draw()
+        };
+        let log_z = log_sum_exp(logits);
+        let logprob_of = |l: f32| {
+            if log_z == f32::NEG_INFINITY {
+                l
+            } else {
+                l - log_z
+            }
+        };
+        // The draw is done with the candidates, so they serve as scratch for the selection.
+        best_n(logits, top_n, &mut self.candidates);
+        let top = self
+            .candidates
+            .iter()
+            .map(|&(id, l)| (id, logprob_of(l)))
+            .collect();
+        let logprob = logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
+        (
+            token,
+            TokenLogprobs {
+                token,
+                logprob,
+                top,
+            },
+        )
+    }
+
+    fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
+        if !self.params.penalises() || logits.is_empty() {
+            return;
+        }
+        let vocab = logits.len();
+        if self.counts.len() < vocab {
+            self.counts.resize(vocab, 0);
+        }
+        let counts = &mut self.counts[..vocab];
+        let in_vocab = |t: &&u32| (**t as usize) < vocab;
+
+        let rp = self.params.repetition_penalty;
+        if rp != 1.0 {
+            // Marks make each distinct token count once, however often it repeats.
+            for &t in prompt.iter().chain(generated).filter(in_vocab) {
+                let t = t as usize;
+                if counts[t] == 0 {
+                    counts[t] = 1;
+                    let l = logits[t];
+                    logits[t] = if l > 0.0 { l / rp } else { l * rp };
+                }
+            }
+            for &t in prompt.iter().chain(generated).filter(in_vocab) {
+                counts[t as usize] = 0;
+            }
+        }
+
+        let (presence, frequency) = (self.params.presence_penalty, self.params.frequency_penalty);
+        if presence != 0.0 || frequency != 0.0 {
+            for &t in generated.iter().filter(in_vocab) {
+                counts[t as usize] += 1;
+            }
+            for &t in generated.iter().filter(in_vocab) {
+                let t = t as usize;
+                let count = counts[t];
+                if count > 0 {
+                    logits[t] -= frequency * count as f32 + presence;
+                    counts[t] = 0;
+                }
+            }
+        }
+    }
+
+    /// Leaves in `self.candidates` the tokens that survive top-k, top-p and min-p, as
+    /// `(id, weight)` with weights proportional to their probabilities (the best one's is 1).
+    /// `logits` must have gone through [`normalise`] and returned true.
+    ///
+    /// The candidates end up either in id order or sorted by [`by_value_desc`]; both are
+    /// defined by the logits alone, never by how std's selection happens to shuffle, so the
+    /// draw walks them in an order that cannot change between Rust releases.
+    fn truncate(&mut self, logits: &[f32]) {
+        let p = &self.params;
+        let cands = &mut self.candidates;
+        let mut sorted = false;
+        if p.top_k > 0 && p.top_k < logits.len() {
+            best_n(logits, p.top_k, cands);
+            sorted = true;
+            while cands.last().is_some_and(|c| c.1 == f32::NEG_INFINITY) {
+                cands.pop();
+            }
+        } else {
+            cands.clear();
+            cands.extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &l)| l > f32::NEG_INFINITY)
+                    .map(|(i, &l)| (i as u32, l)),
+            );
+        }
+        if p.top_p < 1.0 {
+            if sorted || cands.len() <= SORT_BELOW {
+                if !sorted {
+                    cands.sort_unstable_by(by_value_desc);
+                }
+                let total: f64 = cands.iter().map(|c| f64::from(c.1.exp())).sum();
+                let target = f64::from(p.top_p) * total;
+                let mut cumulative = 0.0f64;
+                if let Some(last) = cands.iter().position(|c| {
+                    cumulative += f64::from(c.1.exp());
+                    cumulative >= target
+                }) {
+                    cands.truncate(last + 1);
+                }
+            } else if let Some(cutoff) = nucleus_cutoff(cands, p.top_p, &mut self.scratch) {
+                cands.retain(|c| by_value_desc(c, &cutoff) != Ordering::Greater);
+            }
+        }
+        if p.min_p > 0.0 {
+            // The best logit is 0, so "probability ≥ min_p × the best one's" is this.
+            let threshold = p.min_p.ln();
+            cands.retain(|c| c.1 >= threshold);
+        }
+        for c in cands.iter_mut() {
+            c.1 = c.1.exp();
+        }
+    }
+
+    fn draw(&mut self) -> u32 {
+        let cands = &self.candidates;
+        let total: f64 = cands.iter().map(|c| f64::from(c.1)).sum();
+        let target = self.rng.next_f64() * total;
+        let mut cumulative = 0.0f64;
+        for &(id, w) in cands {
+            cumulative += f64::from(w);
+            if target < cumulative {
+                return id;
+            }
+        }
+        // Rounding can leave the target at the very top; the last token with any weight owns it.
+        cands
+            .iter()
+            .rev()
+            .find(|c| c.1 > 0.0)
+            .or(cands.first())
+            .map_or(0, |c| c.0)
+    }
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("params", &self.params)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Descending by value, ties to the lower id. Values must not be NaN.
+fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.partial_cmp(&a.1)
+        .unwrap_or(Ordering::Equal)
+        .then(a.0.cmp(&b.0))
+}
+
+/// The argmax, NaN counting as −∞ and ties going to the lowest id; 0 when nothing beats −∞.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut best_value = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best_value {
+            best = i;
+            best_value = l;
+        }
+    }
+    best as u32
+}
+
+/// Turns NaN into −∞, subtracts the maximum and divides by the temperature. Subtracting first
+/// keeps every logit ≤ 0, so a tiny temperature sends the others to −∞ rather than
+/// overflowing, and the filters' thresholds become relative to the best token. +∞ logits
+/// share all the mass: they become 0 and the rest −∞. Returns false when no logit is above −∞.
+fn normalise(logits: &mut [f32], temperature: f32) -> bool {
+    let mut max = f32::NEG_INFINITY;
+    for l in logits.iter_mut() {
+        if l.is_nan() {
+            *l = f32::NEG_INFINITY;
+        } else if *l > max {
+            max = *l;
+        }
+    }
+    if max == f32::NEG_INFINITY {
+        return false;
+    }
+    if max == f32::INFINITY {
+        for l in logits.iter_mut() {
+            *l = if *l == f32::INFINITY {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+    } else {
+        for l in logits.iter_mut() {
+            *l = (*l - max) / temperature;
+        }
+    }
+    true
+}
+
+/// `ln Σ exp(l)`, −∞ for an empty or all −∞ row. Expects no NaN and no +∞.
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+    max + sum.ln() as f32
+}
+
+/// Below this many candidates top-p simply sorts them.
+const SORT_BELOW: usize = 2048;
+/// Top-p's histogram: buckets 1/64 nat wide over the top 64 nats, the rest in the last one.
+const BUCKETS_PER_NAT: f32 = 64.0;
+const BUCKETS: usize = 4096;
+
+/// The bucket of a normalised logit (≤ 0); higher logits get lower buckets.
+fn bucket(l: f32) -> usize {
+    // `as` saturates, so very negative logits land in the last bucket.
+    ((-l * BUCKETS_PER_NAT) as usize).min(BUCKETS - 1)
+}
+
+/// The last token of the nucleus in [`by_value_desc`] order: the smallest set of the most
+/// likely `cands` whose probability reaches `top_p`. None keeps everything.
+///
+/// Sorting a 248k vocabulary would dominate decoding, so this is a radix select: one pass
+/// sums the probability per logit bucket, which finds the bucket where the mass reaches
+/// `top_p`, and only that bucket's tokens are sorted.
+fn nucleus_cutoff(cands: &[(u32, f32)], top_p: f32, scratch: &mut Scratch) -> Option<(u32, f32)> {
+    let mass = &mut scratch.mass;
+    mass.clear();
+    mass.resize(BUCKETS, 0.0);
+    for c in cands {
+        mass[bucket(c.1)] += f64::from(c.1.exp());
+    }
+    let target = f64::from(top_p) * mass.iter().sum::<f64>();
+    let mut cumulative = 0.0f64;
+    let crossing = mass.iter().position(|&m| {
+        cumulative += m;
+        cumulative >= target
+    })?;
+    cumulative -= mass[crossing];
+    let crossing_tokens = &mut scratch.crossing;
+    crossing_tokens.clear();
+    crossing_tokens.extend(cands.iter().filter(|c| bucket(c.1) == crossing));
+    crossing_tokens.sort_unstable_by(by_value_desc);
+    let last = crossing_tokens
+        .iter()
+        .position(|c| {
+            cumulative += f64::from(c.1.exp());
+            cumulative >= target
+        })
+        // Summing in another order can fall short by a rounding error: keep the whole bucket.
+        .unwrap_or(crossing_tokens.len() - 1);
+    Some(crossing_tokens[last])
+}
+
+/// The `n` best `(id, value)` pairs of `values` in [`by_value_desc`] order (values must not be
+/// NaN). Small `n`, the usual top-k and top-logprobs, takes one pass that mostly compares
+/// each value with the current n-th best, without materialising the whole vocabulary.
+fn best_n(values: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
+    out.clear();
+    let n = n.min(values.len());
+    if n == 0 {
+        return;
+    }
+    if n > 64 {
+        out.extend(values.iter().enumerate().map(|(i, &v)| (i as u32, v)));
+        if n < out.len() {
+            out.select_nth_unstable_by(n - 1, by_value_desc);
+            out.truncate(n);
+        }
+        out.sort_unstable_by(by_value_desc);
+        return;
+    }
+    for (i, &v) in values.iter().enumerate() {
+        if out.len() == n {
+            // Every id already in is lower, so an equal value loses the tie.
+            if v <= out[n - 1].1 {
+                continue;
+            }
+            out.pop();
+        }
+        let at = out.partition_point(|&(_, w)| w >= v);
+        out.insert(at, (i as u32, v));
+    }
+}
+
+/// A seed that differs between samplers and runs: std's `RandomState` carries per-process keys
+/// from the OS (and changes for each instance), hashed together with the clock.
+fn entropy_seed() -> u64 {
+    use std::hash::BuildHasher;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new().hash_one(nanos)
+}
+
+/// SplitMix64 (Steele, Lea, Flood 2014), used only to expand a seed into xoshiro's state, as
+/// xoshiro's authors recommend.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// xoshiro256** 1.0 (Blackman, Vigna 2018), as in the reference C code.
+#[derive(Clone, Debug)]
+struct Xoshiro256StarStar {
+    s: [u64; 4],
+}
+
+impl Xoshiro256StarStar {
+    fn from_seed(seed: u64) -> Self {
+        let mut sm = seed;
+        // SplitMix64 never yields four zeros in a row, so the state is never all zero.
+        let s = [
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+        ];
+        Xoshiro256StarStar { s }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1) from the top 53 bits, which an f64 holds exactly.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Matches stop strings on streamed text.
+///
+/// Call [`StopMatcher::push`] with each new piece of decoded text: it returns the text that is
+/// safe to emit now, holding back any tail that could still be the beginning of a stop string,
+/// and whether a stop string was hit. On a hit, the text up to (not including) the earliest
+/// stop string is emitted and nothing after it; later pushes return nothing. At the end of
+/// generation [`StopMatcher::finish`] returns what was held back. Held-back text always ends
+/// and starts on character boundaries, since stop strings and chunks are whole `str`s.
+#[derive(Clone, Debug)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+    matched: Option<usize>,
+}
+
+impl StopMatcher {
+    /// Empty stop strings are dropped: they would match before any text.
+    pub fn new(stops: Vec<String>) -> Self {
+        let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
+        StopMatcher {
+            stops,
+            held: String::new(),
+            matched: None,
+        }
+    }
+
+    /// Adds the next piece of text; returns what is safe to emit and whether a stop was hit.
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        if self.matched.is_some() {
+            return (String::new(), true);
+        }
+        self.held.push_str(text);
+        // The earliest occurrence wins; at one position, the stop listed first.
+        let hit = self
+            .stops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, stop)| self.held.find(stop.as_str()).map(|pos| (pos, i)))
+            .min();
+        if let Some((pos, i)) = hit {
+            self.matched = Some(i);
+            self.held.truncate(pos);
+            return (std::mem::take(&mut self.held), true);
+        }
+        // Any later match starts inside the longest tail that is a proper prefix of a stop, so
+        // everything before that tail is final.
+        let keep = self
+            .stops
+            .iter()
+            .filter_map(|stop| {
+                stop.char_indices()
+                    .map(|(i, _)| i)
+                    .skip(1)
+                    .filter(|&i| self.held.ends_with(&stop[..i]))
+                    .last()
+            })
+            .max()
+            .unwrap_or(0);
+        let emit = self.held[..self.held.len() - keep].to_string();
+        self.held.drain(..self.held.len() - keep);
+        (emit, false)
+    }
+
+    /// Returns the held-back text (nothing after a stop string was hit).
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+
+    /// The stop string that was hit, if any.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(params: SamplingParams) -> Sampler {
+        Sampler::new(params).unwrap()
+    }
+
+    fn seeded(temperature: f32, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        }
+    }
+
+    fn ln_probs(p: &[f32]) -> Vec<f32> {
+        p.iter().map(|x| x.ln()).collect()
+    }
+
+    /// The ids `truncate` keeps, sorted.
+    fn kept(params: SamplingParams, logits: &[f32]) -> Vec<u32> {
+        let mut s = sampler(params);
+        let mut l = logits.to_vec();
+        assert!(normalise(&mut l, s.params.temperature));
+        s.truncate(&l);
+        let mut ids: Vec<u32> = s.candidates.iter().map(|c| c.0).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn splitmix_and_xoshiro_match_reference_streams() {
+        // SplitMix64 from seed 1234567, as published with the algorithm's reference code.
+        let mut sm = 1234567u64;
+        let got: Vec<u64> = (0..5).map(|_| splitmix64(&mut sm)).collect();
+        assert_eq!(
+            got,
+            [
+                6457827717110365317,
+                3203168211198807973,
+                9817491932198370423,
+                4593380528125082431,
+                16408922859458223821
+            ]
+        );
+        // xoshiro256** pinned so the stream cannot change between releases; the values were
+        // checked against the reference C code seeded with the same SplitMix64 state.
+        let mut rng = Xoshiro256StarStar::from_seed(0);
+        let got: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
+        assert_eq!(
+            got,
+            [
+                11091344671253066420,
+                13793997310169335082,
+                1900383378846508768,
+                7684712102626143532
+            ]
+        );
+    }
+
+    #[test]
+    fn uniform_is_in_unit_interval() {
+        let mut rng = Xoshiro256StarStar::from_seed(7);
+        for _ in 0..10_000 {
+            let u = rng.next_f64();
+            assert!((0.0..1.0).contains(&u));
+        }
+        let mut top = Xoshiro256StarStar { s: [0; 4] };
+        assert_eq!(top.next_f64(), 0.0);
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_ties_to_lowest_id() {
+        let mut s = sampler(SamplingParams::greedy());
+        assert_eq!(s.sample(&mut [0.1, 2.0, -1.0, 2.0], &[], &[]), 1);
+        assert_eq!(s.sample(&mut [5.0, 5.0], &[], &[]), 0);
+        assert_eq!(s.sample(&mut [-3.0, -1.0, -2.0], &[], &[]), 1);
+        assert!(SamplingParams::greedy().is_greedy());
+        assert_eq!(SamplingParams::greedy(), SamplingParams::default());
+    }
+
+    #[test]
+    fn nan_and_infinite_logits_are_handled() {
+        let mut g = sampler(SamplingParams::greedy());
+        let mut r = sampler(seeded(1.0, 3));
+        let nan = f32::NAN;
+        let inf = f32::INFINITY;
+        assert_eq!(g.sample(&mut [nan, 1.0, nan, 0.5], &[], &[]), 1);
+        for _ in 0..200 {
+            let t = r.sample(&mut [nan, 1.0, nan, 0.5], &[], &[]);
+            assert!(t == 1 || t == 3, "drew a NaN token {t}");
+        }
+        for row in [vec![nan, nan], vec![-inf, -inf, -inf], vec![]] {
+            assert_eq!(g.sample(&mut row.clone(), &[], &[]), 0);
+            assert_eq!(r.sample(&mut row.clone(), &[], &[]), 0);
+            let (t, lp) = r.sample_with_logprobs(&mut row.clone(), &[], &[], 2);
+            assert_eq!(t, 0);
+            assert_eq!(lp.top.len(), row.len().min(2));
+        }
+        // +inf tokens share all the mass.
+        assert_eq!(g.sample(&mut [1.0, inf, inf], &[], &[]), 1);
+        let mut seen = [0; 3];
+        for _ in 0..200 {
+            seen[r.sample(&mut [1.0, inf, inf], &[], &[]) as usize] += 1;
+        }
+        assert_eq!(seen[0], 0);
+        assert!(seen[1] > 50 && seen[2] > 50, "{seen:?}");
+    }
+
+    #[test]
+    fn same_seed_same_draws_different_seed_different_draws() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let run = |seed| {
+            let mut s = sampler(SamplingParams {
+                top_p: 0.95,
+                ..seeded(0.8, seed)
+            });
+            (0..1000)
+                .map(|_| s.sample(&mut logits.clone(), &[], &[]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+        // Unseeded samplers draw from different streams.
+        let a = Sampler::new(SamplingParams {
+            seed: None,
+            ..seeded(1.0, 0)
+        })
+        .unwrap();
+        let b = Sampler::new(SamplingParams {
+            seed: None,
+            ..seeded(1.0, 0)
+        })
+        .unwrap();
+        assert_ne!(a.rng.s, b.rng.s);
+    }
+
+    #[test]
+    fn seeded_draws_are_pinned() {
+        // The promise to users: a seed keeps giving these tokens in every later release.
+        let mut s = sampler(seeded(1.0, 1234));
+        let logits = ln_probs(&[0.1, 0.2, 0.3, 0.4]);
+        let got: Vec<u32> = (0..16)
+            .map(|_| s.sample(&mut logits.clone(), &[], &[]))
+            .collect();
+        assert_eq!(got, [0, 3, 3, 3, 1, 3, 2, 1, 2, 3, 2, 1, 1, 3, 2, 3]);
+    }
+
+    #[test]
+    fn temperature_to_zero_approaches_greedy() {
+        let logits = [1.0, 3.0, 2.999, -5.0];
+        for t in [1e-6, 1e-20, f32::MIN_POSITIVE] {
+            let mut s = sampler(seeded(t, 9));
+            for _ in 0..1000 {
+                assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 1);
+            }
+        }
+        // Exact ties stay ties at any temperature.
+        let mut s = sampler(seeded(1e-30, 9));
+        let mut seen = [0; 3];
+        for _ in 0..1000 {
+            seen[s.sample(&mut [3.0, 0.0, 3.0], &[], &[]) as usize] += 1;
+        }
+        assert_eq!(seen[1], 0);
+        assert!(seen[0] > 400 && seen[2] > 400, "{seen:?}");
+    }
+
+    #[test]
+    fn top_k_one_equals_greedy() {
+        let mut rng = Xoshiro256StarStar::from_seed(5);
+        let mut s = sampler(SamplingParams {
+            top_k: 1,
+            ..seeded(1.5, 1)
+        });
+        assert!(s.params().is_greedy());
+        for _ in 0..200 {
+            // Coarse values so ties are common.
+            let logits: Vec<f32> = (0..40).map(|_| (rng.next_u64() % 8) as f32).collect();
+            let expect = argmax(&logits);
+            assert_eq!(s.sample(&mut logits.clone(), &[], &[]), expect);
+            // The sampling path's top-k, too, keeps the lowest-id maximum.
+            assert_eq!(
+                kept(
+                    SamplingParams {
+                        top_k: 1,
+                        ..seeded(1.0, 0)
+                    },
+                    &logits
+                ),
+                [expect]
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_best_with_ties_to_lower_ids() {
+        let logits = [0.5, 2.0, 1.0, 2.0, 1.0, -1.0];
+        let p = |k| SamplingParams {
+            top_k: k,
+            ..seeded(1.0, 0)
+        };
+        assert_eq!(kept(p(2), &logits), [1, 3]);
+        assert_eq!(kept(p(3), &logits), [1, 2, 3]);
+        assert_eq!(kept(p(4), &logits), [1, 2, 3, 4]);
+        assert_eq!(kept(p(100), &logits), [0, 1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        let logits = ln_probs(&[0.05, 0.5, 0.1, 0.2, 0.15]);
+        let p = |top_p| SamplingParams {
+            top_p,
+            ..seeded(1.0, 0)
+        };
+        assert_eq!(kept(p(0.3), &logits), [1]);
+        assert_eq!(kept(p(0.69), &logits), [1, 3]);
+        assert_eq!(kept(p(0.71), &logits), [1, 3, 4]);
+        assert_eq!(kept(p(0.9), &logits), [1, 2, 3, 4]);
+        assert_eq!(kept(p(0.99), &logits), [0, 1, 2, 3, 4]);
+        // After top-k, mass is measured against what top-k kept: 0.5 / 0.7 > 0.7.
+        let pk = SamplingParams { top_k: 2, ..p(0.7) };
+        assert_eq!(kept(pk, &logits), [1]);
+        // The draws never leave the nucleus.
+        let mut s = sampler(p(0.71));
+        for _ in 0..500 {
+            assert!([1, 3, 4].contains(&s.sample(&mut logits.clone(), &[], &[])));
+        }
+    }
+
+    /// Top-k then top-p by the definition: a full sort and a running sum.
+    fn reference_kept(logits: &[f32], top_k: usize, top_p: f32) -> Vec<u32> {
+        let mut sorted: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        sorted.sort_by(by_value_desc);
+        if top_k > 0 {
+            sorted.truncate(top_k);
+        }
+        let max = sorted[0].1;
+        let weights: Vec<f64> = sorted
+            .iter()
+            .map(|c| f64::from((c.1 - max).exp()))
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut cum = 0.0;
+        // Top-p 1 is off: even tokens too unlikely to change the sum stay.
+        let n = weights.iter().position(|w| {
+            cum += w;
+            top_p < 1.0 && cum >= f64::from(top_p) * total
+        });
+        let mut ids: Vec<u32> = sorted[..n.map_or(sorted.len(), |n| n + 1)]
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn top_k_and_top_p_on_a_large_vocabulary_match_a_full_sort() {
+        let mut rng = Xoshiro256StarStar::from_seed(11);
+        let continuous: Vec<f32> = (0..20_000).map(|_| (rng.next_f64() * 6.0) as f32).collect();
+        // Few distinct values, so the cut falls among ties and must go to the lower ids.
+        let coarse: Vec<f32> = (0..20_000)
+            .map(|_| (rng.next_u64() % 12) as f32 * 0.5)
+            .collect();
+        let flat = vec![0.25f32; 5000];
+        let small: Vec<f32> = continuous[..1000].to_vec();
+        let spiky: Vec<f32> = (0..30_000)
+            .map(|i| if i % 997 == 0 { 20.0 } else { -30.0 })
+            .collect();
+        for logits in [&continuous, &coarse, &flat, &small, &spiky] {
+            for top_k in [0, 20, 64, 65, 500] {
+                for top_p in [0.01, 0.2, 0.5, 0.9, 0.999, 1.0] {
+                    let params = SamplingParams {
+                        top_k,
+                        top_p,
+                        ..seeded(1.0, 0)
+                    };
+                    let got = kept(params, logits);
+                    let expect = reference_kept(logits, top_k, top_p);
+                    // Lengths first: a failure should not print 20k ids.
+                    let case = format!("top_k {top_k} top_p {top_p} on {}", logits.len());
+                    assert_eq!(got.len(), expect.len(), "{case}");
+                    assert!(got == expect, "{case}");
+                }
+            }
+        }
+        // The histogram path really ran: more candidates than the sorting path takes.
+        assert!(continuous.len() > SORT_BELOW && flat.len() > SORT_BELOW);
+    }
+
+    #[test]
+    fn best_n_matches_a_full_sort() {
+        let mut rng = Xoshiro256StarStar::from_seed(4);
+        let values: Vec<f32> = (0..3000).map(|_| (rng.next_u64() % 50) as f32).collect();
+        let mut sorted: Vec<(u32, f32)> = values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i as u32, v))
+            .collect();
+        sorted.sort_by(by_value_desc);
+        let mut out = Vec::new();
+        for n in [0, 1, 7, 64, 65, 1000, 3000, 5000] {
+            best_n(&values, n, &mut out);
+            assert_eq!(out, sorted[..n.min(3000)], "n {n}");
+        }
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_a_fraction_of_the_best() {
+        let logits = ln_probs(&[0.05, 0.5, 0.1, 0.2, 0.15]);
+        let p = |min_p| SamplingParams {
+            min_p,
+            ..seeded(1.0, 0)
+        };
+        // Thresholds 0.125, 0.175 and 0.45 in probability.
+        assert_eq!(kept(p(0.25), &logits), [1, 3, 4]);
+        assert_eq!(kept(p(0.35), &logits), [1, 3]);
+        assert_eq!(kept(p(0.9), &logits), [1]);
+        assert_eq!(kept(p(1.0), &logits), [1]);
+        // Combined with top-p, the smaller of the two prefixes survives.
+        assert_eq!(
+            kept(
+                SamplingParams {
+                    top_p: 0.71,
+                    ..p(0.35)
+                },
+                &logits
+            ),
+            [1, 3]
+        );
+        assert_eq!(
+            kept(
+                SamplingParams {
+                    top_p: 0.3,
+                    ..p(0.25)
+                },
+                &logits
+            ),
+            [1]
+        );
+    }
+
+    /// Draws `n` tokens and checks each frequency is within 4.5 standard errors of `expect`.
+    fn check_frequencies(params: SamplingParams, logits: &[f32], expect: &[f64]) {
+        let n = 20_000;
+        let mut s = sampler(params);
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..n {
+            counts[s.sample(&mut logits.to_vec(), &[], &[]) as usize] += 1;
+        }
+        for (i, (&c, &p)) in counts.iter().zip(expect).enumerate() {
+            let freq = c as f64 / n as f64;
+            let se = (p * (1.0 - p) / n as f64).sqrt();
+            assert!(
+                (freq - p).abs() <= 4.5 * se + 1e-12,
+                "token {i}: {freq} vs {p}"
+            );
+        }
+    }
+
+    #[test]
+    fn empirical_frequencies_match_the_softmax() {
+        let probs = [0.1, 0.2, 0.3, 0.4, 0.0];
+        let logits: Vec<f32> = probs.iter().map(|&p: &f64| (p as f32).ln() + 7.0).collect();
+        check_frequencies(seeded(1.0, 2024), &logits, &probs);
+        // Temperature 2 takes square roots of the probabilities.
+        let roots: Vec<f64> = probs.iter().map(|p| p.sqrt()).collect();
+        let z: f64 = roots.iter().sum();
+        let tempered: Vec<f64> = roots.iter().map(|r| r / z).collect();
+        check_frequencies(seeded(2.0, 7), &logits, &tempered);
+        // Top-k renormalises over what it keeps.
+        let topk = [0.0, 0.0, 3.0 / 7.0, 4.0 / 7.0, 0.0];
+        check_frequencies(
+            SamplingParams {
+                top_k: 2,
+                ..seeded(1.0, 8)
+            },
+            &logits,
+            &topk,
+        );
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits_once() {
+        let mut s = sampler(SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy()
+        });
+        let mut logits = [2.0, -2.0, 1.0, 0.5, 3.0];
+        // Token 0 from the prompt, 1 twice in the output, 99 outside the vocabulary.
+        s.apply_penalties(&mut logits, &[0, 99], &[1, 1, 0]);
+        assert_eq!(logits, [1.0, -4.0, 1.0, 0.5, 3.0]);
+        assert!(s.counts.iter().all(|&c| c == 0));
+        // It can change the greedy choice.
+        let mut s = sampler(SamplingParams {
+            repetition_penalty: 1.5,
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(s.sample(&mut [0.0, 3.0, 2.5], &[1], &[]), 2);
+    }
+
+    #[test]
+    fn sampler_reports_its_seed() {
+        assert_eq!(sampler(seeded(1.0, 77)).seed(), 77);
+        let unseeded = sampler(SamplingParams::greedy());
+        let replay = sampler(SamplingParams {
+            seed: Some(unseeded.seed()),
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(unseeded.rng.s, replay.rng.s);
+        assert!(format!("{unseeded:?}").contains("seed"));
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_only_generated_tokens() {
+        let base = [1.0, 1.0, 1.0, 1.0];
+        let mut presence = sampler(SamplingParams {
+            presence_penalty: 0.5,
+            ..SamplingParams::greedy()
+        });
+        let mut logits = base;
+        presence.apply_penalties(&mut logits, &[0, 0, 0], &[1, 1, 2, 7]);
+        assert_eq!(logits, [1.0, 0.5, 0.5, 1.0]);
+
+        let mut frequency = sampler(SamplingParams {
+            frequency_penalty: 0.5,
+            ..SamplingParams::greedy()
+        });
+        let mut logits = base;
+        frequency.apply_penalties(&mut logits, &[0, 0, 0], &[1, 1, 2, 1]);
+        assert_eq!(logits, [1.0, -0.5, 0.5, 1.0]);
+
+        let both = SamplingParams {
+            presence_penalty: 0.25,
+            frequency_penalty: 0.5,
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy()
+        };
+        let mut s = sampler(both);
+        let mut logits = [4.0, 4.0, -1.0, 1.0];
+        s.apply_penalties(&mut logits, &[3], &[1, 1, 2]);
+        // Repetition first (1: 4/2, 2: -1*2, 3: 1/2), then 1: -(2*0.5+0.25), 2: -(0.5+0.25).
+        assert_eq!(logits, [4.0, 0.75, -2.75, 0.5]);
+        assert!(s.counts.iter().all(|&c| c == 0));
+        // A negative presence penalty encourages repetition.
+        let mut s = sampler(SamplingParams {
+            presence_penalty: -2.0,
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(s.sample(&mut [1.0, 0.0], &[], &[1]), 1);
+    }
+
+    #[test]
+    fn validate_rejects_out_of_range_values_naming_the_parameter() {
+        let d = SamplingParams::default;
+        let cases: Vec<(SamplingParams, &str)> = vec![
+            (
+                SamplingParams {
+                    temperature: -0.1,
+                    ..d()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..d()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::INFINITY,
+                    ..d()
+                },
+                "temperature",
+            ),
+            (SamplingParams { top_p: 0.0, ..d() }, "top_p"),
+            (SamplingParams { top_p: 1.01, ..d() }, "top_p"),
+            (
+                SamplingParams {
+                    top_p: f32::NAN,
+                    ..d()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: -0.01,
+                    ..d()
+                },
+                "min_p",
+            ),
+            (SamplingParams { min_p: 1.5, ..d() }, "min_p"),
+            (
+                SamplingParams {
+                    min_p: f32::NAN,
+                    ..d()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..d()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: -1.0,
+                    ..d()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: f32::NAN,
+                    ..d()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: f32::NAN,
+                    ..d()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: f32::INFINITY,
+                    ..d()
+                },
+                "frequency_penalty",
+            ),
+        ];
+        for (params, name) in cases {
+            let err = params.validate().unwrap_err();
+            assert!(matches!(err, Error::Input(_)), "{err:?}");
+            assert!(err.to_string().contains(name), "{err} should name {name}");
+            assert!(Sampler::new(params).is_err());
+        }
+        let fine = SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 1.0,
+            min_p: 1.0,
+            repetition_penalty: 1.1,
+            presence_penalty: -2.0,
+            frequency_penalty: 2.0,
+            seed: Some(1),
+        };
+        assert!(fine.validate().is_ok());
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    #[test]
+    fn params_deserialise_with_defaults_and_round_trip() {
+        let p: SamplingParams = serde_json::from_str(r#"{"temperature":0.6,"top_k":20}"#).unwrap();
+        assert_eq!(
+            p,
+            SamplingParams {
+                temperature: 0.6,
+                top_k: 20,
+                ..SamplingParams::default()
+            }
+        );
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), p);
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_processed_logits() {
+        let logits = [1.0, 2.0, 0.5, 2.0, -1.0];
+        let params = SamplingParams {
+            top_k: 2,
+            ..seeded(2.0, 5)
+        };
+        let mut a = sampler(params.clone());
+        let mut b = sampler(params);
+        for _ in 0..50 {
+            let (t, lp) = a.sample_with_logprobs(&mut logits.clone(), &[], &[], 5);
+            // Same token as `sample` from the same state.
+            assert_eq!(t, b.sample(&mut logits.clone(), &[], &[]));
+            assert_eq!(lp.token, t);
+            let total: f32 = lp.top.iter().map(|e| e.1.exp()).sum();
+            assert!((total - 1.0).abs() < 1e-5, "{total}");
+            assert_eq!(
+                lp.top.iter().map(|e| e.0).collect::<Vec<_>>(),
+                [1, 3, 0, 2, 4]
+            );
+            assert_eq!(lp.top.iter().find(|e| e.0 == t).unwrap().1, lp.logprob);
+            // Temperature 2 applies; top-k's truncation does not.
+            let z: f32 = logits.iter().map(|l| (l / 2.0).exp()).sum();
+            assert!((lp.top[2].1 - (0.5 - z.ln())).abs() < 1e-5);
+        }
+        // Greedy: temperature 1, and fewer entries when asked.
+        let mut g = sampler(SamplingParams::greedy());
+        let (t, lp) = g.sample_with_logprobs(&mut logits.clone(), &[], &[], 2);
+        assert_eq!(t, 1);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob - (2.0 - z.ln())).abs() < 1e-5);
+        assert_eq!(lp.top.len(), 2);
+        assert_eq!(lp.top[0], (1, lp.logprob));
+        assert_eq!(lp.top[1].0, 3);
+        let (_, lp) = g.sample_with_logprobs(&mut logits.clone(), &[], &[], 0);
+        assert!(lp.top.is_empty());
+        // Top-k 1 is greedy too, but its temperature still shapes the reported distribution.
+        let mut k1 = sampler(SamplingParams {
+            top_k: 1,
+            ..seeded(0.5, 1)
+        });
+        let (t, lp) = k1.sample_with_logprobs(&mut logits.clone(), &[], &[], 1);
+        let z: f32 = logits.iter().map(|l| (l / 0.5).exp()).sum();
+        assert_eq!(t, 1);
+        assert!((lp.logprob - (4.0 - z.ln())).abs() < 1e-5);
+    }
+
+    fn stream(stops: &[&str], chunks: &[&str]) -> (String, bool, String) {
+        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        let mut hit = false;
+        for c in chunks {
+            let (emit, stopped) = m.push(c);
+            out.push_str(&emit);
+            hit |= stopped;
+        }
+        let rest = m.finish();
+        (out, hit, rest)
+    }
+
+    #[test]
+    fn stop_matcher_holds_back_possible_prefixes() {
+        let mut m = StopMatcher::new(vec!["world".into()]);
+        assert_eq!(m.push("Hello wo"), ("Hello ".to_string(), false));
+        assert_eq!(m.push("rld, bye"), (String::new(), true));
+        assert_eq!(m.matched(), Some("world"));
+        assert_eq!(m.push("more"), (String::new(), true));
+        assert_eq!(m.finish(), "");
+
+        let mut m = StopMatcher::new(vec!["world".into()]);
+        assert_eq!(m.push("Hello wo"), ("Hello ".to_string(), false));
+        assert_eq!(m.push("ndrous"), ("wondrous".to_string(), false));
+        assert_eq!(m.push(" w"), (" ".to_string(), false));
+        assert_eq!(m.finish(), "w");
+        assert_eq!(m.matched(), None);
+    }
+
+    #[test]
+    fn stop_matcher_handles_overlapping_prefixes() {
+        assert_eq!(
+            stream(&["abc"], &["ababc"]),
+            ("ab".into(), true, String::new())
+        );
+        assert_eq!(
+            stream(&["abc"], &["ab", "ab", "c", "d"]),
+            ("ab".into(), true, String::new())
+        );
+        assert_eq!(
+            stream(&["abc"], &["a", "b", "a", "b", "c"]),
+            ("ab".into(), true, String::new())
+        );
+        assert_eq!(
+            stream(&["aab"], &["a", "a", "a", "b"]),
+            ("a".into(), true, String::new())
+        );
+        assert_eq!(
+            stream(&["abc"], &["ab", "ab"]),
+            ("ab".into(), false, "ab".into())
+        );
+    }
+
+    #[test]
+    fn stop_matcher_picks_the_earliest_of_several_stops() {
+        let (out, hit, _) = stream(&["END", "\n\n", "x"], &["one\n", "\nEND"]);
+        assert_eq!((out.as_str(), hit), ("one", true));
+        let mut m = StopMatcher::new(vec!["cd".into(), "bcd".into(), String::new()]);
+        assert_eq!(m.push("abcde"), ("a".to_string(), true));
+        assert_eq!(m.matched(), Some("bcd"));
+        // No stops: everything passes straight through.
+        assert_eq!(
+            stream(&[], &["a", "b"]),
+            ("ab".into(), false, String::new())
+        );
+        assert_eq!(
+            stream(&[""], &["a", "b"]),
+            ("ab".into(), false, String::new())
+        );
+    }
+
+    #[test]
+    fn stop_matcher_never_splits_multibyte_characters() {
+        let mut m = StopMatcher::new(vec!["éa".into()]);
+        assert_eq!(m.push("xé"), ("x".to_string(), false));
+        assert_eq!(m.push("é"), ("é".to_string(), false));
+        assert_eq!(m.finish(), "é");
+
+        // A stop whose first bytes match the start of a different character must not hold it.
+        let mut m = StopMatcher::new(vec!["é".into()]);
+        assert_eq!(m.push("è"), ("è".to_string(), false));
+        assert_eq!(m.push("aé"), ("a".to_string(), true));
+
+        assert_eq!(
+            stream(&["日本語"], &["今日", "本", "語です"]),
+            ("今".into(), true, String::new())
+        );
+        assert_eq!(
+            stream(&["日本語"], &["今日", "本", "人"]),
+            ("今日本人".into(), false, String::new())
+        );
+        assert_eq!(
+            stream(&["🦀!"], &["a🦀", "🦀", "!b"]),
+            ("a🦀".into(), true, String::new())
+        );
+    }
+
+    #[test]
+    fn stop_matcher_agrees_with_a_search_of_the_whole_text() {
+        let mut rng = Xoshiro256StarStar::from_seed(99);
+        let alphabet = ['a', 'b', 'é', '日'];
+        let pick = |rng: &mut Xoshiro256StarStar, n: u64| -> String {
+            (0..1 + rng.next_u64() % n)
+                .map(|_| alphabet[(rng.next_u64() % 4) as usize])
+                .collect()
+        };
+        for _ in 0..2000 {
+            let stops: Vec<String> = (0..1 + rng.next_u64() % 3)
+                .map(|_| pick(&mut rng, 4))
+                .collect();
+            let text = pick(&mut rng, 30);
+            let mut chunks = Vec::new();
+            let chars: Vec<char> = text.chars().collect();
+            let mut i = 0;
+            while i < chars.len() {
+                let n = (1 + rng.next_u64() % 4) as usize;
+                let end = (i + n).min(chars.len());
+                chunks.push(chars[i..end].iter().collect::<String>());
+                i = end;
+            }
+            let first = stops.iter().filter_map(|s| text.find(s.as_str())).min();
+            let expect = match first {
+                Some(pos) => (text[..pos].to_string(), true, String::new()),
+                None => (String::new(), false, String::new()),
+            };
+            let chunk_refs: Vec<&str> = chunks.iter().map(|s| s.as_str()).collect();
+            let stop_refs: Vec<&str> = stops.iter().map(|s| s.as_str()).collect();
+            let (out, hit, rest) = stream(&stop_refs, &chunk_refs);
+            if hit {
+                assert_eq!((out, hit, rest), expect, "{stops:?} {chunks:?}");
+            } else {
+                assert!(first.is_none(), "{stops:?} {chunks:?}");
+                assert_eq!(out + &rest, text);
+            }
+        }
+    }
+}

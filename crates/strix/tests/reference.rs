@@ -1,0 +1,165 @@
+//! The CPU forward pass against the committed `transformers` goldens
+//! (`tests/fixtures/models/*`, made by `scripts/make_fixtures.py`).
+//!
+//! Tolerance everywhere: max |strix − reference| / max |reference| ≤ 1e-4 (f32 arithmetic on
+//! both sides; the errors reached are printed — about 1e-6).
+
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+use strix::backend::cpu::CpuBackend;
+use strix::model::{Logits, Model};
+
+const TOLERANCE: f32 = 1e-4;
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("goldens.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 3, "expected the committed fixtures under {}", root.display());
+    dirs
+}
+
+struct Case {
+    len: usize,
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+    greedy: Vec<u32>,
+    decode_logits: Vec<f32>,
+}
+
+fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
+    let t = st.tensor(name).unwrap();
+    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+}
+
+fn cases(dir: &Path) -> Vec<Case> {
+    let bytes = std::fs::read(dir.join("goldens.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut lens: Vec<usize> = st
+        .names()
+        .iter()
+        .filter_map(|n| n.strip_suffix(".ids").and_then(|p| p.strip_prefix('p')).map(|l| l.parse().unwrap()))
+        .collect();
+    lens.sort();
+    lens.into_iter()
+        .map(|len| Case {
+            len,
+            ids: ids(&st, &format!("p{len}.ids")),
+            logits: f32s(&st, &format!("p{len}.logits")),
+            greedy: ids(&st, &format!("p{len}.greedy")),
+            decode_logits: f32s(&st, &format!("p{len}.decode_logits")),
+        })
+        .collect()
+}
+
+fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(ours.len(), reference.len());
+    let max_ref = reference.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let max_d = ours.iter().zip(reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    if max_d.is_nan() || ours.iter().any(|x| x.is_nan()) {
+        return f32::INFINITY;
+    }
+    max_d / max_ref
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Every prompt position's logits from one forward pass, then ten greedy steps one token at a
+/// time through the session (the recurrent GDN path and the growing KV cache).
+#[test]
+fn prompt_and_decode_logits_match_transformers() {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
+        let vocab = model.config.vocab_size;
+        for case in cases(&dir) {
+            let mut session = model.new_session(1024);
+            let logits = model.forward(&mut session, &case.ids, Logits::All).unwrap();
+            let e = rel_err(&logits, &case.logits);
+            println!("{name} T={}: prompt logits rel err {e:.2e}", case.len);
+            assert!(e <= TOLERANCE, "{name} T={}: prompt logits rel err {e:.2e} > {TOLERANCE:e}", case.len);
+
+            let mut next = argmax(&logits[(case.len - 1) * vocab..]);
+            let mut worst = 0.0f32;
+            for (step, &expected) in case.greedy.iter().enumerate() {
+                assert_eq!(next, expected, "{name} T={}: greedy token {step}", case.len);
+                let logits = model.forward(&mut session, &[next], Logits::Last).unwrap();
+                let e = rel_err(&logits, &case.decode_logits[step * vocab..(step + 1) * vocab]);
+                worst = worst.max(e);
+                next = argmax(&logits);
+            }
+            println!("{name} T={}: decode logits worst rel err {worst:.2e}", case.len);
+            assert!(worst <= TOLERANCE, "{name} T={}: decode rel err {worst:.2e}", case.len);
+        }
+    }
+}
+
+/// prefill(A) followed by decoding B one token at a time gives the logits of prefill(A + B),
+/// and so does prefill(A) followed by prefill(B) — in any split, across chunk boundaries.
+#[test]
+fn continuation_equals_one_long_prefill() {
+    let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
+    let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
+    let vocab = model.config.vocab_size;
+    let case = cases(&dir).into_iter().find(|c| c.len == 130).unwrap();
+    let mut all_ids = case.ids.clone();
+    all_ids.extend(&case.greedy);
+    let mut whole = model.new_session(1024);
+    let reference = model.forward(&mut whole, &all_ids, Logits::All).unwrap();
+
+    for split in [&[1usize, 139][..], &[63, 1, 1, 75], &[64, 66, 10], &[65, 65, 1, 1, 8], &[100, 40]] {
+        let mut session = model.new_session(1024);
+        let mut got = Vec::new();
+        let mut at = 0;
+        for &n in split {
+            got.extend(model.forward(&mut session, &all_ids[at..at + n], Logits::All).unwrap());
+            at += n;
+        }
+        assert_eq!(at, all_ids.len());
+        let e = rel_err(&got, &reference);
+        println!("split {split:?}: rel err {e:.2e}");
+        assert!(e <= 1e-5, "split {split:?}: rel err {e:.2e}");
+    }
+    // Logits::Last of a prefill is the last row of Logits::All (the lm_head runs as a GEMV
+    // instead of a GEMM, so only to rounding).
+    let mut session = model.new_session(1024);
+    let last = model.forward(&mut session, &all_ids, Logits::Last).unwrap();
+    let e = rel_err(&last, &reference[(all_ids.len() - 1) * vocab..]);
+    assert!(e <= 1e-6, "last row rel err {e:.2e}");
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let dir = fixtures().into_iter().next().unwrap();
+    let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
+    let mut session = model.new_session(8);
+    let vocab = model.config.vocab_size as u32;
+    let e = model.forward(&mut session, &[vocab], Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    let e = model.forward(&mut session, &[1; 9], Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("8-token context"), "{e}");
+    let e = model.forward(&mut session, &[], Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("no tokens"), "{e}");
+    // The failed calls left the session untouched.
+    assert_eq!(session.position(), 0);
+    model.forward(&mut session, &[1; 8], Logits::Last).unwrap();
+    assert_eq!(session.remaining(), 0);
+}
