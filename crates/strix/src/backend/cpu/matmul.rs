@@ -2,7 +2,7 @@
 //! stored dtype (bf16, f16 or f32) and widened to f32 on the fly. This is the hot path of the
 //! CPU backend.
 //!
-//! Two algorithms, picked by the number of tokens ([`GEMM_MIN_TOKENS`]):
+//! Two algorithms, picked by the number of tokens ([`Path::choose`]):
 //! - **GEMV** (decode, short prompts): every weight element is loaded and widened once per
 //!   group of up to four tokens and multiplied into all of them from registers. With one
 //!   token this is memory-bound and streams W at close to the machine's read bandwidth.
@@ -18,10 +18,12 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::simd::{portable, Isa, LANES};
+use super::simd::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::simd::LANES;
 
 /// A weight matrix stored row-major as `rows` rows of `cols` elements, in its checkpoint dtype.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub enum WeightRef<'a> {
     /// bf16 bit patterns (little-endian u16), widened to f32 in registers.
     Bf16(&'a [u16]),
@@ -42,16 +44,9 @@ impl WeightRef<'_> {
 /// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r * cols + c]` for `t < tokens`, `r < rows`,
 /// i.e. `out = x · Wᵀ` with `x: [tokens, cols]` f32 and `W: [rows, cols]`.
 /// `out` is overwritten. Accumulation is in f32.
-pub fn matmul(
-    x: &[f32],
-    tokens: usize,
-    w: WeightRef<'_>,
-    rows: usize,
-    cols: usize,
-    out: &mut [f32],
-) {
-    let path = Path::for_tokens(tokens);
-    matmul_with(Isa::detect(), path, x, tokens, w, rows, cols, out);
+pub fn matmul(x: &[f32], tokens: usize, w: WeightRef<'_>, rows: usize, cols: usize, out: &mut [f32]) {
+    let isa = Isa::detect();
+    matmul_with(isa, Path::choose(isa, tokens), x, tokens, w, rows, cols, out);
 }
 
 /// Copy row `r` of `W` widened to f32 into `out` (`out.len() == cols`); the embedding gather.
@@ -67,10 +62,10 @@ pub fn row_to_f32(w: WeightRef<'_>, cols: usize, r: usize, out: &mut [f32]) {
     }
 }
 
-/// From this many tokens on, the gemm path is used. Measured per core (Zen 4, bf16): the
-/// register-blocked GEMV holds ~65–80 GFLOP/s from 4 tokens up, while gemm, which packs
-/// both operands for every block and is weak for short x, only gets level around 48 tokens
-/// on 1024×3584 and 96 on 3584×1024, then climbs to ~100 GFLOP/s at 512.
+/// From this many tokens on, the gemm path is used with AVX2. Measured per core (Zen 4,
+/// bf16): the register-blocked GEMV holds ~65–80 GFLOP/s from 4 tokens up, while gemm, which
+/// packs both operands for every block and is weak for short x, only draws level around 48
+/// tokens on 1024×3584 and 96 on 3584×1024, then climbs to ~100 GFLOP/s at 512.
 const GEMM_MIN_TOKENS: usize = 64;
 
 /// Which algorithm [`matmul_with`] runs; tests force each one on every shape.
@@ -81,8 +76,12 @@ enum Path {
 }
 
 impl Path {
-    fn for_tokens(tokens: usize) -> Path {
-        if tokens >= GEMM_MIN_TOKENS {
+    fn choose(isa: Isa, tokens: usize) -> Path {
+        // Without AVX2 our GEMV kernel only wins for one token: gemm carries its own SIMD
+        // kernels (NEON, FMA, ...) and was 1.2–2× faster than the portable GEMV from two
+        // tokens on.
+        let gemm_from = if isa == Isa::Portable { 2 } else { GEMM_MIN_TOKENS };
+        if tokens >= gemm_from {
             Path::Gemm
         } else {
             Path::Gemv
@@ -113,13 +112,7 @@ fn matmul_with(
         out.fill(0.0);
         return;
     }
-    let p = Problem {
-        x,
-        tokens,
-        rows,
-        cols,
-        out: OutPtr(out.as_mut_ptr()),
-    };
+    let p = Problem { x, tokens, rows, cols, out: OutPtr(out.as_mut_ptr()) };
     match w {
         WeightRef::Bf16(s) => p.run::<Bf16>(isa, path, s),
         WeightRef::F16(s) => p.run::<F16>(isa, path, s),
@@ -155,8 +148,10 @@ const GEMV_BLOCK_BYTES: usize = 32 << 10;
 const GEMV_PARALLEL_MIN_WORK: usize = 256 << 10;
 
 /// Weight rows widened per gemm call. gemm re-packs x for every block, so blocks should not
-/// be small; 128–512 measured within noise of each other, 64 was slower on 3584×1024.
+/// be small: 128–512 measured within noise of each other, 64 was slower on 3584×1024. Many
+/// cores get smaller blocks (down to [`GEMM_MIN_BLOCK_ROWS`]) so that all of them have work.
 const GEMM_BLOCK_ROWS: usize = 128;
+const GEMM_MIN_BLOCK_ROWS: usize = 32;
 
 /// Widest column tile of a gemm block: bounds the scratch at 128 × 4096 f32 = 2 MiB per
 /// thread. Tiling costs a few percent, so it only kicks in for very wide matrices.
@@ -176,12 +171,12 @@ impl Problem<'_> {
         let block = (GEMV_BLOCK_BYTES / row_bytes).next_multiple_of(2).max(2);
         let parallel = self.rows * row_bytes * self.tokens >= GEMV_PARALLEL_MIN_WORK;
         for_each_block(self.rows, block, parallel, |r0, r1| match isa {
-            #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx2` is only produced after detecting the features; the block is
             // within `rows` and owned by this call.
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { self.gemv_rows::<Avx2, W>(w, r0, r1) },
             // SAFETY: as above; the portable kernel has no feature requirement.
-            _ => unsafe { self.gemv_rows::<Portable, W>(w, r0, r1) },
+            Isa::Portable => unsafe { self.gemv_rows::<Portable, W>(w, r0, r1) },
         });
     }
 
@@ -216,11 +211,7 @@ impl Problem<'_> {
     }
 
     /// Rows `r..r + R` against all tokens, four at a time; the rows stay in L1 meanwhile.
-    unsafe fn token_groups<K: Kernel, W: Widen, const R: usize>(
-        &self,
-        ws: [&[W::Raw]; R],
-        r: usize,
-    ) {
+    unsafe fn token_groups<K: Kernel, W: Widen, const R: usize>(&self, ws: [&[W::Raw]; R], r: usize) {
         let mut t = 0;
         while t + 4 <= self.tokens {
             self.tile::<K, W, R, 4, 1>(ws, r, t);
@@ -260,8 +251,11 @@ impl Problem<'_> {
         let cols = self.cols;
         // Equal column tiles of at most GEMM_MAX_COLS (one tile for every shape we have).
         let kc = cols.div_ceil(cols.div_ceil(GEMM_MAX_COLS));
-        let parallel = self.rows > GEMM_BLOCK_ROWS;
-        for_each_block(self.rows, GEMM_BLOCK_ROWS, parallel, |r0, r1| {
+        // Two blocks per thread at least, for balance.
+        let per_thread = self.rows.div_ceil(2 * rayon::current_num_threads());
+        let block = per_thread.next_multiple_of(8).clamp(GEMM_MIN_BLOCK_ROWS, GEMM_BLOCK_ROWS);
+        let parallel = self.rows > block;
+        for_each_block(self.rows, block, parallel, |r0, r1| {
             let n = r1 - r0;
             SCRATCH.with(|s| {
                 // Nothing in here re-enters rayon, so this borrow is never taken twice.
@@ -336,7 +330,7 @@ fn widen<W: Widen>(isa: Isa, src: &[W::Raw], dst: &mut [f32]) {
         // SAFETY: `Isa::Avx2` is only produced after detecting the features.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { widen_avx2::<W>(src, dst) },
-        _ => W::widen(src, dst),
+        Isa::Portable => W::widen(src, dst),
     }
 }
 
@@ -473,21 +467,22 @@ impl Kernel for Portable {
             }
             let xc: [&[f32]; T] = std::array::from_fn(|t| &xs[t][c0..c0 + n]);
             let main = n - n % step;
-            let mut c = 0;
-            while c < main {
+            let wv: [&[[f32; PL]]; R] = std::array::from_fn(|r| buf[r][..main].as_chunks().0);
+            let xv: [&[[f32; PL]]; T] = std::array::from_fn(|t| xc[t][..main].as_chunks().0);
+            let mut i = 0;
+            while i < main / PL {
                 for (u, acc_u) in acc.iter_mut().enumerate() {
-                    let o = c + u * PL;
-                    for (acc_ur, b) in acc_u.iter_mut().zip(&buf) {
-                        let wv = &b[o..o + PL];
-                        for (acc_urt, x) in acc_ur.iter_mut().zip(&xc) {
-                            let xv = &x[o..o + PL];
+                    for (acc_ur, w) in acc_u.iter_mut().zip(&wv) {
+                        let w = &w[i + u];
+                        for (acc_urt, x) in acc_ur.iter_mut().zip(&xv) {
+                            let x = &x[i + u];
                             for l in 0..PL {
-                                acc_urt[l] += xv[l] * wv[l];
+                                acc_urt[l] += x[l] * w[l];
                             }
                         }
                     }
                 }
-                c += step;
+                i += U;
             }
             for (tail_r, b) in tail.iter_mut().zip(&buf) {
                 for (tail_rt, x) in tail_r.iter_mut().zip(&xc) {
@@ -645,12 +640,7 @@ mod tests {
                     .unzip(),
                 Dtype::F32 => (Vec::new(), vals.iter().map(|&v| v as f64).collect()),
             };
-            Weights {
-                bits,
-                f32s: vals,
-                exact,
-                dtype,
-            }
+            Weights { bits, f32s: vals, exact, dtype }
         }
 
         fn as_ref(&self) -> WeightRef<'_> {
@@ -671,15 +661,7 @@ mod tests {
     }
 
     /// max |got − ref| / max |ref| over the whole output, against an f64 reference.
-    fn check(
-        isa: Isa,
-        path: Path,
-        rng: &mut Rng,
-        dtype: Dtype,
-        tokens: usize,
-        rows: usize,
-        cols: usize,
-    ) {
+    fn check(isa: Isa, path: Path, rng: &mut Rng, dtype: Dtype, tokens: usize, rows: usize, cols: usize) {
         let w = Weights::random(rng, dtype, rows * cols);
         let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
         let mut out = vec![f32::NAN; tokens * rows];
@@ -688,9 +670,7 @@ mod tests {
         let mut max_err = 0.0f64;
         for t in 0..tokens {
             for r in 0..rows {
-                let want: f64 = (0..cols)
-                    .map(|c| x[t * cols + c] as f64 * w.exact[r * cols + c])
-                    .sum();
+                let want: f64 = (0..cols).map(|c| x[t * cols + c] as f64 * w.exact[r * cols + c]).sum();
                 let got = out[t * rows + r] as f64;
                 assert!(got.is_finite(), "{isa:?} {path:?} {dtype:?} t={t} r={r}: not written");
                 max_ref = max_ref.max(want.abs());
@@ -757,6 +737,17 @@ mod tests {
         }
     }
 
+    /// Rows wider than one gemm column tile are split and accumulated.
+    #[test]
+    fn gemm_column_tiles() {
+        let mut rng = Rng(11);
+        for isa in isas() {
+            for dtype in DTYPES {
+                check(isa, Path::Gemm, &mut rng, dtype, 5, 9, 2 * GEMM_MAX_COLS + 9);
+            }
+        }
+    }
+
     #[test]
     fn empty_shapes() {
         for isa in isas() {
@@ -781,8 +772,8 @@ mod tests {
                 for r in 0..rows {
                     let mut out = vec![f32::NAN; cols];
                     row_to_f32(w.as_ref(), cols, r, &mut out);
-                    for c in 0..cols {
-                        assert_eq!(out[c] as f64, w.exact[r * cols + c], "{dtype:?} r={r} c={c}");
+                    for (c, (&got, &want)) in out.iter().zip(&w.exact[r * cols..]).enumerate() {
+                        assert_eq!(got as f64, want, "{dtype:?} r={r} c={c}");
                     }
                 }
             }
@@ -811,42 +802,5 @@ mod tests {
     #[should_panic(expected = "out is not [tokens, rows]")]
     fn short_out_panics() {
         matmul(&[0.0; 4], 1, WeightRef::F32(&[0.0; 8]), 2, 4, &mut [0.0; 1]);
-    }
-}
-
-#[cfg(test)]
-mod sweep_tmp {
-    use super::*;
-    fn cpu() -> f64 {
-        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    }
-    #[test]
-    #[ignore]
-    fn sweep() {
-        let rows: usize = std::env::var("ROWS").map(|s| s.parse().unwrap()).unwrap_or(1024);
-        let cols: usize = std::env::var("COLS").map(|s| s.parse().unwrap()).unwrap_or(3584);
-        let copies = 20;
-        let maxt: usize = std::env::var("MAXT").map(|s| s.parse().unwrap()).unwrap_or(16);
-        let ws: Vec<Vec<u16>> = (0..copies).map(|c| (0..rows * cols).map(|i| 0x3c00 + ((i * 7 + c) % 251) as u16).collect()).collect();
-        let x: Vec<f32> = (0..maxt * cols).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
-        let mut out = vec![0f32; maxt * rows];
-        for tokens in [1usize, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96].into_iter().filter(|&t| t <= maxt) {
-            let mut line = format!("t={tokens:2}");
-            for path in [Path::Gemv, Path::Gemm] {
-                for cold in [false, true] {
-                    let mut best = f64::MAX;
-                    for i in 0..30 {
-                        let w = if cold { &ws[i % copies] } else { &ws[0] };
-                        let t0 = cpu();
-                        matmul_with(if std::env::var("PORTABLE").is_ok() { Isa::Portable } else { Isa::detect() }, path, &x[..tokens * cols], tokens, WeightRef::Bf16(w), rows, cols, &mut out[..tokens * rows]);
-                        best = best.min(cpu() - t0);
-                    }
-                    line += &format!("  {path:?}{} {:6.3}cpu-ms {:5.1}GF/cpu-s", if cold {"cold"} else {"hot"}, best * 1e3, 2.0 * (tokens * rows * cols) as f64 / best / 1e9);
-                }
-            }
-            println!("{line}");
-        }
     }
 }

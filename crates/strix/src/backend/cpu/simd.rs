@@ -9,27 +9,31 @@
 /// Lanes per vector: one AVX2 register of f32, and the width the portable code mimics.
 pub(crate) const LANES: usize = 8;
 
-/// Which family of kernels to run. Chosen once per call by [`Isa::detect`]; tests pass
+/// Which family of kernels to run. Chosen per call by [`Isa::detect`]; tests pass
 /// [`Isa::Portable`] explicitly so the fallback stays covered on AVX2 machines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
     /// x86-64 with AVX2, FMA and F16C (every AVX2 CPU in practice has all three).
+    #[cfg(target_arch = "x86_64")]
     Avx2,
     /// Plain Rust that LLVM auto-vectorises for the compile-time target.
     Portable,
 }
 
 impl Isa {
-    /// The best kernels this CPU can run. `is_x86_feature_detected!` caches its answer in an
-    /// atomic, so calling this on every operation is cheap.
+    /// The best kernels this CPU can run. Cached: `dot` and friends run in attention's inner
+    /// loops, where three feature queries per call would show.
     #[inline]
     pub(crate) fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            static HAS_AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let has_avx2 = *HAS_AVX2.get_or_init(|| {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            });
+            if has_avx2 {
                 return Isa::Avx2;
             }
         }
@@ -61,7 +65,7 @@ pub(crate) fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: `Isa::Avx2` is only produced by `detect` after checking the features.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::dot(a, b) },
-        _ => portable::dot(a, b),
+        Isa::Portable => portable::dot(a, b),
     }
 }
 
@@ -71,7 +75,7 @@ pub(crate) fn axpy_with(isa: Isa, y: &mut [f32], alpha: f32, x: &[f32]) {
         // SAFETY: as in `dot_with`.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::axpy(y, alpha, x) },
-        _ => portable::axpy(y, alpha, x),
+        Isa::Portable => portable::axpy(y, alpha, x),
     }
 }
 
@@ -80,7 +84,7 @@ pub(crate) fn scale_with(isa: Isa, y: &mut [f32], alpha: f32) {
         // SAFETY: as in `dot_with`.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::scale(y, alpha) },
-        _ => portable::scale(y, alpha),
+        Isa::Portable => portable::scale(y, alpha),
     }
 }
 
@@ -166,11 +170,7 @@ pub(crate) mod avx2 {
         while i + 32 <= n {
             for (g, accg) in acc.iter_mut().enumerate() {
                 let o = i + 8 * g;
-                *accg = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(o)),
-                    _mm256_loadu_ps(pb.add(o)),
-                    *accg,
-                );
+                *accg = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *accg);
             }
             i += 32;
         }
@@ -263,10 +263,7 @@ mod tests {
                 let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
                 let scale: f64 = a.iter().zip(&b).map(|(&x, &y)| (x as f64 * y as f64).abs()).sum();
                 let got = dot_with(isa, &a, &b) as f64;
-                assert!(
-                    (got - want).abs() <= 1e-6 * scale.max(1.0),
-                    "{isa:?} n={n}: {got} vs {want}"
-                );
+                assert!((got - want).abs() <= 1e-6 * scale.max(1.0), "{isa:?} n={n}: {got} vs {want}");
             }
         }
     }
