@@ -76,26 +76,23 @@ impl ModelConfig {
     pub fn from_json_str(text: &str, path: &Path) -> Result<ModelConfig> {
         let root: Value =
             serde_json::from_str(text).map_err(|e| Error::config(path, format!("invalid JSON: {e}")))?;
-        let root = root
-            .as_object()
-            .ok_or_else(|| Error::config(path, "expected a JSON object at the top level"))?;
+        let root =
+            root.as_object().ok_or_else(|| Error::config(path, "expected a JSON object at the top level"))?;
         let model_type = root.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let fields = Fields { path, obj: root };
+        let fields = Fields { path, obj: root, scope: String::new() };
         let text = match model_type {
             "qwen3_5" => {
                 let obj = root.get("text_config").and_then(Value::as_object).ok_or_else(|| {
                     Error::config(path, "model_type `qwen3_5` needs a `text_config` object")
                 })?;
-                Fields { path, obj }
+                Fields { path, obj, scope: "text_config.".into() }
             }
-            "qwen3_5_text" => Fields { path, obj: root },
+            "qwen3_5_text" => Fields { path, obj: root, scope: String::new() },
             "" => return Err(Error::config(path, "missing field `model_type`")),
             other => {
                 return Err(Error::config(
                     path,
-                    format!(
-                        "unknown model_type `{other}`: strix runs Qwen3.5 (`qwen3_5`, `qwen3_5_text`)"
-                    ),
+                    format!("unknown model_type `{other}`: strix runs Qwen3.5 (`qwen3_5`, `qwen3_5_text`)"),
                 ))
             }
         };
@@ -138,19 +135,49 @@ impl ModelConfig {
                 return bad(format!("`{name}` must be positive"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        // Weight shapes are products of these numbers: products that overflow are refused here,
+        // so the model code need not check its arithmetic.
+        let product = |parts: &[usize]| parts.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+        let conv_dim = product(&[2, self.linear_num_k_heads, self.linear_k_head_dim])
+            .zip(product(&[self.linear_num_v_heads, self.linear_v_head_dim]))
+            .and_then(|(k, v)| k.checked_add(v));
+        for (names, size) in [
+            ("vocab_size * hidden_size", product(&[self.vocab_size, self.hidden_size])),
+            ("intermediate_size * hidden_size", product(&[self.intermediate_size, self.hidden_size])),
+            (
+                "num_attention_heads * head_dim * hidden_size",
+                product(&[2, self.num_heads, self.head_dim, self.hidden_size]),
+            ),
+            (
+                "num_key_value_heads * head_dim * hidden_size",
+                product(&[self.num_kv_heads, self.head_dim, self.hidden_size]),
+            ),
+            (
+                "linear_num_{key,value}_heads * linear_{key,value}_head_dim * hidden_size",
+                conv_dim.and_then(|c| product(&[c, self.hidden_size])),
+            ),
+            (
+                "linear_num_{key,value}_heads * linear_{key,value}_head_dim * linear_conv_kernel_dim",
+                conv_dim.and_then(|c| product(&[c, self.conv_kernel])),
+            ),
+        ] {
+            if size.is_none() {
+                return bad(format!("sizes too large: {names} overflows"));
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "inconsistent head counts: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.linear_num_v_heads % self.linear_num_k_heads != 0 {
+        if !self.linear_num_v_heads.is_multiple_of(self.linear_num_k_heads) {
             return bad(format!(
                 "inconsistent head counts: linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
                 self.linear_num_v_heads, self.linear_num_k_heads
             ));
         }
-        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return bad(format!(
                 "partial_rotary_factor gives a rotary dimension of {} for head_dim {}: it must be even and at most head_dim",
                 self.rotary_dim, self.head_dim
@@ -177,6 +204,8 @@ impl ModelConfig {
 struct Fields<'a> {
     path: &'a Path,
     obj: &'a Map<String, Value>,
+    /// Where `obj` sits in the file (`text_config.`), so messages name the field as written.
+    scope: String,
 }
 
 impl Fields<'_> {
@@ -187,9 +216,12 @@ impl Fields<'_> {
     fn usize(&self, name: &str) -> Result<usize> {
         match self.get(name) {
             Some(v) => v.as_u64().map(|v| v as usize).ok_or_else(|| {
-                Error::config(self.path, format!("field `{name}` must be a non-negative integer, got {v}"))
+                Error::config(
+                    self.path,
+                    format!("field `{}{name}` must be a non-negative integer, got {v}", self.scope),
+                )
             }),
-            None => Err(Error::config(self.path, format!("missing field `{name}`"))),
+            None => Err(Error::config(self.path, format!("missing field `{}{name}`", self.scope))),
         }
     }
 
@@ -203,30 +235,40 @@ impl Fields<'_> {
 
     fn f64_opt(&self, name: &str) -> Result<Option<f64>> {
         match self.get(name) {
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| Error::config(self.path, format!("field `{name}` must be a number, got {v}"))),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                Error::config(self.path, format!("field `{}{name}` must be a number, got {v}", self.scope))
+            }),
             None => Ok(None),
         }
     }
 
     fn bool_opt(&self, name: &str) -> Result<Option<bool>> {
         match self.get(name) {
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| Error::config(self.path, format!("field `{name}` must be true or false, got {v}"))),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| {
+                Error::config(
+                    self.path,
+                    format!("field `{}{name}` must be true or false, got {v}", self.scope),
+                )
+            }),
             None => Ok(None),
         }
     }
 }
+
+/// A bound on `num_hidden_layers`, checked before anything is allocated per layer.
+const MAX_LAYERS: usize = 1 << 16;
 
 fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
     let path = t.path;
     let hidden_size = t.usize("hidden_size")?;
     let num_heads = t.usize("num_attention_heads")?;
     let num_layers = t.usize("num_hidden_layers")?;
+    if num_layers > MAX_LAYERS {
+        return Err(Error::config(
+            path,
+            format!("`num_hidden_layers` is {num_layers}: more than {MAX_LAYERS} layers is not a real model"),
+        ));
+    }
     let head_dim = match t.get("head_dim") {
         Some(_) => t.usize("head_dim")?,
         None if num_heads > 0 => hidden_size / num_heads,
@@ -236,7 +278,7 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
     // rope_parameters is the current form; older configs keep rope_theta and
     // partial_rotary_factor at the top level of the text config.
     let rope = t.get("rope_parameters").and_then(Value::as_object);
-    let rope_fields = rope.map(|obj| Fields { path, obj });
+    let rope_fields = rope.map(|obj| Fields { path, obj, scope: format!("{}rope_parameters.", t.scope) });
     let from_rope = |name: &str| -> Result<Option<f64>> {
         match &rope_fields {
             Some(r) => r.f64_opt(name),
@@ -335,10 +377,9 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
 
 fn token_ids(v: &Value, field: &str, path: &Path) -> Result<Vec<u32>> {
     let one = |v: &Value| {
-        v.as_u64()
-            .filter(|&id| id <= u32::MAX as u64)
-            .map(|id| id as u32)
-            .ok_or_else(|| Error::config(path, format!("`{field}` must be a token id or a list of them, got {v}")))
+        v.as_u64().filter(|&id| id <= u32::MAX as u64).map(|id| id as u32).ok_or_else(|| {
+            Error::config(path, format!("`{field}` must be a token id or a list of them, got {v}"))
+        })
     };
     match v {
         Value::Null => Ok(vec![]),
@@ -381,7 +422,8 @@ mod tests {
 
     #[test]
     fn nested_config_and_top_level_tie() {
-        let v = serde_json::json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": flat()});
+        let v =
+            serde_json::json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": flat()});
         let c = parse(&v).unwrap();
         assert!(c.tie_word_embeddings);
     }

@@ -97,14 +97,17 @@ pub struct Model<B: Backend> {
 pub type Progress<'a> = &'a dyn Fn(u64, u64);
 
 impl<B: Backend> Model<B> {
-    /// Loads `config.json` and the safetensors weights of a model directory.
+    /// Loads `config.json` and the safetensors weights of a model directory. `progress` follows
+    /// the read of the files (bytes done, bytes in all).
     pub fn load(dir: &Path, backend: B, progress: Option<Progress>) -> Result<Model<B>> {
         let config = ModelConfig::from_model_dir(dir)?;
         let ckpt = Checkpoint::open_dir(dir)?;
-        Model::from_source(config, &ckpt, backend, progress)
+        ckpt.prefetch(progress);
+        Model::from_source(config, &ckpt, backend, None)
     }
 
     /// Builds the model from any tensor source, uploading each weight through the backend.
+    /// `progress` gets (layers done, layers in all).
     pub fn from_source(
         config: ModelConfig,
         src: &dyn TensorSource,
@@ -134,11 +137,8 @@ impl<B: Backend> Model<B> {
         };
 
         let embed_tokens = matrix(&format!("{prefix}embed_tokens.weight"), c.vocab_size, h)?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(matrix("lm_head.weight", c.vocab_size, h)?)
-        };
+        let lm_head =
+            if c.tie_word_embeddings { None } else { Some(matrix("lm_head.weight", c.vocab_size, h)?) };
         let final_norm = vector(&format!("{prefix}norm.weight"), h)?;
         report(1);
 
@@ -150,7 +150,8 @@ impl<B: Backend> Model<B> {
             let mixer = match kind {
                 LayerKind::DeltaNet => {
                     let la = format!("{p}linear_attn.");
-                    let conv = src.tensor(&format!("{la}conv1d.weight"), &[dn.conv_dim(), 1, dn.conv_kernel])?;
+                    let conv =
+                        src.tensor(&format!("{la}conv1d.weight"), &[dn.conv_dim(), 1, dn.conv_kernel])?;
                     Mixer::DeltaNet(DeltaNetWeights {
                         in_proj_qkv: matrix(&format!("{la}in_proj_qkv.weight"), dn.conv_dim(), h)?,
                         in_proj_z: matrix(&format!("{la}in_proj_z.weight"), dn.value_dim(), h)?,
@@ -189,7 +190,12 @@ impl<B: Backend> Model<B> {
         report(total_layers);
 
         let inv_freq = backend.upload(&rope_inv_freq(c));
-        Ok(Model { config, backend, weights: Weights { embed_tokens, lm_head, final_norm, layers }, inv_freq })
+        Ok(Model {
+            config,
+            backend,
+            weights: Weights { embed_tokens, lm_head, final_norm, layers },
+            inv_freq,
+        })
     }
 
     pub fn backend(&self) -> &B {
@@ -272,7 +278,13 @@ impl<B: Backend> Model<B> {
     }
 
     /// One pass of at most [`MAX_TOKENS_PER_PASS`] tokens through every layer.
-    fn forward_pass(&self, session: &mut Session<B>, ids: &[u32], want: Logits, last_piece: bool) -> Vec<f32> {
+    fn forward_pass(
+        &self,
+        session: &mut Session<B>,
+        ids: &[u32],
+        want: Logits,
+        last_piece: bool,
+    ) -> Vec<f32> {
         let b = &self.backend;
         let c = &self.config;
         let w = &self.weights;
@@ -383,7 +395,18 @@ impl<B: Backend> Model<B> {
         b.matmul(x, t, &m.v_proj, &mut v);
         let mut q = b.zeros(t * q_dim);
         let mut gate = b.zeros(t * q_dim);
-        b.attention_prologue(&s, &q_and_gate, &mut k, &m.q_norm, &m.k_norm, &self.inv_freq, pos0, t, &mut q, &mut gate);
+        b.attention_prologue(
+            &s,
+            &q_and_gate,
+            &mut k,
+            &m.q_norm,
+            &m.k_norm,
+            &self.inv_freq,
+            pos0,
+            t,
+            &mut q,
+            &mut gate,
+        );
         let mut attn = b.zeros(t * q_dim);
         b.attention(&s, &q, &k, &v, &gate, k_cache, v_cache, pos0, t, &mut attn);
         b.matmul(&attn, t, &m.o_proj, out);

@@ -98,25 +98,13 @@ impl SamplingParams {
             return Err(bad("min_p", "in [0, 1]", p.min_p));
         }
         if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
-            return Err(bad(
-                "repetition_penalty",
-                "a finite number > 0",
-                p.repetition_penalty,
-            ));
+            return Err(bad("repetition_penalty", "a finite number > 0", p.repetition_penalty));
         }
         if !p.presence_penalty.is_finite() {
-            return Err(bad(
-                "presence_penalty",
-                "a finite number",
-                p.presence_penalty,
-            ));
+            return Err(bad("presence_penalty", "a finite number", p.presence_penalty));
         }
         if !p.frequency_penalty.is_finite() {
-            return Err(bad(
-                "frequency_penalty",
-                "a finite number",
-                p.frequency_penalty,
-            ));
+            return Err(bad("frequency_penalty", "a finite number", p.frequency_penalty));
         }
         Ok(())
     }
@@ -128,16 +116,12 @@ impl SamplingParams {
     }
 
     fn penalises(&self) -> bool {
-        self.repetition_penalty != 1.0
-            || self.presence_penalty != 0.0
-            || self.frequency_penalty != 0.0
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 }
 
 fn bad(name: &str, range: &str, value: f32) -> Error {
-    Error::input(format!(
-        "sampling parameter {name} must be {range}, got {value}"
-    ))
+    Error::input(format!("sampling parameter {name} must be {range}, got {value}"))
 }
 
 /// The log-probabilities reported for one sampled token, for an OpenAI-style `logprobs` field.
@@ -228,11 +212,7 @@ impl Sampler {
     ) -> (u32, TokenLogprobs) {
         self.apply_penalties(logits, prompt, generated);
         let greedy = self.params.is_greedy().then(|| argmax(logits));
-        let temperature = if self.params.temperature == 0.0 {
-            1.0
-        } else {
-            self.params.temperature
-        };
+        let temperature = if self.params.temperature == 0.0 { 1.0 } else { self.params.temperature };
         let token = if let Some(token) = greedy {
             normalise(logits, temperature);
             token
@@ -252,22 +232,9 @@ impl Sampler {
         };
         // The draw is done with the candidates, so they serve as scratch for the selection.
         best_n(logits, top_n, &mut self.candidates);
-        let top = self
-            .candidates
-            .iter()
-            .map(|&(id, l)| (id, logprob_of(l)))
-            .collect();
-        let logprob = logits
-            .get(token as usize)
-            .map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
-        (
-            token,
-            TokenLogprobs {
-                token,
-                logprob,
-                top,
-            },
-        )
+        let top = self.candidates.iter().map(|&(id, l)| (id, logprob_of(l))).collect();
+        let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
+        (token, TokenLogprobs { token, logprob, top })
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
@@ -380,12 +347,7 @@ impl Sampler {
             }
         }
         // Rounding can leave the target at the very top; the last token with any weight owns it.
-        cands
-            .iter()
-            .rev()
-            .find(|c| c.1 > 0.0)
-            .or(cands.first())
-            .map_or(0, |c| c.0)
+        cands.iter().rev().find(|c| c.1 > 0.0).or(cands.first()).map_or(0, |c| c.0)
     }
 }
 
@@ -400,9 +362,7 @@ impl std::fmt::Debug for Sampler {
 
 /// Descending by value, ties to the lower id. Values must not be NaN.
 fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
-    b.1.partial_cmp(&a.1)
-        .unwrap_or(Ordering::Equal)
-        .then(a.0.cmp(&b.0))
+    b.1.partial_cmp(&a.1).unwrap_or(Ordering::Equal).then(a.0.cmp(&b.0))
 }
 
 /// The argmax, NaN counting as −∞ and ties going to the lowest id; 0 when nothing beats −∞.
@@ -436,11 +396,7 @@ fn normalise(logits: &mut [f32], temperature: f32) -> bool {
     }
     if max == f32::INFINITY {
         for l in logits.iter_mut() {
-            *l = if *l == f32::INFINITY {
-                0.0
-            } else {
-                f32::NEG_INFINITY
-            };
+            *l = if *l == f32::INFINITY { 0.0 } else { f32::NEG_INFINITY };
         }
     } else {
         for l in logits.iter_mut() {
@@ -542,9 +498,8 @@ fn best_n(values: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
 /// from the OS (and changes for each instance), hashed together with the clock.
 fn entropy_seed() -> u64 {
     use std::hash::BuildHasher;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     std::collections::hash_map::RandomState::new().hash_one(nanos)
 }
 
@@ -568,12 +523,7 @@ impl Xoshiro256StarStar {
     fn from_seed(seed: u64) -> Self {
         let mut sm = seed;
         // SplitMix64 never yields four zeros in a row, so the state is never all zero.
-        let s = [
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-        ];
+        let s = [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)];
         Xoshiro256StarStar { s }
     }
 
@@ -615,11 +565,7 @@ impl StopMatcher {
     /// Empty stop strings are dropped: they would match before any text.
     pub fn new(stops: Vec<String>) -> Self {
         let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
-        StopMatcher {
-            stops,
-            held: String::new(),
-            matched: None,
-        }
+        StopMatcher { stops, held: String::new(), matched: None }
     }
 
     /// Adds the next piece of text; returns what is safe to emit and whether a stop was hit.
@@ -679,11 +625,7 @@ mod tests {
     }
 
     fn seeded(temperature: f32, seed: u64) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            seed: Some(seed),
-            ..SamplingParams::default()
-        }
+        SamplingParams { temperature, seed: Some(seed), ..SamplingParams::default() }
     }
 
     fn ln_probs(p: &[f32]) -> Vec<f32> {
@@ -722,12 +664,7 @@ mod tests {
         let got: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
         assert_eq!(
             got,
-            [
-                11091344671253066420,
-                13793997310169335082,
-                1900383378846508768,
-                7684712102626143532
-            ]
+            [11091344671253066420, 13793997310169335082, 1900383378846508768, 7684712102626143532]
         );
     }
 
@@ -784,27 +721,14 @@ mod tests {
     fn same_seed_same_draws_different_seed_different_draws() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
         let run = |seed| {
-            let mut s = sampler(SamplingParams {
-                top_p: 0.95,
-                ..seeded(0.8, seed)
-            });
-            (0..1000)
-                .map(|_| s.sample(&mut logits.clone(), &[], &[]))
-                .collect::<Vec<_>>()
+            let mut s = sampler(SamplingParams { top_p: 0.95, ..seeded(0.8, seed) });
+            (0..1000).map(|_| s.sample(&mut logits.clone(), &[], &[])).collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
         // Unseeded samplers draw from different streams.
-        let a = Sampler::new(SamplingParams {
-            seed: None,
-            ..seeded(1.0, 0)
-        })
-        .unwrap();
-        let b = Sampler::new(SamplingParams {
-            seed: None,
-            ..seeded(1.0, 0)
-        })
-        .unwrap();
+        let a = Sampler::new(SamplingParams { seed: None, ..seeded(1.0, 0) }).unwrap();
+        let b = Sampler::new(SamplingParams { seed: None, ..seeded(1.0, 0) }).unwrap();
         assert_ne!(a.rng.s, b.rng.s);
     }
 
@@ -813,9 +737,7 @@ mod tests {
         // The promise to users: a seed keeps giving these tokens in every later release.
         let mut s = sampler(seeded(1.0, 1234));
         let logits = ln_probs(&[0.1, 0.2, 0.3, 0.4]);
-        let got: Vec<u32> = (0..16)
-            .map(|_| s.sample(&mut logits.clone(), &[], &[]))
-            .collect();
+        let got: Vec<u32> = (0..16).map(|_| s.sample(&mut logits.clone(), &[], &[])).collect();
         assert_eq!(got, [0, 3, 3, 3, 1, 3, 2, 1, 2, 3, 2, 1, 1, 3, 2, 3]);
     }
 
@@ -841,10 +763,7 @@ mod tests {
     #[test]
     fn top_k_one_equals_greedy() {
         let mut rng = Xoshiro256StarStar::from_seed(5);
-        let mut s = sampler(SamplingParams {
-            top_k: 1,
-            ..seeded(1.5, 1)
-        });
+        let mut s = sampler(SamplingParams { top_k: 1, ..seeded(1.5, 1) });
         assert!(s.params().is_greedy());
         for _ in 0..200 {
             // Coarse values so ties are common.
@@ -852,26 +771,14 @@ mod tests {
             let expect = argmax(&logits);
             assert_eq!(s.sample(&mut logits.clone(), &[], &[]), expect);
             // The sampling path's top-k, too, keeps the lowest-id maximum.
-            assert_eq!(
-                kept(
-                    SamplingParams {
-                        top_k: 1,
-                        ..seeded(1.0, 0)
-                    },
-                    &logits
-                ),
-                [expect]
-            );
+            assert_eq!(kept(SamplingParams { top_k: 1, ..seeded(1.0, 0) }, &logits), [expect]);
         }
     }
 
     #[test]
     fn top_k_keeps_the_k_best_with_ties_to_lower_ids() {
         let logits = [0.5, 2.0, 1.0, 2.0, 1.0, -1.0];
-        let p = |k| SamplingParams {
-            top_k: k,
-            ..seeded(1.0, 0)
-        };
+        let p = |k| SamplingParams { top_k: k, ..seeded(1.0, 0) };
         assert_eq!(kept(p(2), &logits), [1, 3]);
         assert_eq!(kept(p(3), &logits), [1, 2, 3]);
         assert_eq!(kept(p(4), &logits), [1, 2, 3, 4]);
@@ -881,10 +788,7 @@ mod tests {
     #[test]
     fn top_p_keeps_the_smallest_set_reaching_p() {
         let logits = ln_probs(&[0.05, 0.5, 0.1, 0.2, 0.15]);
-        let p = |top_p| SamplingParams {
-            top_p,
-            ..seeded(1.0, 0)
-        };
+        let p = |top_p| SamplingParams { top_p, ..seeded(1.0, 0) };
         assert_eq!(kept(p(0.3), &logits), [1]);
         assert_eq!(kept(p(0.69), &logits), [1, 3]);
         assert_eq!(kept(p(0.71), &logits), [1, 3, 4]);
@@ -902,20 +806,13 @@ mod tests {
 
     /// Top-k then top-p by the definition: a full sort and a running sum.
     fn reference_kept(logits: &[f32], top_k: usize, top_p: f32) -> Vec<u32> {
-        let mut sorted: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
+        let mut sorted: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         sorted.sort_by(by_value_desc);
         if top_k > 0 {
             sorted.truncate(top_k);
         }
         let max = sorted[0].1;
-        let weights: Vec<f64> = sorted
-            .iter()
-            .map(|c| f64::from((c.1 - max).exp()))
-            .collect();
+        let weights: Vec<f64> = sorted.iter().map(|c| f64::from((c.1 - max).exp())).collect();
         let total: f64 = weights.iter().sum();
         let mut cum = 0.0;
         // Top-p 1 is off: even tokens too unlikely to change the sum stay.
@@ -923,10 +820,7 @@ mod tests {
             cum += w;
             top_p < 1.0 && cum >= f64::from(top_p) * total
         });
-        let mut ids: Vec<u32> = sorted[..n.map_or(sorted.len(), |n| n + 1)]
-            .iter()
-            .map(|c| c.0)
-            .collect();
+        let mut ids: Vec<u32> = sorted[..n.map_or(sorted.len(), |n| n + 1)].iter().map(|c| c.0).collect();
         ids.sort_unstable();
         ids
     }
@@ -936,22 +830,14 @@ mod tests {
         let mut rng = Xoshiro256StarStar::from_seed(11);
         let continuous: Vec<f32> = (0..20_000).map(|_| (rng.next_f64() * 6.0) as f32).collect();
         // Few distinct values, so the cut falls among ties and must go to the lower ids.
-        let coarse: Vec<f32> = (0..20_000)
-            .map(|_| (rng.next_u64() % 12) as f32 * 0.5)
-            .collect();
+        let coarse: Vec<f32> = (0..20_000).map(|_| (rng.next_u64() % 12) as f32 * 0.5).collect();
         let flat = vec![0.25f32; 5000];
         let small: Vec<f32> = continuous[..1000].to_vec();
-        let spiky: Vec<f32> = (0..30_000)
-            .map(|i| if i % 997 == 0 { 20.0 } else { -30.0 })
-            .collect();
+        let spiky: Vec<f32> = (0..30_000).map(|i| if i % 997 == 0 { 20.0 } else { -30.0 }).collect();
         for logits in [&continuous, &coarse, &flat, &small, &spiky] {
             for top_k in [0, 20, 64, 65, 500] {
                 for top_p in [0.01, 0.2, 0.5, 0.9, 0.999, 1.0] {
-                    let params = SamplingParams {
-                        top_k,
-                        top_p,
-                        ..seeded(1.0, 0)
-                    };
+                    let params = SamplingParams { top_k, top_p, ..seeded(1.0, 0) };
                     let got = kept(params, logits);
                     let expect = reference_kept(logits, top_k, top_p);
                     // Lengths first: a failure should not print 20k ids.
@@ -969,11 +855,7 @@ mod tests {
     fn best_n_matches_a_full_sort() {
         let mut rng = Xoshiro256StarStar::from_seed(4);
         let values: Vec<f32> = (0..3000).map(|_| (rng.next_u64() % 50) as f32).collect();
-        let mut sorted: Vec<(u32, f32)> = values
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| (i as u32, v))
-            .collect();
+        let mut sorted: Vec<(u32, f32)> = values.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
         sorted.sort_by(by_value_desc);
         let mut out = Vec::new();
         for n in [0, 1, 7, 64, 65, 1000, 3000, 5000] {
@@ -985,36 +867,15 @@ mod tests {
     #[test]
     fn min_p_drops_tokens_below_a_fraction_of_the_best() {
         let logits = ln_probs(&[0.05, 0.5, 0.1, 0.2, 0.15]);
-        let p = |min_p| SamplingParams {
-            min_p,
-            ..seeded(1.0, 0)
-        };
+        let p = |min_p| SamplingParams { min_p, ..seeded(1.0, 0) };
         // Thresholds 0.125, 0.175 and 0.45 in probability.
         assert_eq!(kept(p(0.25), &logits), [1, 3, 4]);
         assert_eq!(kept(p(0.35), &logits), [1, 3]);
         assert_eq!(kept(p(0.9), &logits), [1]);
         assert_eq!(kept(p(1.0), &logits), [1]);
         // Combined with top-p, the smaller of the two prefixes survives.
-        assert_eq!(
-            kept(
-                SamplingParams {
-                    top_p: 0.71,
-                    ..p(0.35)
-                },
-                &logits
-            ),
-            [1, 3]
-        );
-        assert_eq!(
-            kept(
-                SamplingParams {
-                    top_p: 0.3,
-                    ..p(0.25)
-                },
-                &logits
-            ),
-            [1]
-        );
+        assert_eq!(kept(SamplingParams { top_p: 0.71, ..p(0.35) }, &logits), [1, 3]);
+        assert_eq!(kept(SamplingParams { top_p: 0.3, ..p(0.25) }, &logits), [1]);
     }
 
     /// Draws `n` tokens and checks each frequency is within 4.5 standard errors of `expect`.
@@ -1028,10 +889,7 @@ mod tests {
         for (i, (&c, &p)) in counts.iter().zip(expect).enumerate() {
             let freq = c as f64 / n as f64;
             let se = (p * (1.0 - p) / n as f64).sqrt();
-            assert!(
-                (freq - p).abs() <= 4.5 * se + 1e-12,
-                "token {i}: {freq} vs {p}"
-            );
+            assert!((freq - p).abs() <= 4.5 * se + 1e-12, "token {i}: {freq} vs {p}");
         }
     }
 
@@ -1047,32 +905,19 @@ mod tests {
         check_frequencies(seeded(2.0, 7), &logits, &tempered);
         // Top-k renormalises over what it keeps.
         let topk = [0.0, 0.0, 3.0 / 7.0, 4.0 / 7.0, 0.0];
-        check_frequencies(
-            SamplingParams {
-                top_k: 2,
-                ..seeded(1.0, 8)
-            },
-            &logits,
-            &topk,
-        );
+        check_frequencies(SamplingParams { top_k: 2, ..seeded(1.0, 8) }, &logits, &topk);
     }
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_logits_once() {
-        let mut s = sampler(SamplingParams {
-            repetition_penalty: 2.0,
-            ..SamplingParams::greedy()
-        });
+        let mut s = sampler(SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() });
         let mut logits = [2.0, -2.0, 1.0, 0.5, 3.0];
         // Token 0 from the prompt, 1 twice in the output, 99 outside the vocabulary.
         s.apply_penalties(&mut logits, &[0, 99], &[1, 1, 0]);
         assert_eq!(logits, [1.0, -4.0, 1.0, 0.5, 3.0]);
         assert!(s.counts.iter().all(|&c| c == 0));
         // It can change the greedy choice.
-        let mut s = sampler(SamplingParams {
-            repetition_penalty: 1.5,
-            ..SamplingParams::greedy()
-        });
+        let mut s = sampler(SamplingParams { repetition_penalty: 1.5, ..SamplingParams::greedy() });
         assert_eq!(s.sample(&mut [0.0, 3.0, 2.5], &[1], &[]), 2);
     }
 
@@ -1080,10 +925,7 @@ mod tests {
     fn sampler_reports_its_seed() {
         assert_eq!(sampler(seeded(1.0, 77)).seed(), 77);
         let unseeded = sampler(SamplingParams::greedy());
-        let replay = sampler(SamplingParams {
-            seed: Some(unseeded.seed()),
-            ..SamplingParams::greedy()
-        });
+        let replay = sampler(SamplingParams { seed: Some(unseeded.seed()), ..SamplingParams::greedy() });
         assert_eq!(unseeded.rng.s, replay.rng.s);
         assert!(format!("{unseeded:?}").contains("seed"));
     }
@@ -1091,18 +933,12 @@ mod tests {
     #[test]
     fn presence_and_frequency_penalties_count_only_generated_tokens() {
         let base = [1.0, 1.0, 1.0, 1.0];
-        let mut presence = sampler(SamplingParams {
-            presence_penalty: 0.5,
-            ..SamplingParams::greedy()
-        });
+        let mut presence = sampler(SamplingParams { presence_penalty: 0.5, ..SamplingParams::greedy() });
         let mut logits = base;
         presence.apply_penalties(&mut logits, &[0, 0, 0], &[1, 1, 2, 7]);
         assert_eq!(logits, [1.0, 0.5, 0.5, 1.0]);
 
-        let mut frequency = sampler(SamplingParams {
-            frequency_penalty: 0.5,
-            ..SamplingParams::greedy()
-        });
+        let mut frequency = sampler(SamplingParams { frequency_penalty: 0.5, ..SamplingParams::greedy() });
         let mut logits = base;
         frequency.apply_penalties(&mut logits, &[0, 0, 0], &[1, 1, 2, 1]);
         assert_eq!(logits, [1.0, -0.5, 0.5, 1.0]);
@@ -1120,10 +956,7 @@ mod tests {
         assert_eq!(logits, [4.0, 0.75, -2.75, 0.5]);
         assert!(s.counts.iter().all(|&c| c == 0));
         // A negative presence penalty encourages repetition.
-        let mut s = sampler(SamplingParams {
-            presence_penalty: -2.0,
-            ..SamplingParams::greedy()
-        });
+        let mut s = sampler(SamplingParams { presence_penalty: -2.0, ..SamplingParams::greedy() });
         assert_eq!(s.sample(&mut [1.0, 0.0], &[], &[1]), 1);
     }
 
@@ -1131,86 +964,20 @@ mod tests {
     fn validate_rejects_out_of_range_values_naming_the_parameter() {
         let d = SamplingParams::default;
         let cases: Vec<(SamplingParams, &str)> = vec![
-            (
-                SamplingParams {
-                    temperature: -0.1,
-                    ..d()
-                },
-                "temperature",
-            ),
-            (
-                SamplingParams {
-                    temperature: f32::NAN,
-                    ..d()
-                },
-                "temperature",
-            ),
-            (
-                SamplingParams {
-                    temperature: f32::INFINITY,
-                    ..d()
-                },
-                "temperature",
-            ),
+            (SamplingParams { temperature: -0.1, ..d() }, "temperature"),
+            (SamplingParams { temperature: f32::NAN, ..d() }, "temperature"),
+            (SamplingParams { temperature: f32::INFINITY, ..d() }, "temperature"),
             (SamplingParams { top_p: 0.0, ..d() }, "top_p"),
             (SamplingParams { top_p: 1.01, ..d() }, "top_p"),
-            (
-                SamplingParams {
-                    top_p: f32::NAN,
-                    ..d()
-                },
-                "top_p",
-            ),
-            (
-                SamplingParams {
-                    min_p: -0.01,
-                    ..d()
-                },
-                "min_p",
-            ),
+            (SamplingParams { top_p: f32::NAN, ..d() }, "top_p"),
+            (SamplingParams { min_p: -0.01, ..d() }, "min_p"),
             (SamplingParams { min_p: 1.5, ..d() }, "min_p"),
-            (
-                SamplingParams {
-                    min_p: f32::NAN,
-                    ..d()
-                },
-                "min_p",
-            ),
-            (
-                SamplingParams {
-                    repetition_penalty: 0.0,
-                    ..d()
-                },
-                "repetition_penalty",
-            ),
-            (
-                SamplingParams {
-                    repetition_penalty: -1.0,
-                    ..d()
-                },
-                "repetition_penalty",
-            ),
-            (
-                SamplingParams {
-                    repetition_penalty: f32::NAN,
-                    ..d()
-                },
-                "repetition_penalty",
-            ),
-            (
-                SamplingParams {
-                    presence_penalty: f32::NAN,
-                    ..d()
-                },
-                "presence_penalty",
-            ),
-            (
-                SamplingParams {
-                    frequency_penalty: f32::INFINITY,
-                    ..d()
-                },
-                "frequency_penalty",
-            ),
+            (SamplingParams { min_p: f32::NAN, ..d() }, "min_p"),
+            (SamplingParams { repetition_penalty: 0.0, ..d() }, "repetition_penalty"),
+            (SamplingParams { repetition_penalty: -1.0, ..d() }, "repetition_penalty"),
+            (SamplingParams { repetition_penalty: f32::NAN, ..d() }, "repetition_penalty"),
+            (SamplingParams { presence_penalty: f32::NAN, ..d() }, "presence_penalty"),
+            (SamplingParams { frequency_penalty: f32::INFINITY, ..d() }, "frequency_penalty"),
         ];
         for (params, name) in cases {
             let err = params.validate().unwrap_err();
@@ -1235,14 +1002,7 @@ mod tests {
     #[test]
     fn params_deserialise_with_defaults_and_round_trip() {
         let p: SamplingParams = serde_json::from_str(r#"{"temperature":0.6,"top_k":20}"#).unwrap();
-        assert_eq!(
-            p,
-            SamplingParams {
-                temperature: 0.6,
-                top_k: 20,
-                ..SamplingParams::default()
-            }
-        );
+        assert_eq!(p, SamplingParams { temperature: 0.6, top_k: 20, ..SamplingParams::default() });
         let json = serde_json::to_string(&p).unwrap();
         assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), p);
     }
@@ -1250,10 +1010,7 @@ mod tests {
     #[test]
     fn logprobs_are_the_log_softmax_of_the_processed_logits() {
         let logits = [1.0, 2.0, 0.5, 2.0, -1.0];
-        let params = SamplingParams {
-            top_k: 2,
-            ..seeded(2.0, 5)
-        };
+        let params = SamplingParams { top_k: 2, ..seeded(2.0, 5) };
         let mut a = sampler(params.clone());
         let mut b = sampler(params);
         for _ in 0..50 {
@@ -1263,10 +1020,7 @@ mod tests {
             assert_eq!(lp.token, t);
             let total: f32 = lp.top.iter().map(|e| e.1.exp()).sum();
             assert!((total - 1.0).abs() < 1e-5, "{total}");
-            assert_eq!(
-                lp.top.iter().map(|e| e.0).collect::<Vec<_>>(),
-                [1, 3, 0, 2, 4]
-            );
+            assert_eq!(lp.top.iter().map(|e| e.0).collect::<Vec<_>>(), [1, 3, 0, 2, 4]);
             assert_eq!(lp.top.iter().find(|e| e.0 == t).unwrap().1, lp.logprob);
             // Temperature 2 applies; top-k's truncation does not.
             let z: f32 = logits.iter().map(|l| (l / 2.0).exp()).sum();
@@ -1284,10 +1038,7 @@ mod tests {
         let (_, lp) = g.sample_with_logprobs(&mut logits.clone(), &[], &[], 0);
         assert!(lp.top.is_empty());
         // Top-k 1 is greedy too, but its temperature still shapes the reported distribution.
-        let mut k1 = sampler(SamplingParams {
-            top_k: 1,
-            ..seeded(0.5, 1)
-        });
+        let mut k1 = sampler(SamplingParams { top_k: 1, ..seeded(0.5, 1) });
         let (t, lp) = k1.sample_with_logprobs(&mut logits.clone(), &[], &[], 1);
         let z: f32 = logits.iter().map(|l| (l / 0.5).exp()).sum();
         assert_eq!(t, 1);
@@ -1326,26 +1077,11 @@ mod tests {
 
     #[test]
     fn stop_matcher_handles_overlapping_prefixes() {
-        assert_eq!(
-            stream(&["abc"], &["ababc"]),
-            ("ab".into(), true, String::new())
-        );
-        assert_eq!(
-            stream(&["abc"], &["ab", "ab", "c", "d"]),
-            ("ab".into(), true, String::new())
-        );
-        assert_eq!(
-            stream(&["abc"], &["a", "b", "a", "b", "c"]),
-            ("ab".into(), true, String::new())
-        );
-        assert_eq!(
-            stream(&["aab"], &["a", "a", "a", "b"]),
-            ("a".into(), true, String::new())
-        );
-        assert_eq!(
-            stream(&["abc"], &["ab", "ab"]),
-            ("ab".into(), false, "ab".into())
-        );
+        assert_eq!(stream(&["abc"], &["ababc"]), ("ab".into(), true, String::new()));
+        assert_eq!(stream(&["abc"], &["ab", "ab", "c", "d"]), ("ab".into(), true, String::new()));
+        assert_eq!(stream(&["abc"], &["a", "b", "a", "b", "c"]), ("ab".into(), true, String::new()));
+        assert_eq!(stream(&["aab"], &["a", "a", "a", "b"]), ("a".into(), true, String::new()));
+        assert_eq!(stream(&["abc"], &["ab", "ab"]), ("ab".into(), false, "ab".into()));
     }
 
     #[test]
@@ -1356,14 +1092,8 @@ mod tests {
         assert_eq!(m.push("abcde"), ("a".to_string(), true));
         assert_eq!(m.matched(), Some("bcd"));
         // No stops: everything passes straight through.
-        assert_eq!(
-            stream(&[], &["a", "b"]),
-            ("ab".into(), false, String::new())
-        );
-        assert_eq!(
-            stream(&[""], &["a", "b"]),
-            ("ab".into(), false, String::new())
-        );
+        assert_eq!(stream(&[], &["a", "b"]), ("ab".into(), false, String::new()));
+        assert_eq!(stream(&[""], &["a", "b"]), ("ab".into(), false, String::new()));
     }
 
     #[test]
@@ -1378,18 +1108,9 @@ mod tests {
         assert_eq!(m.push("è"), ("è".to_string(), false));
         assert_eq!(m.push("aé"), ("a".to_string(), true));
 
-        assert_eq!(
-            stream(&["日本語"], &["今日", "本", "語です"]),
-            ("今".into(), true, String::new())
-        );
-        assert_eq!(
-            stream(&["日本語"], &["今日", "本", "人"]),
-            ("今日本人".into(), false, String::new())
-        );
-        assert_eq!(
-            stream(&["🦀!"], &["a🦀", "🦀", "!b"]),
-            ("a🦀".into(), true, String::new())
-        );
+        assert_eq!(stream(&["日本語"], &["今日", "本", "語です"]), ("今".into(), true, String::new()));
+        assert_eq!(stream(&["日本語"], &["今日", "本", "人"]), ("今日本人".into(), false, String::new()));
+        assert_eq!(stream(&["🦀!"], &["a🦀", "🦀", "!b"]), ("a🦀".into(), true, String::new()));
     }
 
     #[test]
@@ -1397,14 +1118,10 @@ mod tests {
         let mut rng = Xoshiro256StarStar::from_seed(99);
         let alphabet = ['a', 'b', 'é', '日'];
         let pick = |rng: &mut Xoshiro256StarStar, n: u64| -> String {
-            (0..1 + rng.next_u64() % n)
-                .map(|_| alphabet[(rng.next_u64() % 4) as usize])
-                .collect()
+            (0..1 + rng.next_u64() % n).map(|_| alphabet[(rng.next_u64() % 4) as usize]).collect()
         };
         for _ in 0..2000 {
-            let stops: Vec<String> = (0..1 + rng.next_u64() % 3)
-                .map(|_| pick(&mut rng, 4))
-                .collect();
+            let stops: Vec<String> = (0..1 + rng.next_u64() % 3).map(|_| pick(&mut rng, 4)).collect();
             let text = pick(&mut rng, 30);
             let mut chunks = Vec::new();
             let chars: Vec<char> = text.chars().collect();

@@ -37,9 +37,15 @@ impl DType {
 /// Bytes of one tensor, kept alive by the mapping they point into or owned outright.
 #[derive(Clone)]
 pub enum Bytes {
-    Mapped { map: Arc<Mmap>, range: Range<usize> },
+    Mapped {
+        map: Arc<Mmap>,
+        range: Range<usize>,
+    },
     /// Owned data in `u32` words so that any 2- or 4-byte view of it is aligned.
-    Owned { words: Arc<Vec<u32>>, len: usize },
+    Owned {
+        words: Arc<Vec<u32>>,
+        len: usize,
+    },
 }
 
 impl Bytes {
@@ -54,9 +60,7 @@ impl Bytes {
             Bytes::Mapped { map, range } => &map[range.clone()],
             Bytes::Owned { words, len } => {
                 // SAFETY: a u32 slice is always viewable as bytes; len <= 4 * words.len().
-                let all = unsafe {
-                    std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 4)
-                };
+                let all = unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 4) };
                 &all[..*len]
             }
         }
@@ -74,7 +78,7 @@ impl Bytes {
     /// not aligned for `align`; otherwise a cheap clone of the same view.
     pub fn aligned(&self, align: usize) -> Bytes {
         let s = self.as_slice();
-        if (s.as_ptr() as usize) % align == 0 {
+        if (s.as_ptr() as usize).is_multiple_of(align) {
             self.clone()
         } else {
             Bytes::owned(s)
@@ -108,10 +112,7 @@ impl HostTensor {
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let b = self.bytes.as_slice();
         match self.dtype {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
+            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DType::BF16 => b
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())

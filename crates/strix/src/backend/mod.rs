@@ -154,7 +154,15 @@ pub trait Backend: Send + Sync {
 
     /// `Qwen3_5RMSNormGated` in place: each `dim`-row of `x` becomes
     /// `weight * x / rms(x) * silu(z)` (weight not offset by one).
-    fn gated_rms_norm(&self, x: &mut Self::Buf, z: &Self::Buf, weight: &Self::Buf, rows: usize, dim: usize, eps: f32);
+    fn gated_rms_norm(
+        &self,
+        x: &mut Self::Buf,
+        z: &Self::Buf,
+        weight: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    );
 
     // --- gated attention ----------------------------------------------------------------------
 

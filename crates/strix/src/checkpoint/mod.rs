@@ -49,9 +49,27 @@ impl Checkpoint {
             .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
             .collect();
         found.sort();
-        match found.len() {
-            0 => Err(Error::checkpoint(dir, "no model.safetensors, model.safetensors.index.json or *.safetensors file")),
-            _ => Checkpoint::open_files(&found),
+        match found.as_slice() {
+            [] => Err(Error::checkpoint(
+                dir,
+                "no model.safetensors, model.safetensors.index.json or *.safetensors file",
+            )),
+            [only] => Checkpoint::open_files(std::slice::from_ref(only)),
+            many => {
+                let names: Vec<String> = many
+                    .iter()
+                    .filter_map(|p| p.file_name())
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .collect();
+                Err(Error::checkpoint(
+                    dir,
+                    format!(
+                        "no model.safetensors or model.safetensors.index.json, and several *.safetensors files ({}): \
+                         which are the weights is ambiguous",
+                        names.join(", ")
+                    ),
+                ))
+            }
         }
     }
 
@@ -75,7 +93,10 @@ impl Checkpoint {
         let paths: Vec<PathBuf> = shards.keys().map(|f| dir.join(f)).collect();
         for p in &paths {
             if !p.exists() {
-                return Err(Error::checkpoint(index, format!("shard {} listed in weight_map does not exist", p.display())));
+                return Err(Error::checkpoint(
+                    index,
+                    format!("shard {} listed in weight_map does not exist", p.display()),
+                ));
             }
         }
         let ckpt = Checkpoint::open_files(&paths)?;
@@ -88,7 +109,9 @@ impl Checkpoint {
                 Some(_) | None => {
                     return Err(Error::checkpoint(
                         index,
-                        format!("weight_map says tensor `{name}` is in {file}, but that shard does not hold it"),
+                        format!(
+                            "weight_map says tensor `{name}` is in {file}, but that shard does not hold it"
+                        ),
                     ))
                 }
             }
@@ -106,13 +129,22 @@ impl Checkpoint {
             // they are mapped (modifying one under a running process is outside our contract).
             let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
             let (header_len, metadata) = SafeTensors::read_metadata(&map)
-                .map_err(|e| Error::checkpoint(path, describe_safetensors_error(&e, map.len())))?;
+                .map_err(|e| Error::checkpoint(path, describe_safetensors_error(&e, &map)))?;
             let base = 8 + header_len;
             for (name, info) in metadata.tensors() {
                 let (s, e) = info.data_offsets;
-                let entry = Entry { file: i, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e };
+                let entry = Entry {
+                    file: i,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: base + s,
+                    end: base + e,
+                };
                 if entries.insert(name.clone(), entry).is_some() {
-                    return Err(Error::checkpoint(path, format!("tensor `{name}` is defined in more than one file")));
+                    return Err(Error::checkpoint(
+                        path,
+                        format!("tensor `{name}` is defined in more than one file"),
+                    ));
                 }
             }
             files.push((path.clone(), Arc::new(map)));
@@ -137,6 +169,30 @@ impl Checkpoint {
     /// Total bytes of all mapped files.
     pub fn total_bytes(&self) -> usize {
         self.files.iter().map(|f| f.1.len()).sum()
+    }
+
+    /// Reads every page of every file once, so the weights are in the page cache before the
+    /// first token instead of trickling in from disk during it. `progress` gets (bytes, total).
+    pub fn prefetch(&self, progress: Option<&dyn Fn(u64, u64)>) {
+        const STEP: usize = 16 << 20;
+        const PAGE: usize = 4096;
+        let total = self.total_bytes() as u64;
+        let mut done = 0u64;
+        for (_, map) in &self.files {
+            // Only a hint: the reads below do the work if the kernel ignores it.
+            let _ = map.advise(memmap2::Advice::WillNeed);
+            for chunk in map.chunks(STEP) {
+                let mut acc = 0u8;
+                for i in (0..chunk.len()).step_by(PAGE) {
+                    acc ^= chunk[i];
+                }
+                std::hint::black_box(acc);
+                done += chunk.len() as u64;
+                if let Some(p) = progress {
+                    p(done, total);
+                }
+            }
+        }
     }
 
     /// A tensor by name, checked to have `shape`, in one of the float dtypes strix reads.
@@ -168,10 +224,18 @@ impl Checkpoint {
     }
 }
 
-fn describe_safetensors_error(e: &safetensors::SafeTensorError, file_len: usize) -> String {
+fn describe_safetensors_error(e: &safetensors::SafeTensorError, file: &[u8]) -> String {
     use safetensors::SafeTensorError as E;
+    let file_len = file.len();
     match e {
         E::HeaderTooSmall => format!("not a safetensors file: {file_len} bytes is too short for a header"),
+        // safetensors does not say which entry is wrong: find it.
+        E::TensorInvalidInfo | E::ValidationOverflow | E::MisalignedSlice => match inconsistent_entry(file) {
+            Some(name) => format!(
+                "corrupt safetensors header: the dtype and shape of tensor `{name}` do not match its data_offsets"
+            ),
+            None => format!("corrupt safetensors header: {e}"),
+        },
         E::InvalidHeaderLength => {
             "corrupt safetensors header: its declared length runs past the end of the file (truncated?)".into()
         }
@@ -183,4 +247,18 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, file_len: usize)
         }
         other => format!("invalid safetensors file: {other}"),
     }
+}
+
+/// The first header entry whose byte range does not hold `shape` elements of `dtype`.
+fn inconsistent_entry(file: &[u8]) -> Option<String> {
+    let n = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(file.get(8..8usize.checked_add(n)?)?).ok()?;
+    header.into_iter().filter(|(name, _)| name != "__metadata__").find_map(|(name, value)| {
+        let info: safetensors::tensor::TensorInfo = serde_json::from_value(value).ok()?;
+        let bits = info.shape.iter().try_fold(info.dtype.bitsize(), |a, &d| a.checked_mul(d));
+        let (s, e) = info.data_offsets;
+        let ok = bits.is_some_and(|b| b % 8 == 0 && e.checked_sub(s) == Some(b / 8));
+        (!ok).then_some(name)
+    })
 }

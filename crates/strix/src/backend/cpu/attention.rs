@@ -89,8 +89,9 @@ pub fn causal(
         let kh = h / group;
         let qh = &q[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
         let visible = pos0 + t + 1;
-        let mut scores: Vec<f32> =
-            (0..visible).map(|j| dot(qh, &k_cache[j * kv + kh * hd..j * kv + (kh + 1) * hd]) * scaling).collect();
+        let mut scores: Vec<f32> = (0..visible)
+            .map(|j| dot(qh, &k_cache[j * kv + kh * hd..j * kv + (kh + 1) * hd]) * scaling)
+            .collect();
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         let mut sum = 0.0f32;
         for s in scores.iter_mut() {

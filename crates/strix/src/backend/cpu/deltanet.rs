@@ -19,7 +19,13 @@ use crate::backend::DeltaNetShape;
 pub const CHUNK: usize = 64;
 
 /// Depthwise causal convolution with SiLU, in place on `qkv: [tokens, conv_dim]`.
-pub fn causal_conv1d_silu(shape: &DeltaNetShape, qkv: &mut [f32], tokens: usize, weight: &[f32], state: &mut [f32]) {
+pub fn causal_conv1d_silu(
+    shape: &DeltaNetShape,
+    qkv: &mut [f32],
+    tokens: usize,
+    weight: &[f32],
+    state: &mut [f32],
+) {
     let channels = shape.conv_dim();
     let k = shape.conv_kernel;
     let hist = k - 1;
@@ -106,18 +112,20 @@ impl DeltaRuleInputs {
         let mut q = vec![0.0f32; nk * tokens * dk];
         let mut k = vec![0.0f32; nk * tokens * dk];
         let mut v = vec![0.0f32; nv * tokens * dv];
-        q.par_chunks_mut(tokens * dk).zip(k.par_chunks_mut(tokens * dk)).enumerate().for_each(|(h, (q, k))| {
-            for t in 0..tokens {
-                let row = &qkv[t * conv_dim..(t + 1) * conv_dim];
-                let qt = &mut q[t * dk..(t + 1) * dk];
-                qt.copy_from_slice(&row[h * dk..(h + 1) * dk]);
-                l2_normalize(qt);
-                scale(qt, q_scale);
-                let kt = &mut k[t * dk..(t + 1) * dk];
-                kt.copy_from_slice(&row[key_dim + h * dk..key_dim + (h + 1) * dk]);
-                l2_normalize(kt);
-            }
-        });
+        q.par_chunks_mut(tokens * dk).zip(k.par_chunks_mut(tokens * dk)).enumerate().for_each(
+            |(h, (q, k))| {
+                for t in 0..tokens {
+                    let row = &qkv[t * conv_dim..(t + 1) * conv_dim];
+                    let qt = &mut q[t * dk..(t + 1) * dk];
+                    qt.copy_from_slice(&row[h * dk..(h + 1) * dk]);
+                    l2_normalize(qt);
+                    scale(qt, q_scale);
+                    let kt = &mut k[t * dk..(t + 1) * dk];
+                    kt.copy_from_slice(&row[key_dim + h * dk..key_dim + (h + 1) * dk]);
+                    l2_normalize(kt);
+                }
+            },
+        );
         v.par_chunks_mut(tokens * dv).enumerate().for_each(|(h, v)| {
             for t in 0..tokens {
                 let src = 2 * key_dim + h * dv;
@@ -172,9 +180,11 @@ fn for_each_head(
     assert_eq!(state.len(), nv * dk * dv);
     assert_eq!(out.len(), tokens * nv * dv);
     let mut head_out = vec![0.0f32; nv * tokens * dv];
-    state.par_chunks_mut(dk * dv).zip(head_out.par_chunks_mut(tokens * dv)).enumerate().for_each(
-        |(h, (s, o))| per_head(h, s, o),
-    );
+    state
+        .par_chunks_mut(dk * dv)
+        .zip(head_out.par_chunks_mut(tokens * dv))
+        .enumerate()
+        .for_each(|(h, (s, o))| per_head(h, s, o));
     for h in 0..nv {
         for t in 0..tokens {
             out[t * nv * dv + h * dv..t * nv * dv + (h + 1) * dv]
@@ -233,9 +243,9 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
             let v = &x.v[start * dv..(start + len) * dv];
             let beta = &x.beta[start..start + len];
             let mut acc = 0.0f32;
-            for i in 0..len {
-                acc += x.g[start + i];
-                cum[i] = acc;
+            for (c, &g) in cum.iter_mut().zip(&x.g[start..start + len]) {
+                acc += g;
+                *c = acc;
             }
             // A[i][j] = (β_i k_i · k_j) exp(γ_i − γ_j) for j < i.
             for i in 0..len {
@@ -321,7 +331,14 @@ mod tests {
     }
 
     fn shape(nk: usize, nv: usize, dk: usize, dv: usize) -> DeltaNetShape {
-        DeltaNetShape { num_k_heads: nk, num_v_heads: nv, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, eps: 1e-6 }
+        DeltaNetShape {
+            num_k_heads: nk,
+            num_v_heads: nv,
+            k_head_dim: dk,
+            v_head_dim: dv,
+            conv_kernel: 4,
+            eps: 1e-6,
+        }
     }
 
     fn rel_err(a: &[f32], b: &[f32]) -> f32 {
@@ -350,7 +367,10 @@ mod tests {
                 chunked(&sh, &inputs, &mut s2, &mut o2);
                 let (eo, es) = (rel_err(&o2, &o1), rel_err(&s2, &s1));
                 // f32 rounding of two summation orders: max|Δ|/max|ref| ≤ 1e-5.
-                assert!(eo <= 1e-5 && es <= 1e-5, "heads {nk}/{nv} dims {dk}/{dv} T={tokens}: out {eo}, state {es}");
+                assert!(
+                    eo <= 1e-5 && es <= 1e-5,
+                    "heads {nk}/{nv} dims {dk}/{dv} T={tokens}: out {eo}, state {es}"
+                );
             }
         }
     }

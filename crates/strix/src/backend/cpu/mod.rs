@@ -38,9 +38,15 @@ impl CpuWeight {
         // for the element type; safetensors data is little-endian, as are the hosts we build for.
         unsafe {
             match self.dtype {
-                DType::BF16 => WeightRef::Bf16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)),
-                DType::F16 => WeightRef::F16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)),
-                DType::F32 => WeightRef::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4)),
+                DType::BF16 => {
+                    WeightRef::Bf16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2))
+                }
+                DType::F16 => {
+                    WeightRef::F16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2))
+                }
+                DType::F32 => {
+                    WeightRef::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4))
+                }
             }
         }
     }
@@ -126,14 +132,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
-        matmul::matmul(
-            &x[..tokens * w.cols],
-            tokens,
-            w.view(),
-            w.rows,
-            w.cols,
-            &mut out[..tokens * w.rows],
-        );
+        matmul::matmul(&x[..tokens * w.cols], tokens, w.view(), w.rows, w.cols, &mut out[..tokens * w.rows]);
     }
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
@@ -235,7 +234,15 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn gated_rms_norm(&self, x: &mut Vec<f32>, z: &Vec<f32>, weight: &Vec<f32>, rows: usize, dim: usize, eps: f32) {
+    fn gated_rms_norm(
+        &self,
+        x: &mut Vec<f32>,
+        z: &Vec<f32>,
+        weight: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) {
         let n = dim * rows_per_task(dim);
         x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
             for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {
