@@ -93,7 +93,7 @@ pub struct Model<B: Backend> {
     inv_freq: B::Buf,
 }
 
-/// Progress of a load, in bytes: called with (done, total).
+/// Progress of a load: called with (done, total), in the units the loading function names.
 pub type Progress<'a> = &'a dyn Fn(u64, u64);
 
 impl<B: Backend> Model<B> {

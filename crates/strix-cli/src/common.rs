@@ -1,0 +1,353 @@
+//! What the subcommands share: finding the model (local directory or Hugging Face repo id),
+//! loading it behind a progress bar, the thread pool, the sampling and generation flags, and
+//! turning a prompt (text, chat message or token ids) into ids.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use strix::backend::cpu::CpuBackend;
+use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
+use strix::hub::{fetch_model, DEFAULT_MODEL};
+use strix::model::Model;
+use strix::sampling::SamplingParams;
+use strix::tokenizer::Tokenizer;
+
+pub type CpuModel = Model<CpuBackend>;
+
+/// Context used when `--ctx` is not given, unless the prompt and its completion need more
+/// (and the model allows it).
+pub const DEFAULT_CONTEXT: usize = 4096;
+
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// Model directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face repo
+    /// id such as Qwen/Qwen3.5-2B (downloaded to the Hugging Face cache on first use).
+    /// Default: Qwen/Qwen3.5-0.8B
+    #[arg(short, long, value_name = "PATH")]
+    pub model: Option<String>,
+
+    /// Worker threads [default: one per logical CPU]
+    #[arg(short, long, value_name = "N")]
+    pub threads: Option<usize>,
+}
+
+/// Sampling flags, with llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95,
+/// min-p 0.05, no penalties, a random seed.
+#[derive(Args, Debug)]
+#[command(next_help_heading = "Sampling (llama.cpp's defaults; --temperature 0 is greedy)")]
+pub struct SamplingArgs {
+    /// Divide the logits by T before sampling; 0 picks the most likely token (greedy)
+    #[arg(
+        long,
+        visible_alias = "temp",
+        value_name = "T",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
+    pub temperature: f32,
+
+    /// Sample from the K most likely tokens only (0: all)
+    #[arg(long, value_name = "K", default_value_t = 40, allow_negative_numbers = true)]
+    pub top_k: usize,
+
+    /// Sample from the smallest set of most likely tokens whose probability reaches P (1: off)
+    #[arg(long, value_name = "P", default_value_t = 0.95, allow_negative_numbers = true)]
+    pub top_p: f32,
+
+    /// Drop tokens less likely than P times the most likely one (0: off)
+    #[arg(long, value_name = "P", default_value_t = 0.05, allow_negative_numbers = true)]
+    pub min_p: f32,
+
+    /// Divide positive (multiply negative) logits of tokens already in the prompt or output (1: off)
+    #[arg(
+        long,
+        visible_alias = "repetition-penalty",
+        value_name = "X",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
+    pub repeat_penalty: f32,
+
+    /// Subtract X from the logit of every token already generated (0: off)
+    #[arg(long, value_name = "X", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+
+    /// Subtract X times its count from the logit of every token already generated (0: off)
+    #[arg(long, value_name = "X", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+
+    /// Random seed: the same seed, prompt and flags give the same output [default: random]
+    #[arg(short, long, value_name = "N")]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The sampling parameters, with a seed drawn now when none was given, so that it can be
+    /// reported and the run replayed.
+    pub fn params(&self) -> Result<SamplingParams> {
+        let params = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: Some(self.seed.unwrap_or_else(random_seed)),
+        };
+        params.validate()?;
+        Ok(params)
+    }
+}
+
+/// Chat template switches shared by `run --chat` and `chat`.
+#[derive(Args, Debug)]
+pub struct ChatTemplateArgs {
+    /// A system message to start the conversation with
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+
+    /// Ask for a direct answer: the template's enable_thinking=false (an empty <think> block)
+    #[arg(long, conflicts_with = "think")]
+    pub no_think: bool,
+
+    /// Ask for thinking before the answer: enable_thinking=true [default: the template's
+    /// default, which for Qwen3.5 is to think]
+    #[arg(long)]
+    pub think: bool,
+}
+
+impl ChatTemplateArgs {
+    pub fn enable_thinking(&self) -> Option<bool> {
+        match (self.think, self.no_think) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        }
+    }
+
+    pub fn system_messages(&self) -> Vec<ChatMessage> {
+        self.system.iter().map(|s| ChatMessage::system(s.as_str())).collect()
+    }
+
+    pub fn options(&self, add_generation_prompt: bool) -> ChatOptions {
+        ChatOptions {
+            add_generation_prompt,
+            enable_thinking: self.enable_thinking(),
+            ..ChatOptions::default()
+        }
+    }
+}
+
+/// A seed from the OS-seeded hasher of the standard library (no extra dependency).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+/// Sizes rayon's global pool; must run before anything touches rayon.
+pub fn init_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| anyhow!("cannot start {n} worker threads: {e}"))?;
+    }
+    Ok(())
+}
+
+/// `owner/name`, as Hugging Face spells repo ids: one slash, no path-like pieces.
+fn looks_like_repo_id(s: &str) -> bool {
+    let mut parts = s.split('/');
+    let (Some(owner), Some(name), None) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    let ok = |p: &str| {
+        !p.is_empty()
+            && !p.starts_with('.')
+            && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    ok(owner) && ok(name)
+}
+
+/// The model directory `--model` names: a local directory, else a Hugging Face repo id to
+/// fetch; no `--model` fetches the default model.
+pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
+    let Some(arg) = arg else {
+        eprintln!("strix: no --model given, using {DEFAULT_MODEL} (fetched from the Hugging Face Hub once)");
+        return Ok(fetch_model(DEFAULT_MODEL)?);
+    };
+    let path = Path::new(arg);
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    if path.exists() {
+        bail!("--model {arg} is a file; give the model directory that holds config.json");
+    }
+    if looks_like_repo_id(arg) {
+        return fetch_model(arg)
+            .with_context(|| format!("`{arg}` is not a local directory, and as a Hugging Face repo id"));
+    }
+    bail!("model directory {arg} does not exist")
+}
+
+/// A progress bar on stderr; indicatif draws nothing when stderr is not a terminal.
+pub fn progress_bar(message: &'static str, unit: &str) -> ProgressBar {
+    let template = format!("{{msg}} [{{bar:40}}] {{pos}}/{{len}} {unit} ({{elapsed}})");
+    let style = ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    ProgressBar::new(0).with_style(style.progress_chars("=> ")).with_message(message)
+}
+
+/// Loads a model directory's weights, with a progress bar over its layers.
+pub fn load_model(dir: &Path) -> Result<CpuModel> {
+    let bar = progress_bar("loading", "layers");
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let model = Model::load(dir, CpuBackend::new(), Some(&progress));
+    bar.finish_and_clear();
+    Ok(model?)
+}
+
+/// The tokenizer of a model directory; `None` when it ships none.
+pub fn load_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    Ok(Tokenizer::from_model_dir(dir)?)
+}
+
+/// The tokenizer, or an error saying why `what` needs one.
+pub fn require_tokenizer<'a>(
+    tokenizer: Option<&'a Tokenizer>,
+    dir: &Path,
+    what: &str,
+) -> Result<&'a Tokenizer> {
+    tokenizer.ok_or_else(|| {
+        anyhow!(
+            "{} has no tokenizer.json, so {what} cannot be tokenized; give token ids with --prompt-ids",
+            dir.display()
+        )
+    })
+}
+
+pub fn require_template(dir: &Path) -> Result<ChatTemplate> {
+    ChatTemplate::from_model_dir(dir)?.ok_or_else(|| {
+        anyhow!("{} has no chat template (chat_template.jinja or tokenizer_config.json)", dir.display())
+    })
+}
+
+/// Parses `--prompt-ids 1,2,3` (spaces allowed around the commas).
+pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
+    let ids = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u32>().map_err(|_| anyhow!("invalid --prompt-ids: `{s}` is not a token id (expected comma-separated non-negative integers)")))
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("--prompt-ids is empty");
+    }
+    Ok(ids)
+}
+
+/// Rejects ids the model has no embedding for, before any work is done.
+pub fn check_ids(ids: &[u32], vocab_size: usize) -> Result<()> {
+    if ids.is_empty() {
+        bail!("the prompt is empty (0 tokens)");
+    }
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+        bail!("token id {bad} is outside the model's vocabulary (ids 0..{vocab_size})");
+    }
+    Ok(())
+}
+
+/// The context size: `--ctx` if given, else enough for `needed` tokens and at least
+/// [`DEFAULT_CONTEXT`], within what the model was trained for.
+pub fn context_size(ctx: Option<usize>, needed: usize, model_max: usize) -> Result<usize> {
+    match ctx {
+        Some(0) => bail!("--ctx must be at least 1"),
+        Some(n) => {
+            if n > model_max {
+                eprintln!(
+                    "strix: warning: --ctx {n} exceeds the model's max_position_embeddings ({model_max})"
+                );
+            }
+            Ok(n)
+        }
+        None => Ok(needed.max(DEFAULT_CONTEXT).min(model_max)),
+    }
+}
+
+/// Writes to stdout as text streams in, remembering the first write error instead of
+/// panicking (as `print!` would) when the reader goes away, e.g. `strix run ... | head`.
+#[derive(Default)]
+pub struct StdoutStream {
+    error: Option<std::io::Error>,
+}
+
+impl StdoutStream {
+    pub fn write(&mut self, text: &str) {
+        if self.error.is_some() || text.is_empty() {
+            return;
+        }
+        let mut out = std::io::stdout().lock();
+        if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+            self.error = Some(e);
+        }
+    }
+
+    /// The write error, if any; a closed pipe is the reader's choice, not an error.
+    pub fn finish(self) -> Result<()> {
+        match self.error {
+            Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(anyhow!("writing to stdout: {e}")),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Tokens per second, 0 when nothing was timed.
+pub fn rate(tokens: usize, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        tokens as f64 / seconds
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repo_ids_are_told_from_paths() {
+        assert!(looks_like_repo_id("Qwen/Qwen3.5-0.8B"));
+        for path in ["./Qwen3.5", "/tmp/x/y", "a/b/c", "../x", "model", "a/", "a b/c"] {
+            assert!(!looks_like_repo_id(path), "{path}");
+        }
+    }
+
+    #[test]
+    fn ids_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_ids("1, 2,3").unwrap(), vec![1, 2, 3]);
+        assert!(parse_ids("x,y").unwrap_err().to_string().contains("`x`"));
+        assert!(parse_ids("-1").is_err());
+        assert!(parse_ids(",").is_err());
+    }
+
+    #[test]
+    fn default_context_fits_the_request_within_the_model() {
+        assert_eq!(context_size(None, 10, 262_144).unwrap(), DEFAULT_CONTEXT);
+        assert_eq!(context_size(None, 10_000, 262_144).unwrap(), 10_000);
+        assert_eq!(context_size(None, 10, 1024).unwrap(), 1024);
+        assert_eq!(context_size(Some(16), 10, 1024).unwrap(), 16);
+    }
+}

@@ -1,0 +1,613 @@
+//! End-to-end tests of the `strix` binary on the tiny fixture models: outputs against the
+//! reference goldens, sampling and stop flags, the chat session's incremental prefill, the
+//! benchmark's JSON, and one clean error line (never a panic) for each kind of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use safetensors::SafeTensors;
+use serde_json::Value;
+use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
+use strix::tokenizer::Tokenizer;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models").join(name)
+}
+
+fn fixture_arg(name: &str) -> String {
+    fixture(name).display().to_string()
+}
+
+/// Runs `strix` with `args` and `stdin` (empty when `None`).
+fn strix_with_stdin(args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strix"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start strix");
+    let mut pipe = child.stdin.take().expect("stdin");
+    if let Some(text) = stdin {
+        pipe.write_all(text.as_bytes()).expect("write stdin");
+    }
+    drop(pipe);
+    child.wait_with_output().expect("wait for strix")
+}
+
+fn strix(args: &[&str]) -> Output {
+    strix_with_stdin(args, None)
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Runs `strix` and parses its stdout as one JSON object, failing with stderr on error.
+fn strix_json(args: &[&str]) -> Value {
+    let out = strix(args);
+    assert!(out.status.success(), "strix {args:?} failed: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout of {args:?} is not JSON ({e}): {}", stdout(&out)))
+}
+
+fn ids_of(value: &Value) -> Vec<u32> {
+    value.as_array().expect("an array of ids").iter().map(|v| v.as_u64().expect("an id") as u32).collect()
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// A failed run: non-zero exit, one `error: ...` line on stderr that contains `needle`, no panic.
+#[track_caller]
+fn assert_clean_error(out: &Output, needle: &str) {
+    let err = stderr(out);
+    assert!(!out.status.success(), "expected a failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "strix panicked: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {err}");
+    assert!(lines[0].starts_with("error: "), "not an error line: {err}");
+    assert!(lines[0].contains(needle), "error does not mention `{needle}`: {err}");
+}
+
+struct Golden {
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+    greedy: Vec<u32>,
+}
+
+/// The goldens of a fixture, by prompt length.
+fn goldens(name: &str) -> Vec<(usize, Golden)> {
+    let bytes = std::fs::read(fixture(name).join("goldens.safetensors")).expect("read goldens");
+    let st = SafeTensors::deserialize(&bytes).expect("parse goldens");
+    let ints = |key: &str| -> Vec<u32> {
+        let t = st.tensor(key).expect(key);
+        t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect()
+    };
+    let mut lengths: Vec<usize> =
+        st.names().iter().filter_map(|n| n.strip_prefix('p')?.strip_suffix(".ids")?.parse().ok()).collect();
+    lengths.sort();
+    lengths
+        .into_iter()
+        .map(|t| {
+            let logits = st.tensor(&format!("p{t}.logits")).expect("logits");
+            let logits =
+                logits.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            (t, Golden { ids: ints(&format!("p{t}.ids")), logits, greedy: ints(&format!("p{t}.greedy")) })
+        })
+        .collect()
+}
+
+fn read_logits(path: &Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).expect("read logits file");
+    let st = SafeTensors::deserialize(&bytes).expect("parse logits file");
+    let t = st.tensor("logits").expect("a `logits` tensor");
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+    let values = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    (t.shape().to_vec(), values)
+}
+
+/// Greedy `run` continues the prompt exactly as the reference did, and `logits` reproduces
+/// the reference's logits at every position.
+fn check_fixture_against_goldens(name: &str) {
+    let model = fixture_arg(name);
+    let dir = tempfile::tempdir().unwrap();
+    for (t, golden) in goldens(name) {
+        let ids = join_ids(&golden.ids);
+        let out = strix_json(&[
+            "run",
+            "--model",
+            &model,
+            "--prompt-ids",
+            &ids,
+            "--max-tokens",
+            "10",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]);
+        assert_eq!(ids_of(&out["prompt_ids"]), golden.ids, "{name} p{t}: prompt ids");
+        assert_eq!(ids_of(&out["ids"]), golden.greedy, "{name} p{t}: greedy continuation");
+        assert_eq!(out["finish_reason"], "length");
+
+        let path = dir.path().join(format!("p{t}.safetensors"));
+        let path_arg = path.display().to_string();
+        let out = strix(&["logits", "--model", &model, "--prompt-ids", &ids, "--out", &path_arg]);
+        assert!(out.status.success(), "logits failed: {}", stderr(&out));
+        let (shape, logits) = read_logits(&path);
+        assert_eq!(shape, vec![t, golden.logits.len() / t], "{name} p{t}: logits shape");
+        let max_ref = golden.logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let max_diff = logits.iter().zip(&golden.logits).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(max_diff / max_ref <= 1e-4, "{name} p{t}: max|Δ|/max|ref| = {:e}", max_diff / max_ref);
+    }
+}
+
+#[test]
+fn goldens_vlm_f32_gdn2x() {
+    check_fixture_against_goldens("vlm-f32-gdn2x");
+}
+
+#[test]
+fn goldens_causal_bf16_sharded() {
+    check_fixture_against_goldens("causal-bf16-sharded");
+}
+
+#[test]
+fn goldens_causal_f32_tied_gdn2x() {
+    check_fixture_against_goldens("causal-f32-tied-gdn2x");
+}
+
+#[test]
+fn goldens_causal_bf16_gdn3x() {
+    check_fixture_against_goldens("causal-bf16-gdn3x");
+}
+
+#[test]
+fn generation_stops_at_an_end_of_sequence_token() {
+    // The fixtures' greedy continuations hold no EOS, so a copy of one declares its fourth
+    // greedy token an end-of-sequence token too (generation_config.json adds to config.json's).
+    let (_, golden) = goldens("causal-bf16-gdn3x").remove(0);
+    let eos = golden.greedy[3];
+    let dir = fixture_copy("causal-bf16-gdn3x", &["goldens.safetensors"]);
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        format!("{{\"eos_token_id\": [322, 320, {eos}]}}"),
+    )
+    .unwrap();
+    let model = dir.path().display().to_string();
+    let args = [
+        "run",
+        "--model",
+        &model,
+        "--prompt-ids",
+        &join_ids(&golden.ids),
+        "-n",
+        "10",
+        "--temperature",
+        "0",
+        "--json",
+    ];
+    let json = strix_json(&args);
+    let first = golden.greedy.iter().position(|&id| id == eos).unwrap();
+    assert_eq!(ids_of(&json["ids"]), golden.greedy[..=first]);
+    assert_eq!(json["finish_reason"], "eos");
+    let json = strix_json(&[&args[..], &["--ignore-eos"]].concat());
+    assert_eq!(ids_of(&json["ids"]), golden.greedy);
+}
+
+fn tokenizer(name: &str) -> Tokenizer {
+    Tokenizer::from_model_dir(fixture(name)).unwrap().unwrap()
+}
+
+/// The text of `ids` as generation streams it: special tokens and ids the tokenizer lacks
+/// (the embedding's padding rows) leave no text.
+fn decode_known(tokenizer: &Tokenizer, ids: &[u32]) -> String {
+    let known: Vec<u32> = ids.iter().copied().filter(|&id| tokenizer.id_to_token(id).is_some()).collect();
+    tokenizer.decode(&known, true).unwrap()
+}
+
+#[test]
+fn logits_of_a_text_prompt_cover_each_of_its_tokens() {
+    let name = "causal-bf16-sharded";
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("text.safetensors");
+    let out = strix(&[
+        "logits",
+        "--model",
+        &fixture_arg(name),
+        "--prompt",
+        "Hello world",
+        "--out",
+        path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let ids = tokenizer(name).encode("Hello world", true).unwrap();
+    let (shape, logits) = read_logits(&path);
+    assert_eq!(shape, vec![ids.len(), 384]);
+    assert!(logits.iter().all(|x| x.is_finite()));
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let stored: Vec<u32> = st
+        .tensor("ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    assert_eq!(stored, ids);
+}
+
+#[test]
+fn a_text_prompt_streams_the_text_that_json_reports() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let args = ["run", "--model", &model, "The quick brown fox", "--max-tokens", "5", "--temperature", "0"];
+    let streamed = strix(&args);
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    let json = strix_json(&[&args[..], &["--json"]].concat());
+    let text = json["text"].as_str().unwrap();
+    assert!(!text.is_empty(), "expected some text: {json}");
+    assert_eq!(stdout(&streamed), text, "streamed text differs from --json text");
+
+    let tok = tokenizer("causal-bf16-gdn3x");
+    assert_eq!(ids_of(&json["prompt_ids"]), tok.encode("The quick brown fox", true).unwrap());
+    let ids = ids_of(&json["ids"]);
+    assert_eq!(ids.len(), 5);
+    assert_eq!(text, decode_known(&tok, &ids));
+    let timings = &json["timings"];
+    assert_eq!(
+        timings["prefill_tokens"].as_u64().unwrap() as usize,
+        json["prompt_ids"].as_array().unwrap().len()
+    );
+    assert!(timings["decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn the_prompt_can_come_from_stdin() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let out = strix_with_stdin(
+        &["run", "--model", &model, "-n", "3", "--temperature", "0", "--json"],
+        Some("The quick brown fox"),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        ids_of(&json["prompt_ids"]),
+        tokenizer("causal-bf16-gdn3x").encode("The quick brown fox", true).unwrap()
+    );
+}
+
+#[test]
+fn chat_flag_renders_the_template_with_system_message_and_thinking_switch() {
+    let name = "causal-f32-tied-gdn2x";
+    let model = fixture_arg(name);
+    let template = ChatTemplate::from_model_dir(fixture(name)).unwrap().unwrap();
+    let tok = tokenizer(name);
+    let messages = [ChatMessage::system("Be brief."), ChatMessage::user("Hi there")];
+    for (flag, enable_thinking) in
+        [(None, None), (Some("--no-think"), Some(false)), (Some("--think"), Some(true))]
+    {
+        let mut args = vec![
+            "run",
+            "--model",
+            &model,
+            "--chat",
+            "--system",
+            "Be brief.",
+            "Hi there",
+            "-n",
+            "4",
+            "--json",
+        ];
+        args.extend(flag);
+        let json = strix_json(&args);
+        let options = ChatOptions { add_generation_prompt: true, enable_thinking, ..ChatOptions::default() };
+        let rendered = template.render(&messages, &options).unwrap();
+        assert!(rendered.starts_with("<|im_start|>system\nBe brief.<|im_end|>"));
+        assert_eq!(ids_of(&json["prompt_ids"]), tok.encode(&rendered, false).unwrap(), "{flag:?}");
+    }
+}
+
+#[test]
+fn the_same_seed_samples_the_same_tokens() {
+    let model = fixture_arg("vlm-f32-gdn2x");
+    let sample = |seed: &str| {
+        let json = strix_json(&[
+            "run",
+            "--model",
+            &model,
+            "--prompt-ids",
+            "1,2,3,4",
+            "-n",
+            "24",
+            "--ignore-eos",
+            "--temperature",
+            "0.8",
+            "--seed",
+            seed,
+            "--json",
+        ]);
+        ids_of(&json["ids"])
+    };
+    let a = sample("7");
+    assert_eq!(a.len(), 24);
+    assert_eq!(a, sample("7"), "same seed, different tokens");
+    assert_ne!(a, sample("8"), "different seeds gave the same 24 tokens");
+}
+
+#[test]
+fn a_stop_string_ends_generation_before_it() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let base =
+        ["run", "--model", &model, "The quick brown fox", "-n", "30", "--temperature", "0", "--ignore-eos"];
+    let full = strix_json(&[&base[..], &["--json"]].concat());
+    let full_text = full["text"].as_str().unwrap().to_string();
+    // A run of three ASCII letters past the first quarter of the text, so something precedes it.
+    let chars: Vec<char> = full_text.chars().collect();
+    let start = (chars.len() / 4..chars.len().saturating_sub(3))
+        .find(|&i| chars[i..i + 3].iter().all(char::is_ascii_alphanumeric))
+        .unwrap_or_else(|| panic!("no stop string candidate in {full_text:?}"));
+    let stop: String = chars[start..start + 3].iter().collect();
+    let expected = &full_text[..full_text.find(&stop).unwrap()];
+
+    let stop_args = ["--stop", "never-appears", "--stop", &stop];
+    let json = strix_json(&[&base[..], &stop_args, &["--json"]].concat());
+    assert_eq!(json["finish_reason"], "stop");
+    assert_eq!(json["text"].as_str().unwrap(), expected);
+    assert!(ids_of(&json["ids"]).len() < 30);
+
+    let streamed = strix(&[&base[..], &stop_args].concat());
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    assert_eq!(stdout(&streamed), expected);
+    assert!(!stdout(&streamed).contains(&stop));
+}
+
+/// The numbers of one `[turn N] prefilled P tokens at position Q ...; generated G tokens ...;
+/// context C/...` line.
+#[derive(Debug)]
+struct TurnStats {
+    prefilled: usize,
+    position: usize,
+    generated: usize,
+    context: usize,
+    fresh: bool,
+}
+
+fn turn_stats(stderr: &str) -> Vec<TurnStats> {
+    let number_after = |line: &str, key: &str| -> usize {
+        let rest = &line[line.find(key).unwrap_or_else(|| panic!("no `{key}` in {line}")) + key.len()..];
+        rest.chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
+    };
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("[turn "))
+        .map(|l| TurnStats {
+            prefilled: number_after(l, "prefilled "),
+            position: number_after(l, "at position "),
+            generated: number_after(l, "generated "),
+            context: number_after(l, "context "),
+            fresh: l.contains("(full conversation)"),
+        })
+        .collect()
+}
+
+#[test]
+fn chat_keeps_the_session_and_prefills_only_each_new_turn() {
+    let name = "causal-bf16-gdn3x";
+    let model = fixture_arg(name);
+    let args = ["chat", "--model", &model, "--max-tokens", "8", "--temperature", "0", "--verbose"];
+    let out = strix_with_stdin(&args, Some("Hello there\nHow are you?\n"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stdout(&out).trim().is_empty());
+    let turns = turn_stats(&stderr(&out));
+    assert_eq!(turns.len(), 2, "{}", stderr(&out));
+    let tok = tokenizer(name);
+    let template = ChatTemplate::from_model_dir(fixture(name)).unwrap().unwrap();
+    let first = template
+        .render(
+            &[ChatMessage::user("Hello there")],
+            &ChatOptions { add_generation_prompt: true, ..Default::default() },
+        )
+        .unwrap();
+    assert_eq!((turns[0].position, turns[0].prefilled), (0, tok.encode(&first, false).unwrap().len()));
+    assert!(turns.iter().all(|t| t.generated == 8), "{turns:?}");
+
+    // The second turn starts where the first ended and feeds only its own ChatML turn.
+    let new_turn = "\n<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n<think>\n";
+    assert!(!turns[1].fresh);
+    assert_eq!(turns[1].position, turns[0].context);
+    assert_eq!(turns[1].prefilled, tok.encode(new_turn, false).unwrap().len());
+    assert_eq!(turns[1].context, turns[0].context + turns[1].prefilled + 8 + 1);
+
+    // --exact-history re-renders and re-prefills the whole conversation instead.
+    let out =
+        strix_with_stdin(&[&args[..], &["--exact-history"]].concat(), Some("Hello there\nHow are you?\n"));
+    let exact = turn_stats(&stderr(&out));
+    assert!(exact[1].fresh && exact[1].position == 0 && exact[1].prefilled > turns[1].prefilled, "{exact:?}");
+}
+
+#[test]
+fn chat_reset_and_exit_commands() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let out = strix_with_stdin(
+        &["chat", "--model", &model, "-n", "4", "--temperature", "0", "--verbose", "--system", "Be brief."],
+        Some("Hi\n/reset\nHi\n/exit\nnever read\n"),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let turns = turn_stats(&stderr(&out));
+    assert_eq!(turns.len(), 2, "{}", stderr(&out));
+    // After /reset the same message starts a fresh conversation identical to the first.
+    assert!(turns[1].fresh && turns[1].position == 0);
+    assert_eq!(turns[0].prefilled, turns[1].prefilled);
+}
+
+#[test]
+fn bench_prints_json_with_positive_speeds() {
+    let model = fixture_arg("causal-bf16-sharded");
+    let json = strix_json(&[
+        "bench",
+        "--model",
+        &model,
+        "--prompt-len",
+        "64",
+        "--gen",
+        "4",
+        "--repeats",
+        "1",
+        "--bandwidth-mib",
+        "64",
+        "--threads",
+        "1",
+    ]);
+    for key in ["prefill_tok_s", "decode_tok_s", "memory_bandwidth_gb_s", "roofline_pct"] {
+        assert!(json[key].as_f64().is_some_and(|v| v > 0.0), "{key} in {json}");
+    }
+    assert_eq!(json["prompt_len"], 64);
+    assert_eq!(json["context"], 68);
+    assert_eq!(json["batch"], 1);
+    assert_eq!(json["model"]["vocab"], 384);
+    assert_eq!(json["model"]["dtype"], "bf16");
+    assert!(json["weight_bytes_per_token"].as_u64().unwrap() > 0);
+    assert_eq!(json["machine"]["threads"], 1);
+}
+
+#[test]
+fn help_covers_every_command() {
+    let out = strix(&["--help"]);
+    assert!(out.status.success());
+    for command in ["run", "chat", "logits", "bench"] {
+        assert!(stdout(&out).contains(command), "--help does not list {command}");
+        let help = strix(&[command, "--help"]);
+        assert!(help.status.success(), "{command} --help failed");
+        assert!(stdout(&help).contains("--model"), "{command} --help has no --model");
+    }
+}
+
+/// A copy of a fixture without the files named in `leave_out`.
+fn fixture_copy(name: &str, leave_out: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !leave_out.contains(&file.as_str()) {
+            std::fs::copy(&path, dir.path().join(&file)).unwrap();
+        }
+    }
+    dir
+}
+
+#[test]
+fn a_model_without_tokenizer_takes_ids_and_prints_ids() {
+    let dir = fixture_copy("causal-bf16-gdn3x", &["tokenizer.json", "goldens.safetensors"]);
+    let model = dir.path().display().to_string();
+    let (_, golden) = goldens("causal-bf16-gdn3x").remove(0);
+    let ids = join_ids(&golden.ids);
+    let json = strix_json(&[
+        "run",
+        "--model",
+        &model,
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "10",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert_eq!(ids_of(&json["ids"]), golden.greedy);
+    assert_eq!(json["text"], "");
+    let out = strix(&[
+        "run",
+        "--model",
+        &model,
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "10",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), join_ids(&golden.greedy));
+
+    assert_clean_error(&strix(&["run", "--model", &model, "Hello"]), "tokenizer.json");
+    assert_clean_error(&strix(&["chat", "--model", &model]), "tokenizer.json");
+    assert_clean_error(
+        &strix(&["logits", "--model", &model, "--prompt", "Hello", "--out", "x.safetensors"]),
+        "tokenizer.json",
+    );
+}
+
+#[test]
+fn error_missing_model_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-model").display().to_string();
+    assert_clean_error(&strix(&["run", "--model", &missing, "Hello"]), "no-such-model");
+    assert_clean_error(
+        &strix(&["logits", "--model", &missing, "--prompt-ids", "1", "--out", "x.safetensors"]),
+        "does not exist",
+    );
+    assert_clean_error(&strix(&["bench", "--model", &missing]), "does not exist");
+}
+
+#[test]
+fn error_corrupt_config() {
+    let dir = fixture_copy("causal-f32-tied-gdn2x", &["goldens.safetensors"]);
+    std::fs::write(dir.path().join("config.json"), "{ \"model_type\": \"qwen3_5_text\", ").unwrap();
+    let model = dir.path().display().to_string();
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1,2"]), "config.json");
+    std::fs::write(dir.path().join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1,2"]), "llama");
+}
+
+#[test]
+fn error_token_id_outside_the_vocabulary() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "99999"]), "99999");
+    assert_clean_error(
+        &strix(&["logits", "--model", &model, "--prompt-ids", "1,384", "--out", "x.st"]),
+        "384",
+    );
+}
+
+#[test]
+fn error_malformed_prompt_ids() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "x,y"]), "--prompt-ids");
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1,-2"]), "-2");
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", ""]), "--prompt-ids");
+}
+
+#[test]
+fn error_prompt_longer_than_the_context() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    assert_clean_error(
+        &strix(&["run", "--model", &model, "--prompt-ids", "1,2,3,4,5", "--ctx", "4"]),
+        "context",
+    );
+    assert_clean_error(&strix(&["run", "--model", &model, "The quick brown fox", "--ctx", "4"]), "context");
+}
+
+#[test]
+fn error_bad_sampling_and_bench_parameters() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    assert_clean_error(
+        &strix(&["run", "--model", &model, "--prompt-ids", "1", "--temperature", "-1"]),
+        "temperature",
+    );
+    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1", "--top-p", "0"]), "top_p");
+    assert_clean_error(
+        &strix(&["run", "--model", &model, "--prompt-ids", "1", "--threads", "0"]),
+        "--threads",
+    );
+    assert_clean_error(&strix(&["bench", "--preset", "gpt-2"]), "unknown preset");
+    assert_clean_error(&strix(&["bench", "--model", &model, "--gen", "0"]), "--gen");
+}
