@@ -123,7 +123,8 @@ pub fn generate<B: Backend>(
         if let (Some(decoder), Some(tokenizer)) = (decoder.as_mut(), tokenizer) {
             // Checkpoints pad the embedding past the tokenizer's vocabulary (Qwen3.5: 248,320
             // rows for about 248,000 tokens) and a model can sample those rows: they carry no text.
-            let piece = if tokenizer.id_to_token(token).is_some() { decoder.push(token)? } else { String::new() };
+            let piece =
+                if tokenizer.id_to_token(token).is_some() { decoder.push(token)? } else { String::new() };
             let (emit, hit) = stops.push(&piece);
             on_text(&emit);
             text.push_str(&emit);
