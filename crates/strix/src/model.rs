@@ -277,6 +277,139 @@ impl<B: Backend> Model<B> {
         Ok(logits)
     }
 
+    /// One decode step for several sequences at once: feeds `tokens[i]` to `sessions[i]` and
+    /// returns `[sessions.len(), vocab]` logits. The weights are read once for the whole batch,
+    /// and row `i` is bitwise what `forward(sessions[i], &[tokens[i]], Logits::Last)` returns:
+    /// a sequence's tokens never depend on what else is in the batch.
+    pub fn decode_batch(&self, sessions: &mut [&mut Session<B>], tokens: &[u32]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let b = &self.backend;
+        if tokens.is_empty() || tokens.len() != sessions.len() {
+            return Err(Error::input(format!(
+                "a decode batch needs one token per session: {} tokens for {} sessions",
+                tokens.len(),
+                sessions.len()
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(Error::input(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            )));
+        }
+        if let Some(full) = sessions.iter().position(|s| s.remaining() == 0) {
+            return Err(Error::input(format!(
+                "sequence {full} of the batch has filled its {}-token context",
+                sessions[full].max_context()
+            )));
+        }
+        let n = tokens.len();
+        let hidden = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        let positions: Vec<usize> = sessions.iter().map(|s| s.position()).collect();
+        let at = attention_shape(c);
+        let dn = deltanet_shape(c);
+        for (s, &p) in sessions.iter_mut().zip(&positions) {
+            s.reserve(b, p + 1, at.kv_dim());
+        }
+        let w = &self.weights;
+        let mut h = b.zeros(n * hidden);
+        let mut x = b.zeros(n * hidden);
+        let mut y = b.zeros(n * hidden);
+        b.embed(&w.embed_tokens, tokens, hidden, &mut h);
+        b.rms_norm(&h, &w.layers[0].input_norm, hidden, eps, &mut x);
+        let mut mlp_gate = b.zeros(n * c.intermediate_size);
+        let mut mlp_up = b.zeros(n * c.intermediate_size);
+        let mut mlp_act = b.zeros(n * c.intermediate_size);
+        for (l, layer) in w.layers.iter().enumerate() {
+            match &layer.mixer {
+                Mixer::DeltaNet(m) => {
+                    let mut qkv = b.zeros(n * dn.conv_dim());
+                    let mut z = b.zeros(n * dn.value_dim());
+                    let mut beta_in = b.zeros(n * dn.num_v_heads);
+                    let mut decay_in = b.zeros(n * dn.num_v_heads);
+                    b.matmul_rows(&x, n, &m.in_proj_qkv, &mut qkv);
+                    b.matmul_rows(&x, n, &m.in_proj_z, &mut z);
+                    b.matmul_rows(&x, n, &m.in_proj_b, &mut beta_in);
+                    b.matmul_rows(&x, n, &m.in_proj_a, &mut decay_in);
+                    let (mut convs, mut states) = (Vec::with_capacity(n), Vec::with_capacity(n));
+                    for s in sessions.iter_mut() {
+                        match s.layer_mut(l) {
+                            LayerState::DeltaNet { conv, recurrent } => {
+                                convs.push(conv);
+                                states.push(recurrent);
+                            }
+                            LayerState::Attention { .. } => unreachable!("session layers follow layer_types"),
+                        }
+                    }
+                    b.causal_conv1d_silu_rows(&dn, &mut qkv, &m.conv1d, &mut convs);
+                    let mut core = b.zeros(n * dn.value_dim());
+                    b.gated_delta_rule_rows(
+                        &dn,
+                        &qkv,
+                        &decay_in,
+                        &beta_in,
+                        &m.a_log,
+                        &m.dt_bias,
+                        &mut states,
+                        &mut core,
+                    );
+                    b.gated_rms_norm(&mut core, &z, &m.norm, n * dn.num_v_heads, dn.v_head_dim, dn.eps);
+                    b.matmul_rows(&core, n, &m.out_proj, &mut y);
+                }
+                Mixer::Attention(m) => {
+                    let q_dim = at.num_heads * at.head_dim;
+                    let mut q_and_gate = b.zeros(n * 2 * q_dim);
+                    let mut k = b.zeros(n * at.kv_dim());
+                    let mut v = b.zeros(n * at.kv_dim());
+                    b.matmul_rows(&x, n, &m.q_proj, &mut q_and_gate);
+                    b.matmul_rows(&x, n, &m.k_proj, &mut k);
+                    b.matmul_rows(&x, n, &m.v_proj, &mut v);
+                    let mut q = b.zeros(n * q_dim);
+                    let mut gate = b.zeros(n * q_dim);
+                    b.attention_prologue(
+                        &at,
+                        &q_and_gate,
+                        &mut k,
+                        &m.q_norm,
+                        &m.k_norm,
+                        &self.inv_freq,
+                        &positions,
+                        &mut q,
+                        &mut gate,
+                    );
+                    let (mut ks, mut vs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+                    for s in sessions.iter_mut() {
+                        match s.layer_mut(l) {
+                            LayerState::Attention { k, v, .. } => {
+                                ks.push(k);
+                                vs.push(v);
+                            }
+                            LayerState::DeltaNet { .. } => unreachable!("session layers follow layer_types"),
+                        }
+                    }
+                    let mut attn = b.zeros(n * q_dim);
+                    b.attention_rows(&at, &q, &k, &v, &gate, &mut ks, &mut vs, &positions, &mut attn);
+                    b.matmul_rows(&attn, n, &m.o_proj, &mut y);
+                }
+            }
+            b.add_rms_norm(&mut h, &y, &layer.post_attention_norm, hidden, eps, &mut x);
+            b.matmul_rows(&x, n, &layer.gate_proj, &mut mlp_gate);
+            b.matmul_rows(&x, n, &layer.up_proj, &mut mlp_up);
+            b.swiglu(&mlp_gate, &mlp_up, n * c.intermediate_size, &mut mlp_act);
+            b.matmul_rows(&mlp_act, n, &layer.down_proj, &mut y);
+            let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |nl| &nl.input_norm);
+            b.add_rms_norm(&mut h, &y, next_norm, hidden, eps, &mut x);
+        }
+        for (s, &t) in sessions.iter_mut().zip(tokens) {
+            s.advance(&[t]);
+        }
+        let lm_head = w.lm_head.as_ref().unwrap_or(&w.embed_tokens);
+        let mut logits = b.zeros(n * c.vocab_size);
+        b.matmul_rows(&x, n, lm_head, &mut logits);
+        Ok(b.download(&logits, 0, n * c.vocab_size))
+    }
+
     /// One pass of at most [`MAX_TOKENS_PER_PASS`] tokens through every layer.
     fn forward_pass(
         &self,
@@ -395,6 +528,7 @@ impl<B: Backend> Model<B> {
         b.matmul(x, t, &m.v_proj, &mut v);
         let mut q = b.zeros(t * q_dim);
         let mut gate = b.zeros(t * q_dim);
+        let positions: Vec<usize> = (pos0..pos0 + t).collect();
         b.attention_prologue(
             &s,
             &q_and_gate,
@@ -402,8 +536,7 @@ impl<B: Backend> Model<B> {
             &m.q_norm,
             &m.k_norm,
             &self.inv_freq,
-            pos0,
-            t,
+            &positions,
             &mut q,
             &mut gate,
         );

@@ -163,3 +163,43 @@ fn bad_input_is_an_error_not_a_panic() {
     model.forward(&mut session, &[1; 8], Logits::Last).unwrap();
     assert_eq!(session.remaining(), 0);
 }
+
+/// A decode batch of sequences at different positions gives each sequence bitwise the logits
+/// it gets decoding alone: what else is in the batch never changes a token.
+#[test]
+fn decode_batch_rows_equal_decoding_alone() {
+    for dir in fixtures() {
+        let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> = [1usize, 5, 64, 70, 3]
+            .iter()
+            .map(|&n| (0..n as u32).map(|i| (i * 7 + n as u32) % 300).collect())
+            .collect();
+        let mut alone: Vec<_> = prompts.iter().map(|_| model.new_session(256)).collect();
+        let mut batched: Vec<_> = prompts.iter().map(|_| model.new_session(256)).collect();
+        let mut next: Vec<u32> = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let a = model.forward(&mut alone[i], p, Logits::Last).unwrap();
+            let b = model.forward(&mut batched[i], p, Logits::Last).unwrap();
+            assert_eq!(a, b);
+            next.push(argmax(&a));
+        }
+        for step in 0..6 {
+            // Vary the batch: everyone, then a shrinking subset.
+            let members: Vec<usize> = (0..prompts.len()).filter(|i| step < 3 || i % 2 == 0).collect();
+            let mut refs: Vec<&mut strix::session::Session<CpuBackend>> = Vec::new();
+            for (i, s) in batched.iter_mut().enumerate() {
+                if members.contains(&i) {
+                    refs.push(s);
+                }
+            }
+            let tokens: Vec<u32> = members.iter().map(|&i| next[i]).collect();
+            let out = model.decode_batch(&mut refs, &tokens).unwrap();
+            for (row, &i) in members.iter().enumerate() {
+                let single = model.forward(&mut alone[i], &[next[i]], Logits::Last).unwrap();
+                assert_eq!(&out[row * vocab..(row + 1) * vocab], &single[..], "{dir:?} step {step} seq {i}");
+                next[i] = argmax(&single);
+            }
+        }
+    }
+}

@@ -97,6 +97,10 @@ pub trait Backend: Send + Sync {
     fn embed(&self, table: &Self::Weight, ids: &[u32], dim: usize, out: &mut Self::Buf);
     /// `out = x · Wᵀ` for `x: [tokens, cols]`, `W: [rows, cols]`, `out: [tokens, rows]`.
     fn matmul(&self, x: &Self::Buf, tokens: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// [`Backend::matmul`] for a decode batch: row `t` of `out` must be bitwise what `matmul`
+    /// gives for row `t` of `x` alone (`tokens = 1`), whatever the batch size, so a sequence's
+    /// tokens never depend on what else is in the batch.
+    fn matmul_rows(&self, x: &Self::Buf, tokens: usize, w: &Self::Weight, out: &mut Self::Buf);
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.
@@ -129,6 +133,32 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         weight: &Self::Buf,
         state: &mut Self::Buf,
+    );
+
+    /// [`Backend::causal_conv1d_silu`] for a decode batch: row `i` of `qkv` is one token of
+    /// sequence `i`, whose conv state is `states[i]`.
+    fn causal_conv1d_silu_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut Self::Buf,
+        weight: &Self::Buf,
+        states: &mut [&mut Self::Buf],
+    );
+
+    /// One recurrent step of the gated delta rule for a decode batch: row `i` of `qkv`, `a`,
+    /// `b` and `out` belongs to sequence `i`, whose state is `states[i]`. Row `i` must equal
+    /// [`Backend::gated_delta_rule`] in `Recurrent` mode on that row alone.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        a_log: &Self::Buf,
+        dt_bias: &Self::Buf,
+        states: &mut [&mut Self::Buf],
+        out: &mut Self::Buf,
     );
 
     /// The gated delta rule over `tokens` tokens, from the convolved `qkv`, the raw `a` and `b`
@@ -169,8 +199,9 @@ pub trait Backend: Send + Sync {
     /// Splits `q_proj`'s output `[tokens, heads, 2 * head_dim]` (query then gate, per head) into
     /// `q: [tokens, heads * head_dim]` and `gate` (same shape), RMS-norms q and `k`
     /// (`[tokens, kv_heads * head_dim]`, in place) per head with `(1 + q_norm)` / `(1 + k_norm)`,
-    /// and applies rotate-half RoPE to the first `rotary_dim` dims of every head of q and k at
-    /// positions `pos0..pos0 + tokens`, with `inv_freq: [rotary_dim / 2]`.
+    /// and applies rotate-half RoPE to the first `rotary_dim` dims of every head of q and k,
+    /// row `t` at position `positions[t]` (`tokens = positions.len()`), with
+    /// `inv_freq: [rotary_dim / 2]`.
     #[allow(clippy::too_many_arguments)]
     fn attention_prologue(
         &self,
@@ -180,8 +211,7 @@ pub trait Backend: Send + Sync {
         q_norm: &Self::Buf,
         k_norm: &Self::Buf,
         inv_freq: &Self::Buf,
-        pos0: usize,
-        tokens: usize,
+        positions: &[usize],
         q: &mut Self::Buf,
         gate: &mut Self::Buf,
     );
@@ -202,6 +232,23 @@ pub trait Backend: Send + Sync {
         v_cache: &mut Self::Buf,
         pos0: usize,
         tokens: usize,
+        out: &mut Self::Buf,
+    );
+
+    /// [`Backend::attention`] for a decode batch: row `i` of `q`, `k`, `v`, `gate` and `out`
+    /// is the token of sequence `i` at position `positions[i]`, whose caches are
+    /// `k_caches[i]`, `v_caches[i]`. Row `i` must equal `attention` on that row alone.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows(
+        &self,
+        shape: &AttentionShape,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        gate: &Self::Buf,
+        k_caches: &mut [&mut Self::Buf],
+        v_caches: &mut [&mut Self::Buf],
+        positions: &[usize],
         out: &mut Self::Buf,
     );
 }

@@ -39,12 +39,12 @@ pub fn prologue(
     q_norm: &[f32],
     k_norm: &[f32],
     inv_freq: &[f32],
-    pos0: usize,
-    tokens: usize,
+    positions: &[usize],
     q: &mut [f32],
     gate: &mut [f32],
 ) {
     let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let tokens = positions.len();
     assert_eq!(inv_freq.len(), shape.rotary_dim / 2);
     q[..tokens * nh * hd]
         .par_chunks_mut(nh * hd)
@@ -52,7 +52,7 @@ pub fn prologue(
         .zip(k[..tokens * nkv * hd].par_chunks_mut(nkv * hd))
         .enumerate()
         .for_each(|(t, ((q, gate), k))| {
-            let (cos, sin) = rope_table(pos0 + t, inv_freq);
+            let (cos, sin) = rope_table(positions[t], inv_freq);
             let src = &q_and_gate[t * nh * 2 * hd..(t + 1) * nh * 2 * hd];
             for h in 0..nh {
                 let qh = &mut q[h * hd..(h + 1) * hd];

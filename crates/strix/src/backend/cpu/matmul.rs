@@ -49,6 +49,26 @@ pub fn matmul(x: &[f32], tokens: usize, w: WeightRef<'_>, rows: usize, cols: usi
     matmul_with(isa, Path::choose(isa, tokens), x, tokens, w, rows, cols, out);
 }
 
+/// [`matmul`] for a decode batch: every output element is computed exactly as a one-token
+/// `matmul` of its row of `x` computes it (same kernel, same accumulation order), so a
+/// sequence's results do not depend on what else is in the batch. Each weight row is still
+/// read from memory once and reused from cache for every token.
+pub fn matmul_rows(x: &[f32], tokens: usize, w: WeightRef<'_>, rows: usize, cols: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), tokens * cols, "matmul_rows: x is not [tokens, cols]");
+    assert_eq!(w.elems(), rows * cols, "matmul_rows: W is not [rows, cols]");
+    assert_eq!(out.len(), tokens * rows, "matmul_rows: out is not [tokens, rows]");
+    if tokens == 1 || out.is_empty() || cols == 0 {
+        return matmul_with(Isa::detect(), Path::Gemv, x, tokens, w, rows, cols, out);
+    }
+    let isa = Isa::detect();
+    let p = Problem { x, tokens, rows, cols, out: OutPtr(out.as_mut_ptr()) };
+    match w {
+        WeightRef::Bf16(s) => p.gemv_invariant::<Bf16>(isa, s),
+        WeightRef::F16(s) => p.gemv_invariant::<F16>(isa, s),
+        WeightRef::F32(s) => p.gemv_invariant::<F32>(isa, s),
+    }
+}
+
 /// Copy row `r` of `W` widened to f32 into `out` (`out.len() == cols`); the embedding gather.
 pub fn row_to_f32(w: WeightRef<'_>, cols: usize, r: usize, out: &mut [f32]) {
     assert_eq!(out.len(), cols, "row_to_f32: out length");
@@ -177,6 +197,29 @@ impl Problem<'_> {
             Isa::Avx2 => unsafe { self.gemv_rows::<Avx2, W>(w, r0, r1) },
             // SAFETY: as above; the portable kernel has no feature requirement.
             Isa::Portable => unsafe { self.gemv_rows::<Portable, W>(w, r0, r1) },
+        });
+    }
+
+    /// The one-token GEMV kernel for every (row, token) pair: batch-invariant by construction.
+    fn gemv_invariant<W: Widen>(&self, isa: Isa, w: &[W::Raw]) {
+        let row_bytes = self.cols * std::mem::size_of::<W::Raw>();
+        let block = (GEMV_BLOCK_BYTES / row_bytes).max(1);
+        let parallel = self.rows * row_bytes * self.tokens >= GEMV_PARALLEL_MIN_WORK;
+        let cols = self.cols;
+        for_each_block(self.rows, block, parallel, |r0, r1| {
+            for r in r0..r1 {
+                let row = &w[r * cols..(r + 1) * cols];
+                for t in 0..self.tokens {
+                    match isa {
+                        // SAFETY: `Isa::Avx2` is only produced after detecting the features;
+                        // column `r` of `out` belongs to this block alone.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => unsafe { self.tile::<Avx2, W, 1, 1, 8>([row], r, t) },
+                        // SAFETY: as above; the portable kernel has no feature requirement.
+                        Isa::Portable => unsafe { self.tile::<Portable, W, 1, 1, 8>([row], r, t) },
+                    }
+                }
+            }
         });
     }
 
@@ -588,6 +631,30 @@ unsafe fn tile_avx2<W: Widen, const R: usize, const T: usize, const U: usize>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn matmul_rows_is_batch_invariant() {
+        // Every row of a batched product equals the one-token product of that row, bitwise.
+        let (rows, cols) = (37, 300);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let w: Vec<u16> = (0..rows * cols).map(|_| half::bf16::from_f32(next()).to_bits()).collect();
+        for tokens in [2usize, 3, 5, 64, 70] {
+            let x: Vec<f32> = (0..tokens * cols).map(|_| next()).collect();
+            let mut batched = vec![f32::NAN; tokens * rows];
+            matmul_rows(&x, tokens, WeightRef::Bf16(&w), rows, cols, &mut batched);
+            for t in 0..tokens {
+                let mut one = vec![f32::NAN; rows];
+                matmul(&x[t * cols..(t + 1) * cols], 1, WeightRef::Bf16(&w), rows, cols, &mut one);
+                assert_eq!(&batched[t * rows..(t + 1) * rows], &one[..], "tokens {tokens}, row {t}");
+            }
+        }
+    }
+
     use super::*;
 
     /// xorshift64*: seeded, dependency-free test data.

@@ -135,6 +135,17 @@ impl Backend for CpuBackend {
         matmul::matmul(&x[..tokens * w.cols], tokens, w.view(), w.rows, w.cols, &mut out[..tokens * w.rows]);
     }
 
+    fn matmul_rows(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
+        matmul::matmul_rows(
+            &x[..tokens * w.cols],
+            tokens,
+            w.view(),
+            w.rows,
+            w.cols,
+            &mut out[..tokens * w.rows],
+        );
+    }
+
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
         let rows = x.len().min(out.len()) / dim;
         out[..rows * dim]
@@ -213,6 +224,47 @@ impl Backend for CpuBackend {
         deltanet::causal_conv1d_silu(shape, &mut qkv[..tokens * shape.conv_dim()], tokens, weight, state);
     }
 
+    fn causal_conv1d_silu_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut Vec<f32>,
+        weight: &Vec<f32>,
+        states: &mut [&mut Vec<f32>],
+    ) {
+        let dim = shape.conv_dim();
+        qkv[..states.len() * dim].par_chunks_mut(dim).zip(states.par_iter_mut()).for_each(|(row, state)| {
+            deltanet::causal_conv1d_silu(shape, row, 1, weight, state);
+        });
+    }
+
+    fn gated_delta_rule_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &Vec<f32>,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+        states: &mut [&mut Vec<f32>],
+        out: &mut Vec<f32>,
+    ) {
+        let (cd, vd, nv) = (shape.conv_dim(), shape.value_dim(), shape.num_v_heads);
+        out[..states.len() * vd].par_chunks_mut(vd).zip(states.par_iter_mut()).enumerate().for_each(
+            |(i, (out, state))| {
+                let inputs = deltanet::DeltaRuleInputs::prepare(
+                    shape,
+                    &qkv[i * cd..(i + 1) * cd],
+                    &a[i * nv..(i + 1) * nv],
+                    &b[i * nv..(i + 1) * nv],
+                    a_log,
+                    dt_bias,
+                    1,
+                );
+                deltanet::recurrent(shape, &inputs, state, out);
+            },
+        );
+    }
+
     fn gated_delta_rule(
         &self,
         shape: &DeltaNetShape,
@@ -262,12 +314,11 @@ impl Backend for CpuBackend {
         q_norm: &Vec<f32>,
         k_norm: &Vec<f32>,
         inv_freq: &Vec<f32>,
-        pos0: usize,
-        tokens: usize,
+        positions: &[usize],
         q: &mut Vec<f32>,
         gate: &mut Vec<f32>,
     ) {
-        attention::prologue(shape, q_and_gate, k, q_norm, k_norm, inv_freq, pos0, tokens, q, gate);
+        attention::prologue(shape, q_and_gate, k, q_norm, k_norm, inv_freq, positions, q, gate);
     }
 
     fn attention(
@@ -287,5 +338,32 @@ impl Backend for CpuBackend {
         k_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&k[..tokens * kv]);
         v_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&v[..tokens * kv]);
         attention::causal(shape, q, gate, k_cache, v_cache, pos0, tokens, out);
+    }
+
+    fn attention_rows(
+        &self,
+        shape: &AttentionShape,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        gate: &Vec<f32>,
+        k_caches: &mut [&mut Vec<f32>],
+        v_caches: &mut [&mut Vec<f32>],
+        positions: &[usize],
+        out: &mut Vec<f32>,
+    ) {
+        let kv = shape.kv_dim();
+        let qd = shape.num_heads * shape.head_dim;
+        out[..positions.len() * qd]
+            .par_chunks_mut(qd)
+            .zip(k_caches.par_iter_mut().zip(v_caches.par_iter_mut()))
+            .enumerate()
+            .for_each(|(i, (out, (kc, vc)))| {
+                let pos = positions[i];
+                kc[pos * kv..(pos + 1) * kv].copy_from_slice(&k[i * kv..(i + 1) * kv]);
+                vc[pos * kv..(pos + 1) * kv].copy_from_slice(&v[i * kv..(i + 1) * kv]);
+                let rows = i * qd..(i + 1) * qd;
+                attention::causal(shape, &q[rows.clone()], &gate[rows], kc, vc, pos, 1, out);
+            });
     }
 }
