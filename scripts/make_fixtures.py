@@ -3,7 +3,7 @@
 
 Run from the repository root:
 
-    /work/venv/bin/python scripts/make_fixtures.py
+    python scripts/make_fixtures.py   # in a virtualenv with torch, transformers, safetensors, tokenizers
 
 Reference implementation used to produce the committed fixtures:
     transformers 5.24.0, torch 2.15.0 (CPU), safetensors 0.8.0, tokenizers 0.23.3
