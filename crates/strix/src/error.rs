@@ -37,6 +37,10 @@ pub enum Error {
 
     #[error("model download: {0}")]
     Download(String),
+
+    /// The CUDA driver, a device, NVRTC or cuBLAS is missing or failed.
+    #[error("cuda: {0}")]
+    Cuda(String),
 }
 
 impl Error {

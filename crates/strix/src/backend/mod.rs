@@ -7,6 +7,7 @@
 //! internally but must compute the same function.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::error::Result;
 use crate::tensor::HostTensor;

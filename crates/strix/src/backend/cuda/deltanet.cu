@@ -1,0 +1,386 @@
+// Gated DeltaNet: the depthwise causal conv1d + SiLU with its carried state, and the gated delta
+// rule, as a per-token recurrence (decode) and in chunks of 64 with the UT transform (prefill).
+// Notation as in backend/cpu/deltanet.rs: per value head the state S is k_head_dim x v_head_dim,
+// and every token does S <- exp(g) S;  S <- S + k (x) beta (v - S^T k);  o = S^T q.
+
+#define CONV_MAX_HIST 7
+
+// Conv, sequential in time, for channel c of one sequence: qkv [T, C] in place, state [C, K-1].
+// The last K-1 raw inputs ride along in registers, so no token reads a value another thread has
+// overwritten.
+__device__ __forceinline__ void conv_seq(float* __restrict__ qkv, const float* __restrict__ weight,
+                                         float* __restrict__ state, int T, int C, int K, int c) {
+    const int hist = K - 1;
+    float win[CONV_MAX_HIST];
+    float w[CONV_MAX_HIST + 1];
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_HIST; i++) win[i] = i < hist ? state[(i64)c * hist + i] : 0.f;
+#pragma unroll
+    for (int j = 0; j <= CONV_MAX_HIST; j++) w[j] = j < K ? weight[(i64)c * K + j] : 0.f;
+    const float w_last = weight[(i64)c * K + hist];
+    for (int t = 0; t < T; t++) {
+        const float x = qkv[(i64)t * C + c];
+        // win[i] is the input hist - i steps back; weight j = K-1 multiplies the current input.
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_HIST; j++)
+            if (j < hist) acc += w[j] * win[j];
+        acc += w_last * x;
+        qkv[(i64)t * C + c] = silu_f(acc);
+#pragma unroll
+        for (int i = 0; i < CONV_MAX_HIST - 1; i++)
+            if (i + 1 < hist) win[i] = win[i + 1];
+#pragma unroll
+        for (int i = 0; i < CONV_MAX_HIST; i++)
+            if (i == hist - 1) win[i] = x;
+    }
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_HIST; i++)
+        if (i < hist) state[(i64)c * hist + i] = win[i];
+}
+
+// Short runs (decode): one thread per channel. grid ceil(C / block).
+extern "C" __global__ void conv1d_silu_seq(float* __restrict__ qkv, const float* __restrict__ weight,
+                                           float* __restrict__ state, int T, int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < C) conv_seq(qkv, weight, state, T, C, K, c);
+}
+
+// A decode batch: row i of qkv [B, C] is one token of sequence i, whose state is states[i].
+// grid (ceil(C / block), B).
+extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float* __restrict__ weight,
+                                            const unsigned long long* __restrict__ states, int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = blockIdx.y;
+    if (c < C) conv_seq(qkv + (i64)i * C, weight, reinterpret_cast<float*>(states[i]), 1, C, K, c);
+}
+
+// Conv for long runs: every (token, channel) in parallel, reading a copy of the raw inputs.
+// grid (ceil(C / block), T).
+extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float* __restrict__ qkv,
+                                           const float* __restrict__ weight, const float* __restrict__ state,
+                                           int T, int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = blockIdx.y;
+    if (c >= C) return;
+    const int hist = K - 1;
+    float acc = 0.f;
+    for (int j = 0; j < K; j++) {
+        const int back = K - 1 - j;
+        const float in = back <= t ? raw[(i64)(t - back) * C + c] : state[(i64)c * hist + (hist - (back - t))];
+        acc += weight[(i64)c * K + j] * in;
+    }
+    qkv[(i64)t * C + c] = silu_f(acc);
+}
+
+// The new conv state after a long run: the last K-1 inputs (older state where T < K-1). One
+// thread per channel reads everything before writing, since slots move within a channel.
+extern "C" __global__ void conv1d_state_update(const float* __restrict__ raw, float* __restrict__ state,
+                                               int T, int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int hist = K - 1;
+    float next[CONV_MAX_HIST];
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_HIST; i++) {
+        if (i < hist) {
+            const int back = hist - i;
+            next[i] = back <= T ? raw[(i64)(T - back) * C + c] : state[(i64)c * hist + (hist - (back - T))];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_HIST; i++)
+        if (i < hist) state[(i64)c * hist + i] = next[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recurrent delta rule. The columns of S evolve independently (column j needs only v[j]), so a
+// block owns GDN_COLS columns of one head: grid (num_v_heads, ceil(v_head_dim / GDN_COLS)),
+// block GDN_COLS * GDN_PARTS threads. Each column is held in registers by GDN_PARTS neighbouring
+// lanes, lane part p keeping rows p, p + GDN_PARTS, ...; the dot products over k_head_dim are
+// finished with two shuffles. Fuses the q/k L2 norms, the q scale, beta = sigmoid(b) and
+// g = -exp(A_log) softplus(a + dt_bias). DK bounds k_head_dim; EXACT means dk == DK.
+#define GDN_PARTS 4
+#define GDN_COLS 32
+
+__device__ __forceinline__ float parts_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    return v;
+}
+
+template <int DK, bool EXACT>
+__device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* __restrict__ a,
+                                                   const float* __restrict__ b, const float* __restrict__ a_log,
+                                                   const float* __restrict__ dt_bias, float* __restrict__ state,
+                                                   float* __restrict__ out, int T, int nk, int nv, int dk, int dv,
+                                                   float q_scale) {
+    constexpr int ROWS = DK / GDN_PARTS;
+    __shared__ float qs[DK];
+    __shared__ float ks[DK];
+    const int h = blockIdx.x;
+    const int part = threadIdx.x & (GDN_PARTS - 1);
+    const int j = blockIdx.y * GDN_COLS + threadIdx.x / GDN_PARTS;
+    const bool active = j < dv;
+    const int kh = h / (nv / nk);
+    const int key_dim = nk * dk;
+    const int conv_dim = 2 * key_dim + nv * dv;
+    const int value_dim = nv * dv;
+    float* sg = state + (i64)h * dk * dv;
+    float s[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        s[r] = (active && (EXACT || i < dk)) ? sg[(i64)i * dv + j] : 0.f;
+    }
+    const float decay_rate = -expf(a_log[h]);
+    const float dtb = dt_bias[h];
+    for (int t = 0; t < T; t++) {
+        const float* row = qkv + (i64)t * conv_dim;
+        __syncthreads();
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = row[kh * dk + i];
+            ks[i] = row[key_dim + kh * dk + i];
+        }
+        __syncthreads();
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const int i = r * GDN_PARTS + part;
+            if (EXACT || i < dk) {
+                sq += qs[i] * qs[i];
+                sk += ks[i] * ks[i];
+            }
+        }
+        sq = parts_sum(sq);
+        sk = parts_sum(sk);
+        const float iq = 1.f / sqrtf(sq + 1e-6f);
+        const float ik = 1.f / sqrtf(sk + 1e-6f);
+        const float beta = sigmoid_f(b[(i64)t * nv + h]);
+        const float decay = expf(decay_rate * softplus_f(a[(i64)t * nv + h] + dtb));
+        float kv = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const int i = r * GDN_PARTS + part;
+            if (EXACT || i < dk) {
+                s[r] *= decay;
+                kv += s[r] * (ks[i] * ik);
+            }
+        }
+        kv = parts_sum(kv);
+        const float v = active ? row[2 * key_dim + h * dv + j] : 0.f;
+        const float delta = (v - kv) * beta;
+        float o = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const int i = r * GDN_PARTS + part;
+            if (EXACT || i < dk) {
+                s[r] += (ks[i] * ik) * delta;
+                o += s[r] * ((qs[i] * iq) * q_scale);
+            }
+        }
+        o = parts_sum(o);
+        if (active && part == 0) out[(i64)t * value_dim + h * dv + j] = o;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (active && (EXACT || i < dk)) sg[(i64)i * dv + j] = s[r];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_dk128(
+    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
+    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale) {
+    gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale);
+}
+
+// A decode batch: blockIdx.z is the sequence, whose row of qkv, a, b and out is its token and
+// whose state is states[z]; one token each, the arithmetic of the kernels above.
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_dk128(
+    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
+    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale) {
+    const int i = blockIdx.z;
+    const i64 conv_dim = 2 * nk * dk + nv * dv;
+    gdn_recurrent_body<128, true>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
+                                  reinterpret_cast<float*>(states[i]), out + (i64)i * nv * dv, 1, nk, nv, dk, dv,
+                                  q_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_generic(
+    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
+    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale) {
+    const int i = blockIdx.z;
+    const i64 conv_dim = 2 * nk * dk + nv * dv;
+    gdn_recurrent_body<256, false>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
+                                   reinterpret_cast<float*>(states[i]), out + (i64)i * nv * dv, 1, nk, nv, dk, dv,
+                                   q_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_generic(
+    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
+    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale) {
+    gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunked delta rule (prefill). Chunks of CH tokens; within a chunk, with gamma the cumulative g,
+//   A = strict_lower(beta_i k_i.k_j exp(gamma_i - gamma_j)),
+//   v' = (I + A)^-1 beta (v - exp(gamma) k S)          [= U - W S of the CPU code]
+//   o_i = exp(gamma_i) q_i S + sum_{j<=i} q_i.k_j exp(gamma_i - gamma_j) v'_j
+//   S <- exp(gamma_L) S + sum_j k_j exp(gamma_L - gamma_j) (x) v'_j.
+// Columns of S, v and o are independent again, so a block owns DVB columns of one head (A and
+// the normalised q, k are recomputed per block): grid (num_v_heads, ceil(v_head_dim / DVB)),
+// block 256 threads, dynamic shared memory gdn_chunked_smem_floats(dk) * 4 bytes.
+#define CH 64
+#define DVB 32
+
+extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
+    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
+    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale) {
+    extern __shared__ float sm[];
+    const int ldk = dk + 1;  // padded rows: threads walking different rows hit different banks
+    const int lda = CH + 1;
+    float* Qs = sm;                // [CH][ldk]
+    float* Ks = Qs + CH * ldk;     // [CH][ldk]
+    float* S = Ks + CH * ldk;      // [dk][DVB]
+    float* R = S + dk * DVB;       // [CH][DVB]: beta v, then v'
+    float* A = R + CH * DVB;       // [CH][lda]
+    float* gam = A + CH * lda;     // [CH]
+    float* bet = gam + CH;         // [CH]
+    float* eL = bet + CH;          // [CH]: exp(gamma_L - gamma_j)
+
+    const int h = blockIdx.x;
+    const int c0 = blockIdx.y * DVB;
+    const int kh = h / (nv / nk);
+    const int key_dim = nk * dk;
+    const int conv_dim = 2 * key_dim + nv * dv;
+    const int value_dim = nv * dv;
+    const int tid = threadIdx.x, nthr = blockDim.x;
+    const int lane = tid & 31, warp = tid >> 5, nwarps = nthr >> 5;
+
+    float* sg = state + (i64)h * dk * dv;
+    for (int p = tid; p < dk * DVB; p += nthr) {
+        const int i = p / DVB, c = p % DVB;
+        S[p] = c0 + c < dv ? sg[(i64)i * dv + c0 + c] : 0.f;
+    }
+    const float decay_rate = -expf(a_log[h]);
+    const float dtb = dt_bias[h];
+
+    for (int start = 0; start < T; start += CH) {
+        const int L = imin(CH, T - start);
+        __syncthreads();
+        for (int p = tid; p < L * dk; p += nthr) {
+            const int i = p / dk, d = p % dk;
+            const float* row = qkv + (i64)(start + i) * conv_dim;
+            Qs[i * ldk + d] = row[kh * dk + d];
+            Ks[i * ldk + d] = row[key_dim + kh * dk + d];
+        }
+        for (int p = tid; p < L * DVB; p += nthr) {
+            const int i = p / DVB, c = p % DVB;
+            R[i * DVB + c] =
+                c0 + c < dv ? qkv[(i64)(start + i) * conv_dim + 2 * key_dim + h * dv + c0 + c] : 0.f;
+        }
+        if (tid < L) {
+            bet[tid] = sigmoid_f(b[(i64)(start + tid) * nv + h]);
+            gam[tid] = decay_rate * softplus_f(a[(i64)(start + tid) * nv + h] + dtb);
+        }
+        __syncthreads();
+        for (int i = warp; i < L; i += nwarps) {
+            float sq = 0.f, sk = 0.f;
+            for (int d = lane; d < dk; d += 32) {
+                const float q = Qs[i * ldk + d], k = Ks[i * ldk + d];
+                sq += q * q;
+                sk += k * k;
+            }
+            sq = warp_sum(sq);
+            sk = warp_sum(sk);
+            const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+            for (int d = lane; d < dk; d += 32) {
+                Qs[i * ldk + d] = (Qs[i * ldk + d] * iq) * q_scale;
+                Ks[i * ldk + d] *= ik;
+            }
+        }
+        if (tid == 0) {
+            float acc = 0.f;
+            for (int i = 0; i < L; i++) {
+                acc += gam[i];
+                gam[i] = acc;
+            }
+        }
+        __syncthreads();
+        if (tid < L) eL[tid] = expf(gam[L - 1] - gam[tid]);
+        // A (strictly lower), and R_i = beta_i (v_i - exp(gamma_i) k_i S).
+        for (int p = tid; p < L * L; p += nthr) {
+            const int i = p / L, j = p % L;
+            float v = 0.f;
+            if (j < i) {
+                float s = 0.f;
+                for (int d = 0; d < dk; d++) s += Ks[i * ldk + d] * Ks[j * ldk + d];
+                v = s * bet[i] * expf(gam[i] - gam[j]);
+            }
+            A[i * lda + j] = v;
+        }
+        for (int p = tid; p < L * DVB; p += nthr) {
+            const int i = p / DVB, c = p % DVB;
+            float s = 0.f;
+            for (int d = 0; d < dk; d++) s += Ks[i * ldk + d] * S[d * DVB + c];
+            R[i * DVB + c] = bet[i] * (R[i * DVB + c] - expf(gam[i]) * s);
+        }
+        __syncthreads();
+        // Forward substitution through the unit lower-triangular I + A, one column per lane of
+        // warp 0: row i needs every earlier row, so this part is sequential in i.
+        if (warp == 0) {
+            const int c = lane;
+            for (int i = 1; i < L; i++) {
+                float s0 = 0.f, s1 = 0.f;
+                int j = 0;
+                for (; j + 1 < i; j += 2) {
+                    s0 += A[i * lda + j] * R[j * DVB + c];
+                    s1 += A[i * lda + j + 1] * R[(j + 1) * DVB + c];
+                }
+                if (j < i) s0 += A[i * lda + j] * R[j * DVB + c];
+                R[i * DVB + c] -= s0 + s1;
+            }
+        }
+        __syncthreads();
+        // A <- causal (q_i . k_j) exp(gamma_i - gamma_j), j <= i.
+        for (int p = tid; p < L * L; p += nthr) {
+            const int i = p / L, j = p % L;
+            float v = 0.f;
+            if (j <= i) {
+                float s = 0.f;
+                for (int d = 0; d < dk; d++) s += Qs[i * ldk + d] * Ks[j * ldk + d];
+                v = s * expf(gam[i] - gam[j]);
+            }
+            A[i * lda + j] = v;
+        }
+        __syncthreads();
+        for (int p = tid; p < L * DVB; p += nthr) {
+            const int i = p / DVB, c = p % DVB;
+            float s = 0.f;
+            for (int d = 0; d < dk; d++) s += Qs[i * ldk + d] * S[d * DVB + c];
+            float o = expf(gam[i]) * s;
+            for (int j = 0; j <= i; j++) o += A[i * lda + j] * R[j * DVB + c];
+            if (c0 + c < dv) out[(i64)(start + i) * value_dim + h * dv + c0 + c] = o;
+        }
+        __syncthreads();
+        const float el = expf(gam[L - 1]);
+        for (int p = tid; p < dk * DVB; p += nthr) {
+            const int d = p / DVB, c = p % DVB;
+            float s = S[p] * el;
+            for (int j = 0; j < L; j++) s += (Ks[j * ldk + d] * eL[j]) * R[j * DVB + c];
+            S[p] = s;
+        }
+    }
+    __syncthreads();
+    for (int p = tid; p < dk * DVB; p += nthr) {
+        const int i = p / DVB, c = p % DVB;
+        if (c0 + c < dv) sg[(i64)i * dv + c0 + c] = S[p];
+    }
+}

@@ -1,0 +1,336 @@
+//! Launchers for `deltanet.cu`: the causal conv1d + SiLU (a sequential kernel for short runs,
+//! a parallel one plus a state update for long ones) and the gated delta rule (the recurrent
+//! kernel, and the chunked UT-transform kernel for prefill).
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaModule};
+
+use super::device::{cuda_error, kernel_args, CudaBuf, Device};
+use crate::backend::{DeltaNetShape, DeltaRuleMode};
+use crate::error::Result;
+
+pub(super) const SOURCE: &str = include_str!("deltanet.cu");
+
+/// `CONV_MAX_HIST` of the kernels: the longest conv kernel is this plus one.
+const CONV_MAX_KERNEL: usize = 8;
+/// Runs of up to this many tokens take the sequential conv kernel: one launch, no copy of the
+/// inputs. Longer runs parallelise over time as well.
+const CONV_SEQ_MAX_TOKENS: usize = 8;
+/// `GDN_COLS` and `GDN_PARTS` of the recurrent kernel.
+const GDN_COLS: usize = 32;
+const GDN_PARTS: usize = 4;
+/// The recurrent kernels hold k_head_dim / GDN_PARTS state values per thread in registers.
+const GDN_RECURRENT_MAX_DK: usize = 256;
+/// `CH` and `DVB` of the chunked kernel.
+const CHUNK: usize = 64;
+const CHUNK_COLS: usize = 32;
+
+/// Which conv and delta-rule kernels ran (for the path counters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ConvRan {
+    Sequential,
+    Parallel,
+}
+
+pub(super) struct Kernels {
+    conv_seq: CudaFunction,
+    conv_par: CudaFunction,
+    conv_state: CudaFunction,
+    conv_rows: CudaFunction,
+    gdn_recurrent_dk128: CudaFunction,
+    gdn_recurrent_generic: CudaFunction,
+    gdn_recurrent_rows_dk128: CudaFunction,
+    gdn_recurrent_rows_generic: CudaFunction,
+    gdn_chunked: CudaFunction,
+    /// Dynamic shared memory the chunked kernel may use, bytes.
+    chunked_smem_limit: usize,
+}
+
+/// Shared memory of `gdn_chunked` for a k_head_dim, in floats (see the layout in the kernel).
+fn chunked_smem_floats(dk: usize) -> usize {
+    2 * CHUNK * (dk + 1) + dk * CHUNK_COLS + CHUNK * CHUNK_COLS + CHUNK * (CHUNK + 1) + 3 * CHUNK
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>, dev: &Device) -> Result<Kernels> {
+        let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
+        let gdn_chunked = f("gdn_chunked")?;
+        // Opt in to all the shared memory a block may have; the launcher checks each shape.
+        let limit = dev.max_smem_optin as usize;
+        gdn_chunked
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                limit as i32,
+            )
+            .map_err(|e| cuda_error(format!("gdn_chunked shared memory opt-in: {e}")))?;
+        Ok(Kernels {
+            conv_seq: f("conv1d_silu_seq")?,
+            conv_par: f("conv1d_silu_par")?,
+            conv_state: f("conv1d_state_update")?,
+            conv_rows: f("conv1d_silu_rows")?,
+            gdn_recurrent_dk128: f("gdn_recurrent_dk128")?,
+            gdn_recurrent_generic: f("gdn_recurrent_generic")?,
+            gdn_recurrent_rows_dk128: f("gdn_recurrent_rows_dk128")?,
+            gdn_recurrent_rows_generic: f("gdn_recurrent_rows_generic")?,
+            gdn_chunked,
+            chunked_smem_limit: limit,
+        })
+    }
+
+    pub fn causal_conv1d_silu(
+        &self,
+        dev: &Device,
+        shape: &DeltaNetShape,
+        qkv: &mut CudaBuf,
+        tokens: usize,
+        weight: &CudaBuf,
+        state: &mut CudaBuf,
+    ) -> ConvRan {
+        let c = shape.conv_dim();
+        let k = shape.conv_kernel;
+        assert!((1..=CONV_MAX_KERNEL).contains(&k), "conv1d: kernel size {k} outside 1..={CONV_MAX_KERNEL}");
+        assert!(qkv.len() >= tokens * c, "conv1d: qkv too short");
+        assert!(weight.len() >= c * k, "conv1d: weight too short");
+        assert!(state.len() >= shape.conv_state_len(), "conv1d: state too short");
+        let args = |t: usize| (t as i32, c as i32, k as i32);
+        if tokens <= CONV_SEQ_MAX_TOKENS {
+            let (t, c32, k32) = args(tokens);
+            dev.launch(
+                "conv1d_silu_seq",
+                &self.conv_seq,
+                (c.div_ceil(128) as u32, 1, 1),
+                (128, 1, 1),
+                0,
+                kernel_args![qkv.ptr(), weight.ptr(), state.ptr(), t, c32, k32],
+            );
+            return ConvRan::Sequential;
+        }
+        assert!(tokens <= 65535, "conv1d: {tokens} tokens exceed one launch's grid");
+        // The parallel kernel reads the raw inputs while it overwrites qkv, so it works from a
+        // copy (freed, stream-ordered, after both kernels).
+        let raw = dev.alloc(tokens * c).unwrap_or_else(|e| panic!("{e}"));
+        dev.copy_dtod(raw.ptr(), qkv.ptr(), tokens * c * 4);
+        let (t, c32, k32) = args(tokens);
+        dev.launch(
+            "conv1d_silu_par",
+            &self.conv_par,
+            (c.div_ceil(256) as u32, tokens as u32, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![raw.ptr(), qkv.ptr(), weight.ptr(), state.ptr(), t, c32, k32],
+        );
+        dev.launch(
+            "conv1d_state_update",
+            &self.conv_state,
+            (c.div_ceil(256) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![raw.ptr(), state.ptr(), t, c32, k32],
+        );
+        ConvRan::Parallel
+    }
+
+    /// One token for each of `states.len()` sequences: row `i` of `qkv` with `states[i]`.
+    pub fn causal_conv1d_silu_rows(
+        &self,
+        dev: &Device,
+        shape: &DeltaNetShape,
+        qkv: &mut CudaBuf,
+        weight: &CudaBuf,
+        states: &mut [&mut CudaBuf],
+    ) {
+        let (c, k, n) = (shape.conv_dim(), shape.conv_kernel, states.len());
+        assert!((1..=CONV_MAX_KERNEL).contains(&k), "conv1d: kernel size {k} outside 1..={CONV_MAX_KERNEL}");
+        assert!(qkv.len() >= n * c, "conv1d_rows: qkv too short");
+        assert!(weight.len() >= c * k, "conv1d_rows: weight too short");
+        assert!(n <= 65535, "conv1d_rows: batch of {n} exceeds one launch's grid");
+        if n == 0 {
+            return;
+        }
+        let ptrs = state_pointers(states, shape.conv_state_len(), "conv1d_rows");
+        let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
+        dev.launch(
+            "conv1d_silu_rows",
+            &self.conv_rows,
+            (c.div_ceil(128) as u32, n as u32, 1),
+            (128, 1, 1),
+            0,
+            kernel_args![qkv.ptr(), weight.ptr(), ptrs_ptr, c as i32, k as i32],
+        );
+    }
+
+    /// One recurrent step for each of `states.len()` sequences (see `gated_delta_rule_rows` of
+    /// the trait).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_rule_rows(
+        &self,
+        dev: &Device,
+        shape: &DeltaNetShape,
+        qkv: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        states: &mut [&mut CudaBuf],
+        out: &mut CudaBuf,
+    ) {
+        let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
+        let n = states.len();
+        assert!(
+            nk > 0 && nv % nk == 0,
+            "gated_delta_rule_rows: {nv} value heads do not group onto {nk} key heads"
+        );
+        assert!(
+            dk <= GDN_RECURRENT_MAX_DK,
+            "gated_delta_rule_rows: k_head_dim {dk} > {GDN_RECURRENT_MAX_DK}"
+        );
+        assert!(qkv.len() >= n * shape.conv_dim(), "gated_delta_rule_rows: qkv too short");
+        assert!(a.len() >= n * nv && b.len() >= n * nv, "gated_delta_rule_rows: a/b too short");
+        assert!(a_log.len() >= nv && dt_bias.len() >= nv, "gated_delta_rule_rows: a_log/dt_bias too short");
+        assert!(out.len() >= n * shape.value_dim(), "gated_delta_rule_rows: out too short");
+        assert!(n <= 65535, "gated_delta_rule_rows: batch of {n} exceeds one launch's grid");
+        if n == 0 {
+            return;
+        }
+        let ptrs = state_pointers(states, shape.state_len(), "gated_delta_rule_rows");
+        let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let (f, name) = if dk == 128 {
+            (&self.gdn_recurrent_rows_dk128, "gdn_recurrent_rows_dk128")
+        } else {
+            (&self.gdn_recurrent_rows_generic, "gdn_recurrent_rows_generic")
+        };
+        dev.launch(
+            name,
+            f,
+            (nv as u32, dv.div_ceil(GDN_COLS) as u32, n as u32),
+            ((GDN_COLS * GDN_PARTS) as u32, 1, 1),
+            0,
+            kernel_args![
+                qkv.ptr(),
+                a.ptr(),
+                b.ptr(),
+                a_log.ptr(),
+                dt_bias.ptr(),
+                ptrs_ptr,
+                out.ptr(),
+                nk as i32,
+                nv as i32,
+                dk as i32,
+                dv as i32,
+                q_scale
+            ],
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_rule(
+        &self,
+        dev: &Device,
+        shape: &DeltaNetShape,
+        mode: DeltaRuleMode,
+        qkv: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        tokens: usize,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+    ) {
+        let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
+        assert!(
+            nk > 0 && nv % nk == 0,
+            "gated_delta_rule: {nv} value heads do not group onto {nk} key heads"
+        );
+        assert!(qkv.len() >= tokens * shape.conv_dim(), "gated_delta_rule: qkv too short");
+        assert!(a.len() >= tokens * nv && b.len() >= tokens * nv, "gated_delta_rule: a/b too short");
+        assert!(a_log.len() >= nv && dt_bias.len() >= nv, "gated_delta_rule: a_log/dt_bias too short");
+        assert!(state.len() >= shape.state_len(), "gated_delta_rule: state too short");
+        assert!(out.len() >= tokens * shape.value_dim(), "gated_delta_rule: out too short");
+        if tokens == 0 {
+            return;
+        }
+        // As the CPU computes it, so both backends scale q identically.
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let (t, nk32, nv32, dk32, dv32) = (tokens as i32, nk as i32, nv as i32, dk as i32, dv as i32);
+        match mode {
+            DeltaRuleMode::Recurrent => {
+                assert!(
+                    dk <= GDN_RECURRENT_MAX_DK,
+                    "gated_delta_rule: k_head_dim {dk} > {GDN_RECURRENT_MAX_DK} is not supported"
+                );
+                let (f, name) = if dk == 128 {
+                    (&self.gdn_recurrent_dk128, "gdn_recurrent_dk128")
+                } else {
+                    (&self.gdn_recurrent_generic, "gdn_recurrent_generic")
+                };
+                dev.launch(
+                    name,
+                    f,
+                    (nv as u32, dv.div_ceil(GDN_COLS) as u32, 1),
+                    ((GDN_COLS * GDN_PARTS) as u32, 1, 1),
+                    0,
+                    kernel_args![
+                        qkv.ptr(),
+                        a.ptr(),
+                        b.ptr(),
+                        a_log.ptr(),
+                        dt_bias.ptr(),
+                        state.ptr(),
+                        out.ptr(),
+                        t,
+                        nk32,
+                        nv32,
+                        dk32,
+                        dv32,
+                        q_scale
+                    ],
+                );
+            }
+            DeltaRuleMode::Chunked => {
+                let smem = chunked_smem_floats(dk) * 4;
+                assert!(
+                    smem <= self.chunked_smem_limit,
+                    "gated_delta_rule: k_head_dim {dk} needs {smem} bytes of shared memory, the device allows {}",
+                    self.chunked_smem_limit
+                );
+                dev.launch(
+                    "gdn_chunked",
+                    &self.gdn_chunked,
+                    (nv as u32, dv.div_ceil(CHUNK_COLS) as u32, 1),
+                    (256, 1, 1),
+                    smem as u32,
+                    kernel_args![
+                        qkv.ptr(),
+                        a.ptr(),
+                        b.ptr(),
+                        a_log.ptr(),
+                        dt_bias.ptr(),
+                        state.ptr(),
+                        out.ptr(),
+                        t,
+                        nk32,
+                        nv32,
+                        dk32,
+                        dv32,
+                        q_scale
+                    ],
+                );
+            }
+        }
+    }
+}
+
+/// Device addresses of per-sequence state buffers, each checked to hold `len` floats.
+fn state_pointers(states: &mut [&mut CudaBuf], len: usize, what: &str) -> Vec<u64> {
+    states
+        .iter()
+        .map(|s| {
+            assert!(s.len() >= len, "{what}: a state holds {} floats, {len} needed", s.len());
+            s.ptr()
+        })
+        .collect()
+}

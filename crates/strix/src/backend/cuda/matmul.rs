@@ -1,0 +1,276 @@
+//! `out = x · Wᵀ` on the GPU, weights in bf16, accumulation in f32, by one of three paths:
+//!
+//! - **GEMV** (`gemv_bf16_s*` in `matmul.cu`), one token: the decode path, bound by the bytes
+//!   of `W`. One warp per weight row (up to eight for matrices of few rows, so they still cover
+//!   the GPU), 16-byte streaming loads, eight in flight per lane.
+//! - **cuBLAS** (`cublasGemmEx`, bf16 × bf16 → f32 on the tensor cores), several tokens: the
+//!   activations are rounded to bf16 first (one pass over `x`), as every bf16 engine does.
+//! - **cuBLAS split** (opt-in): the activations as a pair of bf16 `hi + lo` and two accumulating
+//!   GEMMs: twice the tensor-core work for ~16 mantissa bits instead of 8. Rounding activations
+//!   to bf16 moves the logits of the small random-weight test fixtures by up to 4e-2 of their
+//!   range; the split path brings that to f32 rounding, so whole-model tests can be tight.
+//! - **Fallback** (`gemm_bf16_tiled`), several tokens when cuBLAS is not there (or a test asks
+//!   for it): a plain tiled kernel, exact in its f32 activations but slow.
+//!
+//! Which one ran is counted in the backend's path counters.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaFunction, CudaModule};
+
+use super::device::{cuda_error, kernel_args, no_panic, CudaBuf, CudaWeight, Device};
+use super::elementwise;
+use crate::error::Result;
+
+pub(super) const SOURCE: &str = include_str!("matmul.cu");
+
+/// Which kernel runs a matmul of more than one token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// cuBLAS when it loaded, else the fallback.
+    Auto,
+    /// cuBLAS on bf16-rounded activations (panics in `matmul` if cuBLAS did not load).
+    Cublas,
+    /// cuBLAS on activations split into two bf16 halves: precise, twice the work.
+    CublasSplit,
+    /// The tiled fallback kernel.
+    Fallback,
+}
+
+/// What [`Kernels::matmul`] ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Ran {
+    Gemv,
+    Cublas,
+    CublasSplit,
+    Fallback,
+}
+
+/// The cuBLAS handle, bound to the backend's stream.
+pub(super) struct Blas {
+    handle: CudaBlas,
+}
+
+impl Blas {
+    /// `Ok(None)` when libcublas is not installed: the fallback kernel covers for it.
+    pub fn open(dev: &Device) -> Result<Option<Blas>> {
+        // SAFETY: only tries to dlopen libcublas by its known names.
+        if !unsafe { blas_sys::is_culib_present() } {
+            return Ok(None);
+        }
+        no_panic("opening cuBLAS", || {
+            let handle =
+                CudaBlas::new(dev.stream.clone()).map_err(|e| cuda_error(format!("cublasCreate: {e}")))?;
+            Ok(Some(Blas { handle }))
+        })
+    }
+}
+
+pub(super) struct Kernels {
+    /// `gemv_bf16_s{1,2,4,8}`, by log2 of the warps per row.
+    gemv: [CudaFunction; 4],
+    /// `gemv_bf16_rows_s{1,2,4,8}`.
+    gemv_rows: [CudaFunction; 4],
+    gemm_tiled: CudaFunction,
+    sm_count: usize,
+}
+
+/// `GEMV_NT` of `gemv_bf16_rows`: tokens per block of the batch-invariant GEMV.
+const GEMV_NT: usize = 4;
+
+/// Warps per GEMV block (`GEMV_WARPS` of the kernels).
+const GEMV_WARPS: u32 = 8;
+
+/// Warps per weight row, as log2: one, unless the matrix has too few rows to give every SM
+/// about 32 warps (then up to eight share a row). Depends on the shape alone, so the one-token
+/// and batched GEMVs split a row identically and agree bitwise.
+fn gemv_split_log2(rows: usize, sm_count: usize) -> usize {
+    let target = sm_count * 32;
+    let mut log2 = 0;
+    while log2 < 3 && (rows << log2) < target {
+        log2 += 1;
+    }
+    log2
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>, dev: &Device) -> Result<Kernels> {
+        let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
+        let by_split = |prefix: &str| -> Result<[CudaFunction; 4]> {
+            Ok([
+                f(&format!("{prefix}1"))?,
+                f(&format!("{prefix}2"))?,
+                f(&format!("{prefix}4"))?,
+                f(&format!("{prefix}8"))?,
+            ])
+        };
+        Ok(Kernels {
+            gemv: by_split("gemv_bf16_s")?,
+            gemv_rows: by_split("gemv_bf16_rows_s")?,
+            gemm_tiled: f("gemm_bf16_tiled")?,
+            sm_count: dev.sm_count as usize,
+        })
+    }
+
+    /// The GEMV kernel (one-token or batched) for `rows`, and its blocks along the rows.
+    fn gemv_for<'a>(&'a self, table: &'a [CudaFunction; 4], rows: usize) -> (&'a CudaFunction, u32) {
+        let log2 = gemv_split_log2(rows, self.sm_count);
+        (&table[log2], rows.div_ceil(GEMV_WARPS as usize >> log2) as u32)
+    }
+
+    /// The decode-batch matmul: every row computed by the one-token GEMV's arithmetic, so it is
+    /// bitwise what `matmul` gives for that row alone, whatever the batch.
+    pub fn matmul_rows(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        let (rows, cols) = (w.rows(), w.cols());
+        assert!(x.len() >= tokens * cols, "matmul_rows: x holds {} floats, not [{tokens}, {cols}]", x.len());
+        assert!(
+            out.len() >= tokens * rows,
+            "matmul_rows: out holds {} floats, not [{tokens}, {rows}]",
+            out.len()
+        );
+        assert!(rows <= i32::MAX as usize && cols <= i32::MAX as usize && tokens <= 65535 * GEMV_NT);
+        if tokens == 0 || rows == 0 {
+            return;
+        }
+        if cols == 0 {
+            dev.memset_zero(out.ptr(), tokens * rows * 4);
+            return;
+        }
+        let (f, blocks) = self.gemv_for(&self.gemv_rows, rows);
+        dev.launch(
+            "gemv_bf16_rows",
+            f,
+            (blocks, tokens.div_ceil(GEMV_NT) as u32, 1),
+            (GEMV_WARPS * 32, 1, 1),
+            0,
+            kernel_args![w.ptr(), x.ptr(), out.ptr(), rows as i32, cols as i32, tokens as i32],
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        dev: &Device,
+        ew: &elementwise::Kernels,
+        blas: Option<&Blas>,
+        policy: GemmPath,
+        x: &CudaBuf,
+        tokens: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+    ) -> Ran {
+        let (rows, cols) = (w.rows(), w.cols());
+        assert!(x.len() >= tokens * cols, "matmul: x holds {} floats, not [{tokens}, {cols}]", x.len());
+        assert!(out.len() >= tokens * rows, "matmul: out holds {} floats, not [{tokens}, {rows}]", out.len());
+        assert!(rows <= i32::MAX as usize && cols <= i32::MAX as usize && tokens <= i32::MAX as usize);
+        if tokens == 0 || rows == 0 {
+            return Ran::Gemv;
+        }
+        if cols == 0 {
+            dev.memset_zero(out.ptr(), tokens * rows * 4);
+            return Ran::Gemv;
+        }
+        if tokens == 1 {
+            let (f, blocks) = self.gemv_for(&self.gemv, rows);
+            dev.launch(
+                "gemv_bf16",
+                f,
+                (blocks, 1, 1),
+                (GEMV_WARPS * 32, 1, 1),
+                0,
+                kernel_args![w.ptr(), x.ptr(), out.ptr(), rows as i32, cols as i32],
+            );
+            return Ran::Gemv;
+        }
+        let need_blas = || blas.expect("matmul: a cuBLAS path was requested but cuBLAS did not load");
+        let (blas, split) = match policy {
+            GemmPath::Fallback => (None, false),
+            GemmPath::Auto => (blas, false),
+            GemmPath::Cublas => (Some(need_blas()), false),
+            GemmPath::CublasSplit => (Some(need_blas()), true),
+        };
+        match blas {
+            Some(blas) => {
+                cublas_gemm(dev, ew, blas, x, tokens, w, out, split);
+                if split {
+                    Ran::CublasSplit
+                } else {
+                    Ran::Cublas
+                }
+            }
+            None => {
+                dev.launch(
+                    "gemm_bf16_tiled",
+                    &self.gemm_tiled,
+                    (rows.div_ceil(16) as u32, tokens.div_ceil(16) as u32, 1),
+                    (16, 16, 1),
+                    0,
+                    kernel_args![w.ptr(), x.ptr(), out.ptr(), tokens as i32, rows as i32, cols as i32],
+                );
+                Ran::Fallback
+            }
+        }
+    }
+}
+
+/// `out[tokens, rows] = bf16(x) · Wᵀ` through `cublasGemmEx` (with `split`, `bf16(x) · Wᵀ +
+/// bf16(x − bf16(x)) · Wᵀ`). cuBLAS is column-major: there the row-major `W [rows, cols]` is a
+/// `cols × rows` matrix used transposed, `x` a `cols × tokens` one, and `out` the
+/// `rows × tokens` result.
+#[allow(clippy::too_many_arguments)]
+fn cublas_gemm(
+    dev: &Device,
+    ew: &elementwise::Kernels,
+    blas: &Blas,
+    x: &CudaBuf,
+    tokens: usize,
+    w: &CudaWeight,
+    out: &mut CudaBuf,
+    split: bool,
+) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let n = tokens * cols;
+    // Freed (stream-ordered) when it goes out of scope, after the GEMMs in stream order.
+    let (_xb, hi) = dev.alloc_u16(if split { 2 * n } else { n }).unwrap_or_else(|e| panic!("{e}"));
+    let lo = hi + 2 * n as u64;
+    if split {
+        ew.f32_to_bf16_split(dev, x.ptr(), hi, lo, n);
+    } else {
+        ew.f32_to_bf16(dev, x.ptr(), hi, n);
+    }
+    let halves: &[(u64, f32)] = if split { &[(hi, 0.0), (lo, 1.0)] } else { &[(hi, 0.0)] };
+    for &(xb, beta) in halves {
+        let alpha = 1.0f32;
+        // SAFETY: the handle is bound to the backend's stream; the pointers are live device
+        // allocations of the sizes asserted in `matmul` (`xb` holds tokens * cols bf16); alpha
+        // and beta are host f32s, as the default pointer mode expects.
+        let r = unsafe {
+            blas_result::gemm_ex(
+                *blas.handle.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                tokens as i32,
+                cols as i32,
+                &alpha as *const f32 as *const c_void,
+                w.ptr() as *const c_void,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                cols as i32,
+                xb as *const c_void,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                cols as i32,
+                &beta as *const f32 as *const c_void,
+                out.ptr() as *mut c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                rows as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        if let Err(e) = r {
+            panic!("cuda: cublasGemmEx ({tokens}x{cols} · {rows}x{cols}ᵀ): {e}");
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! The CUDA backend: every [`Backend`] op on an NVIDIA GPU, weights in bf16, activations and
+//! states in `f32` device buffers, accumulation in f32, all work queued on one stream.
+//!
+//! - `device.rs` opens the GPU (a clean error, never a panic, when there is no driver or
+//!   device: cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so the crate builds and runs
+//!   anywhere), owns the stream and the buffers, and launches kernels;
+//! - `compile.rs` turns the `.cu` sources kept beside their launchers into cubins with NVRTC,
+//!   for the device's architecture, cached on disk;
+//! - `elementwise.rs`, `matmul.rs`, `deltanet.rs` and `attention.rs` launch the kernels of
+//!   their `.cu` files.
+//!
+//! The KV caches are the trait's `f32` buffers; a bf16 cache needs a cache type of its own in
+//! the trait.
+//!
+//! Errors: [`CudaBackend::new`] and `weight` return `Result`. The trait's ops return `()`, so an
+//! op whose launch or allocation fails panics with a message that names it: that is a device
+//! fault or an exhausted GPU, not bad input. Kernel faults are asynchronous and surface at the
+//! next `download` (which synchronises), also as a panic.
+//!
+//! The decode-batch ops (`*_rows`) run every row by the same arithmetic as the one-token ops
+//! (shared device functions, the same block shapes), so a sequence's results are bitwise
+//! independent of what else is in the batch.
+//!
+//! Path counters ([`CudaBackend::path_counts`]) record which kernel path every op took, so a
+//! test can prove the fast path ran rather than pass on a fallback.
+
+mod attention;
+mod compile;
+mod deltanet;
+mod device;
+mod elementwise;
+mod matmul;
+
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use crate::error::Result;
+use crate::tensor::HostTensor;
+
+pub use device::{device_count, CudaBuf, CudaWeight};
+pub use matmul::GemmPath;
+
+use device::{cuda_error, Device};
+
+/// How many times each kernel path ran since the backend was made (or last reset).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PathCounts {
+    /// One-token matmuls on the bf16 GEMV kernel.
+    pub gemv: u64,
+    /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
+    pub gemm_cublas: u64,
+    /// Multi-token matmuls on cuBLAS with split (hi + lo bf16) activations.
+    pub gemm_cublas_split: u64,
+    /// Multi-token matmuls on the tiled fallback kernel.
+    pub gemm_fallback: u64,
+    /// Causal conv on the sequential (short-run) kernel.
+    pub conv_sequential: u64,
+    /// Causal conv on the time-parallel kernel.
+    pub conv_parallel: u64,
+    pub gdn_recurrent: u64,
+    pub gdn_chunked: u64,
+    /// Attention calls (key-split kernel and merge).
+    pub attention: u64,
+    /// Attention calls whose longest row was split into more than one key range.
+    pub attention_multi_split: u64,
+    /// Decode-batch calls (`*_rows` ops: matmul, conv, delta rule, attention).
+    pub batch_rows: u64,
+    /// Kernel modules compiled by NVRTC when this backend was made.
+    pub modules_compiled: u64,
+    /// Kernel modules loaded from the cache (memory or disk) instead.
+    pub modules_cached: u64,
+}
+
+impl std::fmt::Display for PathCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "gemv {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
+             gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | modules compiled {} cached {}",
+            self.gemv,
+            self.gemm_cublas,
+            self.gemm_cublas_split,
+            self.gemm_fallback,
+            self.conv_sequential,
+            self.conv_parallel,
+            self.gdn_recurrent,
+            self.gdn_chunked,
+            self.attention,
+            self.attention_multi_split,
+            self.batch_rows,
+            self.modules_compiled,
+            self.modules_cached
+        )
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    gemv: AtomicU64,
+    gemm_cublas: AtomicU64,
+    gemm_cublas_split: AtomicU64,
+    gemm_fallback: AtomicU64,
+    conv_sequential: AtomicU64,
+    conv_parallel: AtomicU64,
+    gdn_recurrent: AtomicU64,
+    gdn_chunked: AtomicU64,
+    attention: AtomicU64,
+    attention_multi_split: AtomicU64,
+    batch_rows: AtomicU64,
+    modules_compiled: AtomicU64,
+    modules_cached: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Runs every op on one NVIDIA GPU.
+pub struct CudaBackend {
+    dev: Device,
+    ew: elementwise::Kernels,
+    mm: matmul::Kernels,
+    dn: deltanet::Kernels,
+    at: attention::Kernels,
+    blas: Option<matmul::Blas>,
+    gemm_path: AtomicU8,
+    counters: Counters,
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal` and loads the kernels (compiling them with NVRTC unless
+    /// the kernel cache has them). An error, never a panic, when the machine has no driver,
+    /// no such device, or no NVRTC.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let dev = Device::open(ordinal)?;
+        let counters = Counters::default();
+        let module = |name: &str, src: &str| {
+            let (m, origin) = compile::load_module(&dev, name, src)?;
+            bump(match origin {
+                compile::Origin::Compiled => &counters.modules_compiled,
+                compile::Origin::Cached => &counters.modules_cached,
+            });
+            Ok::<_, crate::Error>(m)
+        };
+        let ew = elementwise::Kernels::load(&module("elementwise", elementwise::SOURCE)?)?;
+        let mm = matmul::Kernels::load(&module("matmul", matmul::SOURCE)?, &dev)?;
+        let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
+        let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
+        let blas = matmul::Blas::open(&dev)?;
+        Ok(CudaBackend { dev, ew, mm, dn, at, blas, gemm_path: AtomicU8::new(0), counters })
+    }
+
+    /// The GPU's name as the driver reports it ("NVIDIA H200").
+    pub fn device_name(&self) -> &str {
+        &self.dev.name
+    }
+
+    /// Compute capability (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.dev.cc
+    }
+
+    /// Whether cuBLAS loaded (multi-token matmuls run on tensor cores).
+    pub fn has_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// Chooses the kernel for matmuls of more than one token (tests force each one).
+    pub fn set_gemm_path(&self, path: GemmPath) {
+        let v = match path {
+            GemmPath::Auto => 0,
+            GemmPath::Cublas => 1,
+            GemmPath::Fallback => 2,
+            GemmPath::CublasSplit => 3,
+        };
+        self.gemm_path.store(v, Ordering::Relaxed);
+    }
+
+    fn gemm_path(&self) -> GemmPath {
+        match self.gemm_path.load(Ordering::Relaxed) {
+            1 => GemmPath::Cublas,
+            2 => GemmPath::Fallback,
+            3 => GemmPath::CublasSplit,
+            _ => GemmPath::Auto,
+        }
+    }
+
+    pub fn path_counts(&self) -> PathCounts {
+        let c = &self.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PathCounts {
+            gemv: g(&c.gemv),
+            gemm_cublas: g(&c.gemm_cublas),
+            gemm_cublas_split: g(&c.gemm_cublas_split),
+            gemm_fallback: g(&c.gemm_fallback),
+            conv_sequential: g(&c.conv_sequential),
+            conv_parallel: g(&c.conv_parallel),
+            gdn_recurrent: g(&c.gdn_recurrent),
+            gdn_chunked: g(&c.gdn_chunked),
+            attention: g(&c.attention),
+            attention_multi_split: g(&c.attention_multi_split),
+            batch_rows: g(&c.batch_rows),
+            modules_compiled: g(&c.modules_compiled),
+            modules_cached: g(&c.modules_cached),
+        }
+    }
+
+    /// Zeroes the op counters (the module counters describe construction and stay).
+    pub fn reset_path_counts(&self) {
+        let c = &self.counters;
+        for a in [
+            &c.gemv,
+            &c.gemm_cublas,
+            &c.gemm_cublas_split,
+            &c.gemm_fallback,
+            &c.conv_sequential,
+            &c.conv_parallel,
+            &c.gdn_recurrent,
+            &c.gdn_chunked,
+            &c.attention,
+            &c.attention_multi_split,
+            &c.batch_rows,
+        ] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Waits for all queued work; reports a failed kernel as an error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.synchronize()
+    }
+
+    /// Brackets the region an external profiler records (`ncu --profile-from-start off`).
+    pub fn profiler_range(&self, on: bool) -> Result<()> {
+        self.dev.ctx.bind_to_thread().map_err(cuda_error)?;
+        // SAFETY: plain driver calls on the bound context.
+        let r = unsafe {
+            if on {
+                cudarc::driver::sys::cuProfilerStart()
+            } else {
+                cudarc::driver::sys::cuProfilerStop()
+            }
+        };
+        r.result().map_err(cuda_error)
+    }
+
+    /// Device memory (free, total) in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.dev.ctx.bind_to_thread().map_err(cuda_error)?;
+        self.dev.ctx.mem_get_info().map_err(cuda_error)
+    }
+
+    /// Device memory bandwidth measured with a device-to-device copy of `bytes` (median of
+    /// `repeats` timed copies after a warm-up), counting bytes read plus bytes written, in
+    /// bytes per second: the ceiling for roofline figures.
+    pub fn measure_copy_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64> {
+        let dev = &self.dev;
+        dev.ctx.bind_to_thread().map_err(cuda_error)?;
+        let floats = bytes / 4;
+        let src = dev.zeros(floats)?;
+        let dst = dev.alloc(floats)?;
+        let start = dev
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(cuda_error)?;
+        let end = dev
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(cuda_error)?;
+        for _ in 0..3 {
+            dev.copy_dtod(dst.ptr(), src.ptr(), floats * 4);
+        }
+        let mut times = Vec::with_capacity(repeats.max(1));
+        for _ in 0..repeats.max(1) {
+            start.record(&dev.stream).map_err(cuda_error)?;
+            dev.copy_dtod(dst.ptr(), src.ptr(), floats * 4);
+            end.record(&dev.stream).map_err(cuda_error)?;
+            times.push(start.elapsed_ms(&end).map_err(cuda_error)? as f64 / 1e3);
+        }
+        dev.synchronize()?;
+        times.sort_by(|a, b| a.total_cmp(b));
+        let median = times[times.len() / 2];
+        Ok(2.0 * (floats * 4) as f64 / median)
+    }
+}
+
+/// `Result` to value inside an op, which cannot return errors (see the module docs).
+fn or_panic<T>(r: Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("{e}"))
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Weight = CudaWeight;
+
+    fn name(&self) -> String {
+        format!("cuda:{} ({}, sm_{}{})", self.dev.ordinal, self.dev.name, self.dev.cc.0, self.dev.cc.1)
+    }
+
+    fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CudaWeight> {
+        self.dev.ctx.bind_to_thread().map_err(cuda_error)?;
+        self.dev.upload_weight(t, rows, cols)
+    }
+
+    fn upload(&self, data: &[f32]) -> CudaBuf {
+        self.dev.bind();
+        or_panic(self.dev.upload_f32(data))
+    }
+
+    fn zeros(&self, len: usize) -> CudaBuf {
+        self.dev.bind();
+        or_panic(self.dev.zeros(len))
+    }
+
+    fn resize(&self, buf: &mut CudaBuf, len: usize) {
+        self.dev.bind();
+        let next = or_panic(self.dev.alloc(len));
+        let keep = buf.len().min(len);
+        self.dev.copy_dtod(next.ptr(), buf.ptr(), keep * 4);
+        self.dev.memset_zero(next.at(keep), (len - keep) * 4);
+        *buf = next;
+    }
+
+    fn download(&self, buf: &CudaBuf, offset: usize, len: usize) -> Vec<f32> {
+        assert!(offset + len <= buf.len(), "download: {offset}+{len} outside a buffer of {}", buf.len());
+        self.dev.bind();
+        let mut host = vec![0.0f32; len];
+        or_panic(self.dev.download_f32(&mut host, buf.at(offset)));
+        host
+    }
+
+    fn weight_bytes(&self, w: &CudaWeight) -> usize {
+        w.bytes()
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
+        self.dev.bind();
+        self.ew.embed(&self.dev, table, ids, dim, out);
+    }
+
+    fn matmul(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        self.dev.bind();
+        let ran =
+            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out);
+        bump(match ran {
+            matmul::Ran::Gemv => &self.counters.gemv,
+            matmul::Ran::Cublas => &self.counters.gemm_cublas,
+            matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
+            matmul::Ran::Fallback => &self.counters.gemm_fallback,
+        });
+    }
+
+    fn rms_norm(&self, x: &CudaBuf, weight: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
+        self.dev.bind();
+        self.ew.rms_norm(&self.dev, x, weight, dim, eps, out);
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaBuf,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out);
+    }
+
+    fn add(&self, residual: &mut CudaBuf, x: &CudaBuf, len: usize) {
+        self.dev.bind();
+        self.ew.add(&self.dev, residual, x, len);
+    }
+
+    fn swiglu(&self, gate: &CudaBuf, up: &CudaBuf, len: usize, out: &mut CudaBuf) {
+        self.dev.bind();
+        self.ew.swiglu(&self.dev, gate, up, len, out);
+    }
+
+    fn copy_row(&self, src: &CudaBuf, src_row: usize, dim: usize, out: &mut CudaBuf) {
+        assert!((src_row + 1) * dim <= src.len() && dim <= out.len(), "copy_row: out of range");
+        self.dev.bind();
+        self.dev.copy_dtod(out.ptr(), src.at(src_row * dim), dim * 4);
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut CudaBuf,
+        tokens: usize,
+        weight: &CudaBuf,
+        state: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        let ran = self.dn.causal_conv1d_silu(&self.dev, shape, qkv, tokens, weight, state);
+        bump(match ran {
+            deltanet::ConvRan::Sequential => &self.counters.conv_sequential,
+            deltanet::ConvRan::Parallel => &self.counters.conv_parallel,
+        });
+    }
+
+    fn gated_delta_rule(
+        &self,
+        shape: &DeltaNetShape,
+        mode: DeltaRuleMode,
+        qkv: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        tokens: usize,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        self.dn.gated_delta_rule(&self.dev, shape, mode, qkv, a, b, a_log, dt_bias, tokens, state, out);
+        bump(match mode {
+            DeltaRuleMode::Recurrent => &self.counters.gdn_recurrent,
+            DeltaRuleMode::Chunked => &self.counters.gdn_chunked,
+        });
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &mut CudaBuf,
+        z: &CudaBuf,
+        weight: &CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) {
+        self.dev.bind();
+        self.ew.gated_rms_norm(&self.dev, x, z, weight, rows, dim, eps);
+    }
+
+    fn attention_prologue(
+        &self,
+        shape: &AttentionShape,
+        q_and_gate: &CudaBuf,
+        k: &mut CudaBuf,
+        q_norm: &CudaBuf,
+        k_norm: &CudaBuf,
+        inv_freq: &CudaBuf,
+        positions: &[usize],
+        q: &mut CudaBuf,
+        gate: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        self.at.prologue(&self.dev, shape, q_and_gate, k, q_norm, k_norm, inv_freq, positions, q, gate);
+    }
+
+    fn attention(
+        &self,
+        shape: &AttentionShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        gate: &CudaBuf,
+        k_cache: &mut CudaBuf,
+        v_cache: &mut CudaBuf,
+        pos0: usize,
+        tokens: usize,
+        out: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        let splits = self.at.attention(&self.dev, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
+        bump(&self.counters.attention);
+        if splits > 1 {
+            bump(&self.counters.attention_multi_split);
+        }
+    }
+
+    fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        self.dev.bind();
+        self.mm.matmul_rows(&self.dev, x, tokens, w, out);
+        bump(&self.counters.batch_rows);
+    }
+
+    fn causal_conv1d_silu_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut CudaBuf,
+        weight: &CudaBuf,
+        states: &mut [&mut CudaBuf],
+    ) {
+        self.dev.bind();
+        self.dn.causal_conv1d_silu_rows(&self.dev, shape, qkv, weight, states);
+        bump(&self.counters.batch_rows);
+    }
+
+    fn gated_delta_rule_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        states: &mut [&mut CudaBuf],
+        out: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        self.dn.gated_delta_rule_rows(&self.dev, shape, qkv, a, b, a_log, dt_bias, states, out);
+        bump(&self.counters.batch_rows);
+    }
+
+    fn attention_rows(
+        &self,
+        shape: &AttentionShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        gate: &CudaBuf,
+        k_caches: &mut [&mut CudaBuf],
+        v_caches: &mut [&mut CudaBuf],
+        positions: &[usize],
+        out: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        self.at.attention_rows(&self.dev, shape, q, k, v, gate, k_caches, v_caches, positions, out);
+        bump(&self.counters.batch_rows);
+    }
+}

@@ -1,0 +1,56 @@
+// Device helpers shared by every kernel source: prepended to each `.cu` file before NVRTC
+// compiles it. No `#include`s anywhere: NVRTC's built-in headers differ between releases and
+// bf16 only needs bit shifts, so the sources stay self-contained.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef long long i64;
+
+struct alignas(16) v4u {
+    u32 x, y, z, w;
+};
+struct alignas(16) v4f {
+    float x, y, z, w;
+};
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+// The low / high bf16 of a little-endian pair packed in a u32.
+__device__ __forceinline__ float bf16_lo(u32 u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf16_hi(u32 u) { return __uint_as_float(u & 0xffff0000u); }
+
+// Round to nearest even, as torch and the `half` crate do; NaN stays a (quiet) NaN.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block, returned to every thread. `scratch` holds 32 floats of shared memory;
+// the leading barrier lets a caller reuse it for consecutive reductions.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? scratch[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// The activations exactly as the CPU backend writes them (expf, not __expf: the f32 paths are
+// compared to the CPU at 1e-4).
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
+// torch.nn.functional.softplus with beta 1 and threshold 20.
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
