@@ -304,109 +304,17 @@ impl<B: Backend> Model<B> {
             )));
         }
         let n = tokens.len();
-        let hidden = c.hidden_size;
-        let eps = c.rms_norm_eps;
         let positions: Vec<usize> = sessions.iter().map(|s| s.position()).collect();
-        let at = attention_shape(c);
-        let dn = deltanet_shape(c);
         for (s, &p) in sessions.iter_mut().zip(&positions) {
-            s.reserve(b, p + 1, at.kv_dim());
+            s.reserve(b, p + 1, attention_shape(c).kv_dim());
         }
-        let w = &self.weights;
-        let mut h = b.zeros(n * hidden);
-        let mut x = b.zeros(n * hidden);
-        let mut y = b.zeros(n * hidden);
-        b.embed(&w.embed_tokens, tokens, hidden, &mut h);
-        b.rms_norm(&h, &w.layers[0].input_norm, hidden, eps, &mut x);
-        let mut mlp_gate = b.zeros(n * c.intermediate_size);
-        let mut mlp_up = b.zeros(n * c.intermediate_size);
-        let mut mlp_act = b.zeros(n * c.intermediate_size);
-        for (l, layer) in w.layers.iter().enumerate() {
-            match &layer.mixer {
-                Mixer::DeltaNet(m) => {
-                    let mut qkv = b.zeros(n * dn.conv_dim());
-                    let mut z = b.zeros(n * dn.value_dim());
-                    let mut beta_in = b.zeros(n * dn.num_v_heads);
-                    let mut decay_in = b.zeros(n * dn.num_v_heads);
-                    b.matmul_rows(&x, n, &m.in_proj_qkv, &mut qkv);
-                    b.matmul_rows(&x, n, &m.in_proj_z, &mut z);
-                    b.matmul_rows(&x, n, &m.in_proj_b, &mut beta_in);
-                    b.matmul_rows(&x, n, &m.in_proj_a, &mut decay_in);
-                    let (mut convs, mut states) = (Vec::with_capacity(n), Vec::with_capacity(n));
-                    for s in sessions.iter_mut() {
-                        match s.layer_mut(l) {
-                            LayerState::DeltaNet { conv, recurrent } => {
-                                convs.push(conv);
-                                states.push(recurrent);
-                            }
-                            LayerState::Attention { .. } => unreachable!("session layers follow layer_types"),
-                        }
-                    }
-                    b.causal_conv1d_silu_rows(&dn, &mut qkv, &m.conv1d, &mut convs);
-                    let mut core = b.zeros(n * dn.value_dim());
-                    b.gated_delta_rule_rows(
-                        &dn,
-                        &qkv,
-                        &decay_in,
-                        &beta_in,
-                        &m.a_log,
-                        &m.dt_bias,
-                        &mut states,
-                        &mut core,
-                    );
-                    b.gated_rms_norm(&mut core, &z, &m.norm, n * dn.num_v_heads, dn.v_head_dim, dn.eps);
-                    b.matmul_rows(&core, n, &m.out_proj, &mut y);
-                }
-                Mixer::Attention(m) => {
-                    let q_dim = at.num_heads * at.head_dim;
-                    let mut q_and_gate = b.zeros(n * 2 * q_dim);
-                    let mut k = b.zeros(n * at.kv_dim());
-                    let mut v = b.zeros(n * at.kv_dim());
-                    b.matmul_rows(&x, n, &m.q_proj, &mut q_and_gate);
-                    b.matmul_rows(&x, n, &m.k_proj, &mut k);
-                    b.matmul_rows(&x, n, &m.v_proj, &mut v);
-                    let mut q = b.zeros(n * q_dim);
-                    let mut gate = b.zeros(n * q_dim);
-                    b.attention_prologue(
-                        &at,
-                        &q_and_gate,
-                        &mut k,
-                        &m.q_norm,
-                        &m.k_norm,
-                        &self.inv_freq,
-                        &positions,
-                        &mut q,
-                        &mut gate,
-                    );
-                    let (mut ks, mut vs) = (Vec::with_capacity(n), Vec::with_capacity(n));
-                    for s in sessions.iter_mut() {
-                        match s.layer_mut(l) {
-                            LayerState::Attention { k, v, .. } => {
-                                ks.push(k);
-                                vs.push(v);
-                            }
-                            LayerState::DeltaNet { .. } => unreachable!("session layers follow layer_types"),
-                        }
-                    }
-                    let mut attn = b.zeros(n * q_dim);
-                    b.attention_rows(&at, &q, &k, &v, &gate, &mut ks, &mut vs, &positions, &mut attn);
-                    b.matmul_rows(&attn, n, &m.o_proj, &mut y);
-                }
-            }
-            b.add_rms_norm(&mut h, &y, &layer.post_attention_norm, hidden, eps, &mut x);
-            b.matmul_rows(&x, n, &layer.gate_proj, &mut mlp_gate);
-            b.matmul_rows(&x, n, &layer.up_proj, &mut mlp_up);
-            b.swiglu(&mlp_gate, &mlp_up, n * c.intermediate_size, &mut mlp_act);
-            b.matmul_rows(&mlp_act, n, &layer.down_proj, &mut y);
-            let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |nl| &nl.input_norm);
-            b.add_rms_norm(&mut h, &y, next_norm, hidden, eps, &mut x);
-        }
+        let mut scratch = Scratch::new(b, c, n);
+        self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
         for (s, &t) in sessions.iter_mut().zip(tokens) {
             s.advance(&[t]);
         }
-        let lm_head = w.lm_head.as_ref().unwrap_or(&w.embed_tokens);
-        let mut logits = b.zeros(n * c.vocab_size);
-        b.matmul_rows(&x, n, lm_head, &mut logits);
+        let mut logits = b.scratch(n * c.vocab_size);
+        b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
         Ok(b.download(&logits, 0, n * c.vocab_size))
     }
 
@@ -420,129 +328,246 @@ impl<B: Backend> Model<B> {
     ) -> Vec<f32> {
         let b = &self.backend;
         let c = &self.config;
-        let w = &self.weights;
         let t = ids.len();
         let pos0 = session.position();
-        let hidden = c.hidden_size;
         session.reserve(b, pos0 + t, attention_shape(c).kv_dim());
-
-        let mut h = b.zeros(t * hidden);
-        let mut x = b.zeros(t * hidden);
-        let mut y = b.zeros(t * hidden);
-        b.embed(&w.embed_tokens, ids, hidden, &mut h);
-        b.rms_norm(&h, &w.layers[0].input_norm, hidden, c.rms_norm_eps, &mut x);
-
-        let mut mlp_gate = b.zeros(t * c.intermediate_size);
-        let mut mlp_up = b.zeros(t * c.intermediate_size);
-        let mut mlp_act = b.zeros(t * c.intermediate_size);
-        for (l, layer) in w.layers.iter().enumerate() {
-            match (&layer.mixer, session.layer_mut(l)) {
-                (Mixer::DeltaNet(m), LayerState::DeltaNet { conv, recurrent }) => {
-                    self.delta_net(m, &x, t, conv, recurrent, &mut y)
-                }
-                (Mixer::Attention(m), LayerState::Attention { k, v, .. }) => {
-                    self.attention(m, &x, t, pos0, k, v, &mut y)
-                }
-                _ => unreachable!("session layers are built from the same layer_types as the model"),
-            }
-            b.add_rms_norm(&mut h, &y, &layer.post_attention_norm, hidden, c.rms_norm_eps, &mut x);
-
-            // SwiGLU MLP.
-            b.matmul(&x, t, &layer.gate_proj, &mut mlp_gate);
-            b.matmul(&x, t, &layer.up_proj, &mut mlp_up);
-            b.swiglu(&mlp_gate, &mlp_up, t * c.intermediate_size, &mut mlp_act);
-            b.matmul(&mlp_act, t, &layer.down_proj, &mut y);
-
-            let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
-            b.add_rms_norm(&mut h, &y, next_norm, hidden, c.rms_norm_eps, &mut x);
-        }
+        let positions: Vec<usize> = (pos0..pos0 + t).collect();
+        let mut scratch = Scratch::new(b, c, t);
+        self.layers(&mut Sequences::One(session), ids, &positions, &mut scratch);
         session.advance(ids);
 
-        let lm_head = w.lm_head.as_ref().unwrap_or(&w.embed_tokens);
         match want {
             Logits::All => {
-                let mut logits = b.zeros(t * c.vocab_size);
-                b.matmul(&x, t, lm_head, &mut logits);
+                let mut logits = b.scratch(t * c.vocab_size);
+                b.matmul(&scratch.x, t, self.lm_head(), &mut logits);
                 b.download(&logits, 0, t * c.vocab_size)
             }
             Logits::Last if !last_piece => Vec::new(),
             Logits::Last => {
-                let mut row = b.zeros(hidden);
-                b.copy_row(&x, t - 1, hidden, &mut row);
-                let mut logits = b.zeros(c.vocab_size);
-                b.matmul(&row, 1, lm_head, &mut logits);
+                let mut row = b.scratch(c.hidden_size);
+                b.copy_row(&scratch.x, t - 1, c.hidden_size, &mut row);
+                let mut logits = b.scratch(c.vocab_size);
+                b.matmul(&row, 1, self.lm_head(), &mut logits);
                 b.download(&logits, 0, c.vocab_size)
             }
         }
     }
 
-    /// Gated DeltaNet mixer: projections, causal conv, delta rule, gated norm, out_proj.
+    fn lm_head(&self) -> &B::Weight {
+        self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed_tokens)
+    }
+
+    /// Embeds `ids` and runs every decoder layer; leaves the final-normed hidden states in
+    /// `s.x`. Row `t` is at position `positions[t]` of its sequence.
+    fn layers(&self, seqs: &mut Sequences<'_, '_, B>, ids: &[u32], positions: &[usize], s: &mut Scratch<B>) {
+        let b = &self.backend;
+        let c = &self.config;
+        let w = &self.weights;
+        let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
+        let t = ids.len();
+        b.embed(&w.embed_tokens, ids, hidden, &mut s.h);
+        b.rms_norm(&s.h, &w.layers[0].input_norm, hidden, eps, &mut s.x);
+        for (l, layer) in w.layers.iter().enumerate() {
+            match &layer.mixer {
+                Mixer::DeltaNet(m) => self.delta_net(m, l, seqs, t, s),
+                Mixer::Attention(m) => self.attention(m, l, seqs, positions, s),
+            }
+            b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
+
+            // SwiGLU MLP.
+            seqs.matmul(b, &s.x, t, &layer.gate_proj, &mut s.mlp_gate);
+            seqs.matmul(b, &s.x, t, &layer.up_proj, &mut s.mlp_up);
+            b.swiglu(&s.mlp_gate, &s.mlp_up, t * c.intermediate_size, &mut s.mlp_act);
+            seqs.matmul(b, &s.mlp_act, t, &layer.down_proj, &mut s.y);
+
+            let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
+            b.add_rms_norm(&mut s.h, &s.y, next_norm, hidden, eps, &mut s.x);
+        }
+    }
+
+    /// Gated DeltaNet mixer of layer `l`: projections, causal conv, delta rule, gated norm,
+    /// out_proj; reads `s.x`, writes `s.y`.
     fn delta_net(
         &self,
         m: &DeltaNetWeights<B>,
-        x: &B::Buf,
+        l: usize,
+        seqs: &mut Sequences<'_, '_, B>,
         t: usize,
-        conv_state: &mut B::Buf,
-        state: &mut B::Buf,
-        out: &mut B::Buf,
+        s: &mut Scratch<B>,
     ) {
         let b = &self.backend;
-        let s = deltanet_shape(&self.config);
-        let mut qkv = b.zeros(t * s.conv_dim());
-        let mut z = b.zeros(t * s.value_dim());
-        let mut beta_in = b.zeros(t * s.num_v_heads);
-        let mut decay_in = b.zeros(t * s.num_v_heads);
-        b.matmul(x, t, &m.in_proj_qkv, &mut qkv);
-        b.matmul(x, t, &m.in_proj_z, &mut z);
-        b.matmul(x, t, &m.in_proj_b, &mut beta_in);
-        b.matmul(x, t, &m.in_proj_a, &mut decay_in);
-        b.causal_conv1d_silu(&s, &mut qkv, t, &m.conv1d, conv_state);
-        // As in the reference: the single-token step for decode, chunks for anything longer.
-        let mode = if t == 1 { DeltaRuleMode::Recurrent } else { DeltaRuleMode::Chunked };
-        let mut core = b.zeros(t * s.value_dim());
-        b.gated_delta_rule(&s, mode, &qkv, &decay_in, &beta_in, &m.a_log, &m.dt_bias, t, state, &mut core);
-        b.gated_rms_norm(&mut core, &z, &m.norm, t * s.num_v_heads, s.v_head_dim, s.eps);
-        b.matmul(&core, t, &m.out_proj, out);
+        let d = deltanet_shape(&self.config);
+        seqs.matmul(b, &s.x, t, &m.in_proj_qkv, &mut s.qkv);
+        seqs.matmul(b, &s.x, t, &m.in_proj_z, &mut s.z);
+        seqs.matmul(b, &s.x, t, &m.in_proj_b, &mut s.beta_in);
+        seqs.matmul(b, &s.x, t, &m.in_proj_a, &mut s.decay_in);
+        match seqs {
+            Sequences::One(session) => {
+                let LayerState::DeltaNet { conv, recurrent } = session.layer_mut(l) else {
+                    unreachable!("session layers follow the model's layer_types")
+                };
+                b.causal_conv1d_silu(&d, &mut s.qkv, t, &m.conv1d, conv);
+                // As in the reference: the single-token step for decode, chunks for anything longer.
+                let mode = if t == 1 { DeltaRuleMode::Recurrent } else { DeltaRuleMode::Chunked };
+                b.gated_delta_rule(
+                    &d,
+                    mode,
+                    &s.qkv,
+                    &s.decay_in,
+                    &s.beta_in,
+                    &m.a_log,
+                    &m.dt_bias,
+                    t,
+                    recurrent,
+                    &mut s.core,
+                );
+            }
+            Sequences::Batch(sessions) => {
+                let (mut convs, mut states) = (Vec::with_capacity(t), Vec::with_capacity(t));
+                for session in sessions.iter_mut() {
+                    let LayerState::DeltaNet { conv, recurrent } = session.layer_mut(l) else {
+                        unreachable!("session layers follow the model's layer_types")
+                    };
+                    convs.push(conv);
+                    states.push(recurrent);
+                }
+                b.causal_conv1d_silu_rows(&d, &mut s.qkv, &m.conv1d, &mut convs);
+                b.gated_delta_rule_rows(
+                    &d,
+                    &s.qkv,
+                    &s.decay_in,
+                    &s.beta_in,
+                    &m.a_log,
+                    &m.dt_bias,
+                    &mut states,
+                    &mut s.core,
+                );
+            }
+        }
+        b.gated_rms_norm(&mut s.core, &s.z, &m.norm, t * d.num_v_heads, d.v_head_dim, d.eps);
+        seqs.matmul(b, &s.core, t, &m.out_proj, &mut s.y);
     }
 
-    /// Gated attention mixer: q/gate, k, v projections, norms + RoPE, causal GQA, gate, o_proj.
-    #[allow(clippy::too_many_arguments)]
+    /// Gated attention mixer of layer `l`: q/gate, k, v projections, norms + RoPE, causal GQA
+    /// over the KV cache, sigmoid gate, o_proj; reads `s.x`, writes `s.y`.
     fn attention(
         &self,
         m: &AttentionWeights<B>,
-        x: &B::Buf,
-        t: usize,
-        pos0: usize,
-        k_cache: &mut B::Buf,
-        v_cache: &mut B::Buf,
-        out: &mut B::Buf,
+        l: usize,
+        seqs: &mut Sequences<'_, '_, B>,
+        positions: &[usize],
+        s: &mut Scratch<B>,
     ) {
         let b = &self.backend;
-        let s = attention_shape(&self.config);
-        let q_dim = s.num_heads * s.head_dim;
-        let mut q_and_gate = b.zeros(t * 2 * q_dim);
-        let mut k = b.zeros(t * s.kv_dim());
-        let mut v = b.zeros(t * s.kv_dim());
-        b.matmul(x, t, &m.q_proj, &mut q_and_gate);
-        b.matmul(x, t, &m.k_proj, &mut k);
-        b.matmul(x, t, &m.v_proj, &mut v);
-        let mut q = b.zeros(t * q_dim);
-        let mut gate = b.zeros(t * q_dim);
-        let positions: Vec<usize> = (pos0..pos0 + t).collect();
+        let a = attention_shape(&self.config);
+        let t = positions.len();
+        seqs.matmul(b, &s.x, t, &m.q_proj, &mut s.q_and_gate);
+        seqs.matmul(b, &s.x, t, &m.k_proj, &mut s.k);
+        seqs.matmul(b, &s.x, t, &m.v_proj, &mut s.v);
         b.attention_prologue(
-            &s,
-            &q_and_gate,
-            &mut k,
+            &a,
+            &s.q_and_gate,
+            &mut s.k,
             &m.q_norm,
             &m.k_norm,
             &self.inv_freq,
-            &positions,
-            &mut q,
-            &mut gate,
+            positions,
+            &mut s.q,
+            &mut s.gate,
         );
-        let mut attn = b.zeros(t * q_dim);
-        b.attention(&s, &q, &k, &v, &gate, k_cache, v_cache, pos0, t, &mut attn);
-        b.matmul(&attn, t, &m.o_proj, out);
+        match seqs {
+            Sequences::One(session) => {
+                let LayerState::Attention { k, v, .. } = session.layer_mut(l) else {
+                    unreachable!("session layers follow the model's layer_types")
+                };
+                b.attention(&a, &s.q, &s.k, &s.v, &s.gate, k, v, positions[0], t, &mut s.attn);
+            }
+            Sequences::Batch(sessions) => {
+                let (mut ks, mut vs) = (Vec::with_capacity(t), Vec::with_capacity(t));
+                for session in sessions.iter_mut() {
+                    let LayerState::Attention { k, v, .. } = session.layer_mut(l) else {
+                        unreachable!("session layers follow the model's layer_types")
+                    };
+                    ks.push(k);
+                    vs.push(v);
+                }
+                b.attention_rows(&a, &s.q, &s.k, &s.v, &s.gate, &mut ks, &mut vs, positions, &mut s.attn);
+            }
+        }
+        seqs.matmul(b, &s.attn, t, &m.o_proj, &mut s.y);
+    }
+}
+
+/// What a pass runs over: consecutive tokens of one sequence (prefill, or one decode token),
+/// or one token of each of several sequences (a decode batch).
+enum Sequences<'s, 'a, B: Backend> {
+    One(&'s mut Session<B>),
+    Batch(&'s mut [&'a mut Session<B>]),
+}
+
+impl<B: Backend> Sequences<'_, '_, B> {
+    /// A batch multiplies row by row with the one-token kernel, so each sequence's numbers do
+    /// not depend on the batch it is in.
+    fn matmul(&self, b: &B, x: &B::Buf, t: usize, w: &B::Weight, out: &mut B::Buf) {
+        match self {
+            Sequences::One(_) => b.matmul(x, t, w, out),
+            Sequences::Batch(_) => b.matmul_rows(x, t, w, out),
+        }
+    }
+}
+
+/// The activations of one pass of `t` rows, allocated once and reused by every layer.
+struct Scratch<B: Backend> {
+    h: B::Buf,
+    x: B::Buf,
+    y: B::Buf,
+    mlp_gate: B::Buf,
+    mlp_up: B::Buf,
+    mlp_act: B::Buf,
+    // Gated DeltaNet layers.
+    qkv: B::Buf,
+    z: B::Buf,
+    beta_in: B::Buf,
+    decay_in: B::Buf,
+    core: B::Buf,
+    // Gated attention layers.
+    q_and_gate: B::Buf,
+    q: B::Buf,
+    gate: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    attn: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(b: &B, c: &ModelConfig, t: usize) -> Scratch<B> {
+        let d = deltanet_shape(c);
+        let a = attention_shape(c);
+        let q_dim = a.num_heads * a.head_dim;
+        let has = |kind| c.layer_kinds.contains(&kind);
+        // Every op overwrites its output in full, so nothing needs zeroing; buffers of a layer
+        // kind the model lacks stay empty.
+        let buf = |len: usize, needed: bool| b.scratch(if needed { t * len } else { 0 });
+        let (dn, at) = (has(LayerKind::DeltaNet), has(LayerKind::Attention));
+        Scratch {
+            h: buf(c.hidden_size, true),
+            x: buf(c.hidden_size, true),
+            y: buf(c.hidden_size, true),
+            mlp_gate: buf(c.intermediate_size, true),
+            mlp_up: buf(c.intermediate_size, true),
+            mlp_act: buf(c.intermediate_size, true),
+            qkv: buf(d.conv_dim(), dn),
+            z: buf(d.value_dim(), dn),
+            beta_in: buf(d.num_v_heads, dn),
+            decay_in: buf(d.num_v_heads, dn),
+            core: buf(d.value_dim(), dn),
+            q_and_gate: buf(2 * q_dim, at),
+            q: buf(q_dim, at),
+            gate: buf(q_dim, at),
+            k: buf(a.kv_dim(), at),
+            v: buf(a.kv_dim(), at),
+            attn: buf(q_dim, at),
+        }
     }
 }
 

@@ -85,6 +85,11 @@ pub trait Backend: Send + Sync {
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<Self::Weight>;
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn zeros(&self, len: usize) -> Self::Buf;
+    /// A buffer of `len` floats with unspecified contents, for the output of an op that
+    /// overwrites it in full (every op here does): saves the memset of [`Backend::zeros`].
+    fn scratch(&self, len: usize) -> Self::Buf {
+        self.zeros(len)
+    }
     /// Grows or shrinks `buf` to `len` floats, keeping the common prefix (new space is zero).
     fn resize(&self, buf: &mut Self::Buf, len: usize);
     /// Copies `len` floats starting at `offset` to the host.

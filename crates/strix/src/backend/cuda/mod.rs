@@ -312,6 +312,11 @@ impl Backend for CudaBackend {
         or_panic(self.dev.zeros(len))
     }
 
+    fn scratch(&self, len: usize) -> CudaBuf {
+        self.dev.bind();
+        or_panic(self.dev.alloc(len))
+    }
+
     fn resize(&self, buf: &mut CudaBuf, len: usize) {
         self.dev.bind();
         let next = or_panic(self.dev.alloc(len));
