@@ -223,6 +223,40 @@ impl<B: Backend> Model<B> {
         Session::new(layers, max_context)
     }
 
+    /// Device bytes a session of `max_context` tokens holds: the f32 KV caches of the
+    /// attention layers at full length and the conv and recurrent states of the DeltaNet layers.
+    pub fn session_bytes(&self, max_context: usize) -> usize {
+        let dn = deltanet_shape(&self.config);
+        let kv = attention_shape(&self.config).kv_dim();
+        let per_layer = |kind: &LayerKind| match kind {
+            LayerKind::Attention => 2 * max_context * kv,
+            LayerKind::DeltaNet => dn.conv_state_len() + dn.state_len(),
+        };
+        self.config.layer_kinds.iter().map(per_layer).sum::<usize>() * 4
+    }
+
+    /// [`Model::new_session`], checked against the device's free memory where the backend has
+    /// its own: the KV caches are then allocated for the whole context up front, so a session
+    /// that does not fit is an error now rather than a failed allocation mid-generation.
+    pub fn try_new_session(&self, max_context: usize) -> Result<Session<B>> {
+        let mut session = self.new_session(max_context);
+        if let Some(free) = self.backend.free_memory() {
+            let need = self.session_bytes(max_context);
+            // Leave room for the activations of a prefill pass and the allocator's slack.
+            let headroom = free / 10 + (256 << 20);
+            if need + headroom > free {
+                return Err(Error::input(format!(
+                    "a {max_context}-token session needs {:.2} GiB of device memory but {:.2} GiB is free; \
+                     ask for a shorter context",
+                    need as f64 / (1u64 << 30) as f64,
+                    free.saturating_sub(headroom) as f64 / (1u64 << 30) as f64
+                )));
+            }
+            session.reserve(&self.backend, max_context, attention_shape(&self.config).kv_dim());
+        }
+        Ok(session)
+    }
+
     /// Bytes of weights read to decode one token: every matrix once, the lm_head, one
     /// embedding row (norm vectors and states are small and left out).
     pub fn weight_bytes_per_token(&self) -> usize {

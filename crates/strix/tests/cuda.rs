@@ -1130,3 +1130,18 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
     }
     println!("decode batch: {}", model.backend().path_counts());
 }
+
+/// A session is checked against free device memory when it is made: one that cannot fit is a
+/// clear error, one that fits has its KV caches allocated for the whole context up front.
+#[test]
+fn sessions_that_do_not_fit_in_device_memory_are_errors() {
+    let Some(g) = gpu() else { return };
+    let dir = fixtures().into_iter().next().unwrap();
+    let model = Model::load(&dir, g, None).unwrap();
+    let huge = 1usize << 40;
+    let e = model.try_new_session(huge).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("device memory") && e.contains("shorter context"), "{e}");
+    let mut session = model.try_new_session(4096).unwrap();
+    let logits = model.forward(&mut session, &[1, 2, 3], Logits::Last).unwrap();
+    assert!(logits.iter().all(|x| x.is_finite()));
+}

@@ -94,6 +94,11 @@ pub trait Backend: Send + Sync {
     fn resize(&self, buf: &mut Self::Buf, len: usize);
     /// Copies `len` floats starting at `offset` to the host.
     fn download(&self, buf: &Self::Buf, offset: usize, len: usize) -> Vec<f32>;
+    /// Free device memory in bytes, for backends whose memory is scarce and separate from the
+    /// host's (`None`: the host's memory, sessions grow on demand).
+    fn free_memory(&self) -> Option<usize> {
+        None
+    }
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
 

@@ -312,6 +312,10 @@ impl Backend for CudaBackend {
         or_panic(self.dev.zeros(len))
     }
 
+    fn free_memory(&self) -> Option<usize> {
+        self.memory_info().ok().map(|(free, _)| free)
+    }
+
     fn scratch(&self, len: usize) -> CudaBuf {
         self.dev.bind();
         or_panic(self.dev.alloc(len))
