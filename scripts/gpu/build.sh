@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Builds, here (where Rust is), the stripped x86-64 binaries the GPU suite runs on a CUDA
-# machine that has no Rust toolchain: the CUDA test binary, the decode benchmark and `strix`.
+# machine that has no Rust toolchain: the CUDA test binary, the decode benchmark, `strix` and
+# the CLI's test binary (whose `device_*` tests run the prebuilt `strix` on the GPU).
 # They land in .gpu/ (git-ignored); copy that folder and scripts/gpu/run.sh to the GPU host.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu
-tests=$(cargo test -p strix --test cuda --release --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json,sys
+# The path of test binary $2 of package $1, built in release mode.
+test_binary() {
+  cargo test -p "$1" --test "$2" --release --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$2"
+}
+tests=$(test_binary strix cuda)
+cli_tests=$(test_binary strix-cli cli)
 cargo build --release -p strix --example cuda_decode_bench
 cargo build --release -p strix-cli
 cp "$tests" .gpu/cuda-tests
+cp "$cli_tests" .gpu/cli-tests
 cp target/release/examples/cuda_decode_bench target/release/strix .gpu/
-strip .gpu/cuda-tests .gpu/cuda_decode_bench .gpu/strix
+strip .gpu/cuda-tests .gpu/cli-tests .gpu/cuda_decode_bench .gpu/strix
 du -sh .gpu

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU suite from prebuilt binaries (scripts/gpu/build.sh), on a CUDA 13 machine:
-# the CUDA tests (every kernel against the CPU backend, the transformers fixtures), then the
-# decode benchmark. Usage: scripts/gpu/run.sh LOGDIR  — full logs go to LOGDIR, a summary to
-# stdout. SANITIZE=SECONDS also runs compute-sanitizer memcheck over the op tests.
+# the CUDA tests (every kernel against the CPU backend, the transformers fixtures), the decode
+# benchmark, the `strix` CLI on the GPU (`--device cuda` against the goldens of the bf16
+# fixtures), and `strix bench --device cuda` on the 0.8B and 9B shapes (JSON in
+# LOGDIR/bench-0.8b.json, bench-9b.json; tables in the .log beside them).
+# Usage: scripts/gpu/run.sh LOGDIR  — full logs go to LOGDIR, a summary to stdout.
+# SANITIZE=SECONDS also runs compute-sanitizer memcheck over the op tests.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 logs=${1:?usage: scripts/gpu/run.sh LOGDIR}
@@ -16,6 +19,25 @@ grep -E "^test |test result|panicked|skipped" "$logs/tests.log"
 echo "== decode benchmark"
 timeout 300 ./.gpu/cuda_decode_bench ${BENCH_ARGS:-} > "$logs/bench.log" 2>&1 || status=1
 tail -25 "$logs/bench.log"
+echo "== strix --device cuda (CLI device tests against the fixtures' goldens)"
+STRIX_BIN=./.gpu/strix STRIX_FIXTURES=tests/fixtures/models timeout 300 ./.gpu/cli-tests --test-threads=1 \
+  --nocapture device_ > "$logs/cli-tests.log" 2>&1 || status=1
+grep -E "^test |test result|panicked|skipped|steps agree|diverged|logits max" "$logs/cli-tests.log"
+# One greedy run by hand, so the log shows what a user sees (device line, JSON).
+timeout 120 ./.gpu/strix run --device cuda --verbose --model tests/fixtures/models/causal-bf16-sharded \
+  --prompt-ids 1,2,3,4,5,6,7,8 -n 10 --temperature 0 --ignore-eos --json \
+  > "$logs/run-cuda.json" 2> "$logs/run-cuda.log" || status=1
+cat "$logs/run-cuda.log" "$logs/run-cuda.json"
+for preset in 0.8b 9b; do
+  echo "== strix bench --device cuda --preset qwen3.5-$preset"
+  # 0.8B takes well under a minute, 9B about one (18 GB of weights synthesised on the host
+  # and uploaded first); the limits only stop a hang.
+  timeout "$([ "$preset" = 9b ] && echo 240 || echo 150)" ./.gpu/strix bench --device cuda \
+    --preset "qwen3.5-$preset" --verbose > "$logs/bench-$preset.json" 2> "$logs/bench-$preset.log" || status=1
+  # The table (from its title line on), or the tail of the log when the run failed.
+  grep -q '^strix bench$' "$logs/bench-$preset.log" && sed -n '/^strix bench$/,$p' "$logs/bench-$preset.log" ||
+    tail -15 "$logs/bench-$preset.log"
+done
 if [ -n "${SANITIZE:-}" ]; then
   echo "== memcheck"
   timeout "$SANITIZE" compute-sanitizer --tool memcheck --print-limit 20 ./.gpu/cuda-tests --test-threads=1 \

@@ -1,30 +1,77 @@
-//! `strix bench`: prefill and decode throughput at batch 1, set against the memory bandwidth
-//! measured in the same run. Decoding one token reads every weight once, so
+//! `strix bench`: prefill and decode throughput on the chosen device, set against the memory
+//! bandwidth measured in the same run. Decoding one token reads every weight once, so
 //! bytes-per-token × tokens/s over the bandwidth says how close decode is to its roofline.
+//!
+//! A run makes a headline measurement (prefill `--prompt-len` tokens into a fresh session,
+//! then decode `--gen` tokens: the top-level JSON fields) and three sweeps, each optional:
+//! prefill speed per prompt length, batch-1 decode speed per context length, and aggregate
+//! decode speed per batch size. The sweeps default to the issue's set on CUDA (prefill 512
+//! and 4096, decode at 128 and 4096, batches 1, 16, 64) and to none on the CPU, where they
+//! would take minutes.
+//!
+//! Every timed region ends with logits copied to the host (`Model::forward` and
+//! `Model::decode_batch` return them), which waits for the device, so host clocks are honest.
 
-use std::hint::black_box;
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use rayon::prelude::*;
-use serde_json::json;
-use strix::backend::cpu::CpuBackend;
+use serde_json::{json, Map, Value};
 use strix::checkpoint::Checkpoint;
+use strix::config::ModelConfig;
 use strix::model::{Logits, Model};
+use strix::session::Session;
 use strix::synthetic::{preset, SyntheticWeights, PRESETS};
 
-use crate::common::{self, CpuModel};
+use crate::common;
+use crate::device::{self, path_count_delta, path_counts_line, with_backend, DeviceArgs, DeviceInfo};
 
 /// Seed of the synthetic weights and of the prompt ids, so runs compare like with like.
 const SEED: u64 = 0x5EED;
 
+/// Untimed decode steps before each decode measurement: the first steps of a shape allocate
+/// scratch and (on CUDA) pick kernels.
+const WARM_STEPS: usize = 2;
+
+/// The sweeps' defaults on CUDA: the figures the CUDA issue asks for.
+const CUDA_PROMPT_LENS: &[usize] = &[512, 4096];
+const CUDA_CONTEXTS: &[usize] = &[128, 4096];
+const CUDA_BATCHES: &[usize] = &[1, 16, 64];
+
+/// A comma-separated list of positive sizes; `none` (or nothing) is the empty list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SizeList(Vec<usize>);
+
+impl std::str::FromStr for SizeList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<SizeList, String> {
+        if s.trim().is_empty() || s.trim().eq_ignore_ascii_case("none") {
+            return Ok(SizeList(Vec::new()));
+        }
+        s.split(',')
+            .map(|part| match part.trim().parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(format!("`{}` is not a positive integer (give N,N,... or none)", part.trim())),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(SizeList)
+    }
+}
+
 #[derive(Args, Debug)]
 #[command(after_help = "stdout gets one JSON object; stderr a table of the same figures.
-Each repeat prefills --prompt-len pseudo-random ids into a fresh session, then decodes --gen
-tokens greedily past any end-of-sequence token. One short warm-up pass runs first; the
-reported speeds are the medians of the repeats.")]
+Headline: each repeat prefills --prompt-len pseudo-random ids into a fresh session, then decodes
+--gen tokens greedily past any end-of-sequence token (one short warm-up pass first).
+Sweeps: --prompt-lens times a prefill per length (after one untimed prefill of that length);
+--contexts prefills each context once, then times --repeats runs of --gen decode steps;
+--batches prefills B sequences with --batch-context tokens each, then times --repeats runs of
+--gen decode steps of all B at once (aggregate tok/s = B x steps / time). Speeds are medians of
+the repeats. % of roofline = weight bytes read per step x steps/s / measured bandwidth.
+The sweeps default to 512,4096 / 128,4096 / 1,16,64 on CUDA (less any longer than the model's
+context) and to none on the CPU; `none` turns one off.")]
 pub struct BenchArgs {
     /// Model directory, or a Hugging Face repo id
     #[arg(short, long, value_name = "PATH", required_unless_present = "preset", conflicts_with = "preset")]
@@ -35,11 +82,14 @@ pub struct BenchArgs {
     #[arg(long, value_name = "NAME")]
     pub preset: Option<String>,
 
-    /// Prompt tokens to prefill
+    #[command(flatten)]
+    pub device: DeviceArgs,
+
+    /// Prompt tokens to prefill (headline measurement)
     #[arg(short = 'p', long, value_name = "N", default_value_t = 512)]
     pub prompt_len: usize,
 
-    /// Tokens to decode after the prompt
+    /// Tokens to decode after the prompt, and decode steps per timed run of the sweeps
     #[arg(short = 'n', long, value_name = "N", default_value_t = 64)]
     pub gen: usize,
 
@@ -47,88 +97,256 @@ pub struct BenchArgs {
     #[arg(short, long, value_name = "N", default_value_t = 3)]
     pub repeats: usize,
 
+    /// Prefill speed at each of these prompt lengths [default: 512,4096 on CUDA, none on the CPU]
+    #[arg(long, value_name = "N,..")]
+    pub prompt_lens: Option<SizeList>,
+
+    /// Batch-1 decode speed at each of these context lengths [default: 128,4096 on CUDA, none
+    /// on the CPU]
+    #[arg(long, value_name = "N,..")]
+    pub contexts: Option<SizeList>,
+
+    /// Aggregate decode speed at each of these batch sizes [default: 1,16,64 on CUDA, none on
+    /// the CPU]
+    #[arg(long, value_name = "N,..")]
+    pub batches: Option<SizeList>,
+
+    /// Prompt tokens each sequence of a --batches measurement is prefilled with
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub batch_context: usize,
+
     /// Worker threads [default: one per logical CPU]
     #[arg(short, long, value_name = "N")]
     pub threads: Option<usize>,
 
-    /// Size of the buffer read to measure memory bandwidth; it should dwarf the caches
-    /// (0 skips the measurement and the roofline)
-    #[arg(long, value_name = "MIB", default_value_t = 1024)]
-    pub bandwidth_mib: usize,
+    /// Size of the buffer used to measure memory bandwidth; it should dwarf the caches
+    /// (0 skips the measurement and the roofline) [default: 1024 on the CPU, 2048 on CUDA]
+    #[arg(long, value_name = "MIB")]
+    pub bandwidth_mib: Option<usize>,
+
+    /// Print the device, each measurement as it completes, and the kernel-path counters
+    /// (CUDA) on stderr
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+/// Which sweeps run, once the device (and so the defaults) is known.
+struct Plan {
+    prompt_lens: Vec<usize>,
+    contexts: Vec<usize>,
+    batches: Vec<usize>,
+}
+
+impl Plan {
+    /// The sweeps asked for, else the device's defaults less those longer than the model's
+    /// context (`max_context`): a small model on a GPU still gets the rest of the set, while
+    /// a length given explicitly is checked, not dropped (see [`Plan::longest_context`]).
+    fn new(args: &BenchArgs, cuda: bool, max_context: usize) -> Plan {
+        let decode_tail = WARM_STEPS + args.repeats * args.gen;
+        let pick = |given: &Option<SizeList>, cuda_default: &[usize], extra: usize| match given {
+            Some(list) => list.0.clone(),
+            None if cuda => cuda_default.iter().copied().filter(|&n| n + extra <= max_context).collect(),
+            None => Vec::new(),
+        };
+        Plan {
+            prompt_lens: pick(&args.prompt_lens, CUDA_PROMPT_LENS, 0),
+            contexts: pick(&args.contexts, CUDA_CONTEXTS, decode_tail),
+            batches: pick(&args.batches, CUDA_BATCHES, 0),
+        }
+    }
+
+    /// The longest session any measurement needs.
+    fn longest_context(&self, args: &BenchArgs) -> usize {
+        let decode_tail = WARM_STEPS + args.repeats * args.gen;
+        let mut longest = args.prompt_len + args.gen;
+        longest = longest.max(self.prompt_lens.iter().copied().max().unwrap_or(0));
+        longest = longest.max(self.contexts.iter().map(|c| c + decode_tail).max().unwrap_or(0));
+        if !self.batches.is_empty() {
+            longest = longest.max(args.batch_context + decode_tail);
+        }
+        longest
+    }
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     common::init_threads(args.threads)?;
-    if args.prompt_len == 0 || args.gen == 0 || args.repeats == 0 {
-        bail!("--prompt-len, --gen and --repeats must each be at least 1");
+    if args.prompt_len == 0 || args.gen == 0 || args.repeats == 0 || args.batch_context == 0 {
+        bail!("--prompt-len, --gen, --repeats and --batch-context must each be at least 1");
     }
-    // Checked before the bandwidth run, so a typo fails fast.
-    let shape = match &args.preset {
-        Some(name) => Some(preset(name)?),
-        None => None,
-    };
-    let dir = match &args.model {
-        Some(m) => Some(common::resolve_model(Some(m))?),
-        None => None,
-    };
-    // Measured before the model is in memory, so the two never compete for RAM.
-    let bandwidth = (args.bandwidth_mib > 0).then(|| memory_bandwidth(args.bandwidth_mib << 20));
-
-    let (model, name, source, dtype) = match (shape, &dir) {
-        (Some(config), _) => {
-            let weights = SyntheticWeights::new(config.clone(), SEED);
-            let bar = common::progress_bar("synthesising", "layers");
-            let progress = |done: u64, total: u64| {
-                bar.set_length(total);
-                bar.set_position(done);
-            };
-            let model = Model::from_source(config, &weights, CpuBackend::new(), Some(&progress));
-            bar.finish_and_clear();
-            let name = args.preset.clone().unwrap_or_default();
-            (model?, name, "synthetic", "bf16".to_string())
-        }
-        (None, Some(dir)) => {
-            let model = common::load_model(dir)?;
-            let dtype = checkpoint_dtype(dir, &model);
-            (model, dir.display().to_string(), "checkpoint", dtype)
+    // Checked before the device is opened and the bandwidth measured, so a typo fails fast.
+    let (config, source) = match (&args.preset, &args.model) {
+        (Some(name), _) => (preset(name)?, Source::Preset(name.clone())),
+        (None, Some(m)) => {
+            let dir = common::resolve_model(Some(m))?;
+            (ModelConfig::from_model_dir(&dir)?, Source::Dir(dir))
         }
         (None, None) => bail!("give --model PATH or --preset NAME ({})", PRESETS.join(", ")),
     };
-    let c = &model.config;
-    let context = args.prompt_len + args.gen;
-    if context > c.max_position_embeddings {
+    let opened = device::open(args.device.device, args.verbose)?;
+    with_backend!(opened, backend => bench_with(backend, &args, config, &source))
+}
+
+/// Where the weights come from.
+enum Source {
+    Preset(String),
+    Dir(std::path::PathBuf),
+}
+
+/// Memory in use, the largest of the samples taken while sessions were alive.
+#[derive(Default)]
+struct PeakMemory(Option<u64>);
+
+impl PeakMemory {
+    fn sample(&mut self, backend: &impl DeviceInfo) {
+        if let Some(used) = backend.memory_used() {
+            self.0 = Some(self.0.map_or(used, |peak| peak.max(used)));
+        }
+    }
+}
+
+/// One measurement of a sweep: its speeds per repeat and the kernel paths its timed region
+/// took.
+struct Measured {
+    runs: Vec<f64>,
+    paths: Option<Map<String, Value>>,
+}
+
+impl Measured {
+    fn median(&self) -> f64 {
+        median(&self.runs)
+    }
+}
+
+/// The path counters at the start of a timed region, to tell what the region ran (untimed
+/// prefills and warm-ups are left out, so the counts show the path being measured).
+struct PathWindow(Option<Map<String, Value>>);
+
+impl PathWindow {
+    fn open(backend: &impl DeviceInfo) -> PathWindow {
+        PathWindow(backend.path_counts())
+    }
+
+    fn close(self, backend: &impl DeviceInfo) -> Option<Map<String, Value>> {
+        Some(path_count_delta(&self.0?, &backend.path_counts()?))
+    }
+}
+
+fn bench_with<B: DeviceInfo>(
+    backend: B,
+    args: &BenchArgs,
+    config: ModelConfig,
+    source: &Source,
+) -> Result<()> {
+    let plan = Plan::new(args, backend.kind() == "cuda", config.max_position_embeddings);
+    let longest = plan.longest_context(args);
+    if longest > config.max_position_embeddings {
         bail!(
-            "--prompt-len + --gen = {context} exceeds the model's max_position_embeddings ({})",
-            c.max_position_embeddings
+            "the measurements need a {longest}-token context, more than the model's max_position_embeddings ({}): \
+             shorten --prompt-len, --contexts, --batch-context or --gen x --repeats",
+            config.max_position_embeddings
         );
     }
-    let prompt = pseudo_random_ids(args.prompt_len, c.vocab_size);
+    let verbose = args.verbose;
+    let note = |what: String| {
+        if verbose {
+            eprintln!("strix bench: {what}");
+        }
+    };
 
-    // Faults in every weight page and starts the thread pool.
-    run_once(&model, &prompt[..prompt.len().min(16)], 2)?;
+    // Measured before the model is in memory, so the two never compete for it.
+    let bandwidth_mib = args.bandwidth_mib.unwrap_or_else(|| backend.default_bandwidth_mib());
+    let bandwidth =
+        if bandwidth_mib > 0 { Some(backend.measure_bandwidth(bandwidth_mib << 20)?) } else { None };
+    if let Some(bw) = bandwidth {
+        note(format!("memory bandwidth {bw:.1} GB/s ({})", backend.bandwidth_method()));
+    }
+
+    let device_name = backend.name();
+    let kind = backend.kind();
+    let started = Instant::now();
+    let (model, name, source_kind, dtype) = match source {
+        Source::Preset(name) => {
+            let weights = SyntheticWeights::new(config.clone(), SEED);
+            let model = common::with_progress("synthesising", "layers", |p| {
+                Model::from_source(config, &weights, backend, Some(p))
+            })?;
+            (model, name.clone(), "synthetic", "bf16".to_string())
+        }
+        Source::Dir(dir) => {
+            let model = common::load_model(dir, backend)?;
+            let dtype = checkpoint_dtype(dir, &model.config);
+            (model, dir.display().to_string(), "checkpoint", dtype)
+        }
+    };
+    note(format!("{name} loaded on {device_name} in {:.1} s", started.elapsed().as_secs_f64()));
+    let memory_after_load = model.backend().memory_used();
+    let mut peak = PeakMemory::default();
+    peak.sample(model.backend());
+
+    let c = &model.config;
+    let context = args.prompt_len + args.gen;
+    let prompt = pseudo_random_ids(args.prompt_len, c.vocab_size, SEED);
+
+    // The headline. The warm-up faults in every weight page (CPU), starts the thread pool and
+    // loads the kernels (CUDA).
+    run_once(&model, &prompt[..prompt.len().min(16)], 2, &mut peak)?;
     let mut prefill = Vec::with_capacity(args.repeats);
     let mut decode = Vec::with_capacity(args.repeats);
+    let window = PathWindow::open(model.backend());
     for _ in 0..args.repeats {
-        let (p, d) = run_once(&model, &prompt, args.gen)?;
+        let (p, d) = run_once(&model, &prompt, args.gen, &mut peak)?;
         prefill.push(p);
         decode.push(d);
     }
-    let prefill_tok_s = median(&mut prefill);
-    let decode_tok_s = median(&mut decode);
+    let headline = Measured { runs: Vec::new(), paths: window.close(model.backend()) };
+    let prefill_tok_s = median(&prefill);
+    let decode_tok_s = median(&decode);
+    note(format!("headline: prefill {prefill_tok_s:.1} tok/s, decode {decode_tok_s:.2} tok/s"));
 
     let bytes_per_token = model.weight_bytes_per_token();
-    let roofline_pct = bandwidth.map(|bw| 100.0 * bytes_per_token as f64 * decode_tok_s / (bw * 1e9));
+    // Weights are read once per step whatever the batch, so the roofline is per step.
+    let roofline_pct =
+        |steps_per_s: f64| bandwidth.map(|bw| 100.0 * bytes_per_token as f64 * steps_per_s / (bw * 1e9));
+
+    let mut prefill_sweep = Vec::new();
+    for &len in &plan.prompt_lens {
+        let m = prefill_runs(&model, len, args.repeats, &mut peak)?;
+        note(format!("prefill {len}: {:.1} tok/s", m.median()));
+        prefill_sweep.push((len, m));
+    }
+    let mut decode_sweep = Vec::new();
+    for &ctx in &plan.contexts {
+        let m = decode_runs(&model, 1, ctx, args.gen, args.repeats, &mut peak)?;
+        note(format!("decode at context {ctx}: {:.2} tok/s", m.median()));
+        decode_sweep.push((ctx, m));
+    }
+    let mut batch_sweep = Vec::new();
+    for &batch in &plan.batches {
+        let m = decode_runs(&model, batch, args.batch_context, args.gen, args.repeats, &mut peak)?;
+        note(format!("batch {batch} at context {}: {:.1} tok/s", args.batch_context, m.median()));
+        batch_sweep.push((batch, m));
+    }
+    peak.sample(model.backend());
+
     let threads = rayon::current_num_threads();
     let cpu = cpu_name();
+    let paths_json = |m: &Measured| m.paths.clone().map(Value::Object);
     let report = json!({
         "machine": {
             "cpu": cpu,
             "threads": threads,
             "logical_cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
         },
+        "device": {
+            "kind": kind,
+            "name": device_name,
+            "memory_used_bytes": peak.0,
+            "memory_after_load_bytes": memory_after_load,
+            "memory_total_bytes": model.backend().memory_total(),
+        },
         "model": {
             "name": name,
-            "source": source,
+            "source": source_kind,
             "hidden": c.hidden_size,
             "layers": c.num_layers,
             "vocab": c.vocab_size,
@@ -146,40 +364,106 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         "decode_tok_s_runs": decode,
         "weight_bytes_per_token": bytes_per_token,
         "memory_bandwidth_gb_s": bandwidth,
+        "bandwidth_method": bandwidth.map(|_| model.backend().bandwidth_method()),
         "decode_roofline_tok_s": bandwidth.map(|bw| bw * 1e9 / bytes_per_token as f64),
-        "roofline_pct": roofline_pct,
+        "roofline_pct": roofline_pct(decode_tok_s),
+        "prefill": prefill_sweep.iter().map(|(len, m)| json!({
+            "prompt_len": len,
+            "tok_s": m.median(),
+            "runs": m.runs,
+            "paths": paths_json(m),
+        })).collect::<Vec<_>>(),
+        "decode": decode_sweep.iter().map(|(ctx, m)| json!({
+            "context": ctx,
+            "batch": 1,
+            "tok_s": m.median(),
+            "ms_per_token": 1e3 / m.median(),
+            "roofline_pct": roofline_pct(m.median()),
+            "runs": m.runs,
+            "paths": paths_json(m),
+        })).collect::<Vec<_>>(),
+        "batched": batch_sweep.iter().map(|(batch, m)| json!({
+            "batch": batch,
+            "context": args.batch_context,
+            "tok_s": m.median(),
+            "ms_per_step": 1e3 * *batch as f64 / m.median(),
+            "roofline_pct": roofline_pct(m.median() / *batch as f64),
+            "runs": m.runs,
+            "paths": paths_json(m),
+        })).collect::<Vec<_>>(),
+        "headline_paths": paths_json(&headline),
+        "path_counts": model.backend().path_counts(),
     });
     println!("{report}");
 
     let row = |k: &str, v: String| eprintln!("  {k:<26} {v}");
+    let paths_row = |m: &Measured| {
+        if let (true, Some(paths)) = (verbose, &m.paths) {
+            row("  kernel paths", path_counts_line(paths));
+        }
+    };
     eprintln!("strix bench");
+    row("device", device_name.clone());
     row("cpu", format!("{cpu} ({threads} thread{})", if threads == 1 { "" } else { "s" }));
     row(
         "model",
         format!(
-            "{name} ({source}, {dtype}): hidden {}, {} layers, vocab {}",
+            "{name} ({source_kind}, {dtype}): hidden {}, {} layers, vocab {}",
             c.hidden_size, c.num_layers, c.vocab_size
         ),
     );
     row("prompt / gen / context", format!("{} / {} / {context}, batch 1", args.prompt_len, args.gen));
     row("prefill", format!("{prefill_tok_s:.1} tok/s (median of {})", args.repeats));
     row("decode", format!("{decode_tok_s:.2} tok/s (median of {})", args.repeats));
-    row("weights read per token", human_bytes(bytes_per_token));
-    match (bandwidth, roofline_pct) {
+    paths_row(&headline);
+    row("weights read per token", human_bytes(bytes_per_token as f64));
+    match (bandwidth, roofline_pct(decode_tok_s)) {
         (Some(bw), Some(pct)) => {
-            row("memory bandwidth", format!("{bw:.1} GB/s (parallel read, best of 5)"));
+            row("memory bandwidth", format!("{bw:.1} GB/s ({})", model.backend().bandwidth_method()));
             row("decode roofline", format!("{:.2} tok/s", bw * 1e9 / bytes_per_token as f64));
             row("% of roofline", format!("{pct:.1}%"));
         }
         _ => row("memory bandwidth", "not measured (--bandwidth-mib 0)".to_string()),
     }
+    let pct = |p: Option<f64>| p.map_or(String::new(), |p| format!(", {p:.1}% of roofline"));
+    for (len, m) in &prefill_sweep {
+        row(&format!("prefill {len}"), format!("{:.1} tok/s", m.median()));
+        paths_row(m);
+    }
+    for (ctx, m) in &decode_sweep {
+        let t = m.median();
+        row(
+            &format!("decode at context {ctx}"),
+            format!("{t:.2} tok/s, {:.3} ms/token{}", 1e3 / t, pct(roofline_pct(t))),
+        );
+        paths_row(m);
+    }
+    for (batch, m) in &batch_sweep {
+        let t = m.median();
+        let b = *batch as f64;
+        row(
+            &format!("batch {batch} (context {})", args.batch_context),
+            format!("{t:.1} tok/s aggregate, {:.3} ms/step{}", 1e3 * b / t, pct(roofline_pct(t / b))),
+        );
+        paths_row(m);
+    }
+    let memory = match (peak.0, model.backend().memory_total()) {
+        (Some(used), Some(total)) => {
+            format!("{} of {} (device, total - free)", human_bytes(used as f64), human_bytes(total as f64))
+        }
+        (Some(used), None) => format!("{} (resident set)", human_bytes(used as f64)),
+        _ => "unknown".to_string(),
+    };
+    row("memory used", memory);
+    if let (true, Some(counts)) = (verbose, model.backend().path_counts()) {
+        row("kernel paths (all)", path_counts_line(&counts));
+    }
     Ok(())
 }
 
 /// `1.52 GB`, `345.2 kB`: decimal units, as bandwidth is quoted.
-fn human_bytes(n: usize) -> String {
+fn human_bytes(n: f64) -> String {
     let units = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB")];
-    let n = n as f64;
     units
         .iter()
         .find(|(scale, _)| n >= *scale)
@@ -188,7 +472,12 @@ fn human_bytes(n: usize) -> String {
 
 /// One prefill of `prompt` into a fresh session and `gen` greedy decode steps; returns the
 /// (prefill, decode) speeds in tokens per second.
-fn run_once(model: &CpuModel, prompt: &[u32], gen: usize) -> Result<(f64, f64)> {
+fn run_once<B: DeviceInfo>(
+    model: &Model<B>,
+    prompt: &[u32],
+    gen: usize,
+    peak: &mut PeakMemory,
+) -> Result<(f64, f64)> {
     let mut session = model.new_session(prompt.len() + gen);
     let start = Instant::now();
     let mut logits = model.forward(&mut session, prompt, Logits::Last)?;
@@ -199,7 +488,78 @@ fn run_once(model: &CpuModel, prompt: &[u32], gen: usize) -> Result<(f64, f64)> 
         logits = model.forward(&mut session, &[next], Logits::Last)?;
     }
     let decode_seconds = start.elapsed().as_secs_f64();
+    peak.sample(model.backend());
     Ok((common::rate(prompt.len(), prefill_seconds), common::rate(gen, decode_seconds)))
+}
+
+/// Prefill speeds at `len` tokens, one fresh session per repeat, after an untimed prefill of
+/// the same length (the first pass of a shape allocates scratch and picks GEMM algorithms).
+fn prefill_runs<B: DeviceInfo>(
+    model: &Model<B>,
+    len: usize,
+    repeats: usize,
+    peak: &mut PeakMemory,
+) -> Result<Measured> {
+    let prompt = pseudo_random_ids(len, model.config.vocab_size, SEED ^ len as u64);
+    model.forward(&mut model.new_session(len), &prompt, Logits::Last)?;
+    let window = PathWindow::open(model.backend());
+    let mut runs = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let mut session = model.new_session(len);
+        let start = Instant::now();
+        model.forward(&mut session, &prompt, Logits::Last)?;
+        runs.push(common::rate(len, start.elapsed().as_secs_f64()));
+        peak.sample(model.backend());
+    }
+    Ok(Measured { runs, paths: window.close(model.backend()) })
+}
+
+/// Aggregate decode speeds of `batch` sequences, each prefilled (untimed) with `context`
+/// pseudo-random tokens of its own, then stepped greedily together: `repeats` timed runs of
+/// `gen` steps after [`WARM_STEPS`] untimed ones. Batch 1 takes the one-sequence path
+/// (`Model::forward`); larger batches `Model::decode_batch`.
+fn decode_runs<B: DeviceInfo>(
+    model: &Model<B>,
+    batch: usize,
+    context: usize,
+    gen: usize,
+    repeats: usize,
+    peak: &mut PeakMemory,
+) -> Result<Measured> {
+    let vocab = model.config.vocab_size;
+    let capacity = context + WARM_STEPS + repeats * gen;
+    let mut sessions: Vec<Session<B>> = (0..batch).map(|_| model.new_session(capacity)).collect();
+    let mut next = Vec::with_capacity(batch);
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let prompt = pseudo_random_ids(context, vocab, SEED ^ ((i as u64 + 1) << 32) ^ context as u64);
+        next.push(argmax(&model.forward(session, &prompt, Logits::Last)?));
+    }
+    let mut refs: Vec<&mut Session<B>> = sessions.iter_mut().collect();
+    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> {
+        if let [session] = refs.as_mut_slice() {
+            Ok(vec![argmax(&model.forward(session, tokens, Logits::Last)?)])
+        } else {
+            // The batch's logits are [batch, vocab] on the host; picking in parallel keeps the
+            // host's share of a step small next to the device's.
+            let logits = model.decode_batch(&mut refs, tokens)?;
+            Ok(logits.par_chunks(vocab).map(argmax).collect())
+        }
+    };
+    for _ in 0..WARM_STEPS {
+        next = step(&next)?;
+    }
+    let window = PathWindow::open(model.backend());
+    let mut runs = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let start = Instant::now();
+        for _ in 0..gen {
+            next = step(&next)?;
+        }
+        runs.push(common::rate(batch * gen, start.elapsed().as_secs_f64()));
+    }
+    let paths = window.close(model.backend());
+    peak.sample(model.backend());
+    Ok(Measured { runs, paths })
 }
 
 fn argmax(logits: &[f32]) -> u32 {
@@ -208,7 +568,10 @@ fn argmax(logits: &[f32]) -> u32 {
     best.0 as u32
 }
 
-fn median(values: &mut [f64]) -> f64 {
+fn median(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     let n = sorted.len();
@@ -220,42 +583,14 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 /// Ids spread over the vocabulary by a fixed LCG: realistic embedding reads, same every run.
-fn pseudo_random_ids(n: usize, vocab: usize) -> Vec<u32> {
-    let mut state = SEED;
+fn pseudo_random_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = seed;
     (0..n)
         .map(|_| {
             state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             ((state >> 33) % vocab as u64) as u32
         })
         .collect()
-}
-
-/// Read bandwidth in GB/s: every thread sums its share of a `bytes`-byte buffer, best of
-/// five passes. The buffer is written first, so its pages are real memory rather than the
-/// shared zero page.
-fn memory_bandwidth(bytes: usize) -> f64 {
-    let words = (bytes / 8).max(1);
-    let mut buffer = vec![0u64; words];
-    buffer.par_chunks_mut(1 << 16).enumerate().for_each(|(i, chunk)| {
-        for (j, w) in chunk.iter_mut().enumerate() {
-            *w = (i as u64) ^ (j as u64);
-        }
-    });
-    let chunk = words.div_ceil(rayon::current_num_threads() * 8).max(1 << 12);
-    let mut best = 0.0f64;
-    for _ in 0..5 {
-        let start = Instant::now();
-        let sum = buffer
-            .par_chunks(chunk)
-            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-            .reduce(|| 0, u64::wrapping_add);
-        black_box(sum);
-        let seconds = start.elapsed().as_secs_f64();
-        if seconds > 0.0 {
-            best = best.max((words * 8) as f64 / seconds / 1e9);
-        }
-    }
-    best
 }
 
 /// The CPU's name from /proc/cpuinfo (x86's `model name`, else ARM's `Hardware`/`Model`).
@@ -273,8 +608,7 @@ fn cpu_name() -> String {
 }
 
 /// The dtype of a checkpoint's MLP weights (the bulk of the bytes), e.g. `bf16`.
-fn checkpoint_dtype(dir: &Path, model: &CpuModel) -> String {
-    let c = &model.config;
+fn checkpoint_dtype(dir: &Path, c: &ModelConfig) -> String {
     let dtype = || -> Result<String> {
         let ckpt = Checkpoint::open_dir(dir)?;
         let name =
@@ -293,14 +627,58 @@ mod tests {
 
     #[test]
     fn median_of_odd_and_even_counts() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
     }
 
     #[test]
     fn prompt_ids_stay_in_the_vocabulary() {
-        let ids = pseudo_random_ids(1000, 384);
+        let ids = pseudo_random_ids(1000, 384, SEED);
         assert!(ids.iter().all(|&id| id < 384));
         assert!(ids.iter().collect::<std::collections::HashSet<_>>().len() > 200);
+        assert_ne!(ids, pseudo_random_ids(1000, 384, SEED ^ 1));
+    }
+
+    fn parse(args: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        let argv = ["bench", "--preset", "qwen3.5-0.8b"].iter().chain(args);
+        <Cli as clap::Parser>::parse_from(argv).bench
+    }
+
+    #[test]
+    fn sweeps_default_to_the_issue_set_on_cuda_within_the_model_context() {
+        let args = parse(&[]);
+        let plan = Plan::new(&args, true, 262_144);
+        assert_eq!(
+            (plan.prompt_lens, plan.contexts, plan.batches),
+            (vec![512, 4096], vec![128, 4096], vec![1, 16, 64])
+        );
+        // A 1024-position model drops the defaults it cannot hold.
+        let plan = Plan::new(&args, true, 1024);
+        assert_eq!((plan.prompt_lens, plan.contexts), (vec![512], vec![128]));
+        let plan = Plan::new(&args, false, 262_144);
+        assert!(plan.prompt_lens.is_empty() && plan.contexts.is_empty() && plan.batches.is_empty());
+        // Given lists are kept as given, on any device; `none` turns a sweep off.
+        let args = parse(&["--prompt-lens", "2000", "--contexts", "none", "--batches", "2"]);
+        let plan = Plan::new(&args, true, 1024);
+        assert_eq!(
+            (plan.prompt_lens.clone(), plan.contexts.clone(), plan.batches.clone()),
+            (vec![2000], vec![], vec![2])
+        );
+        assert_eq!(plan.longest_context(&args), 2000);
+    }
+
+    #[test]
+    fn size_lists_parse() {
+        assert_eq!("512, 4096".parse::<SizeList>().unwrap(), SizeList(vec![512, 4096]));
+        assert_eq!("none".parse::<SizeList>().unwrap(), SizeList(vec![]));
+        assert_eq!("".parse::<SizeList>().unwrap(), SizeList(vec![]));
+        assert!("1,0".parse::<SizeList>().is_err());
+        assert!("1,x".parse::<SizeList>().is_err());
     }
 }

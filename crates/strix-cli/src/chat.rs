@@ -20,15 +20,15 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use strix::backend::cpu::CpuBackend;
+use strix::backend::Backend;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
-use strix::generate::{FinishReason, GenerateParams};
-use strix::model::Logits;
+use strix::generate::{generate, FinishReason, GenerateParams};
+use strix::model::{Logits, Model};
 use strix::session::Session;
 use strix::tokenizer::Tokenizer;
 
-use crate::common::{self, ChatTemplateArgs, CpuModel, ModelArgs, SamplingArgs, StdoutStream};
-use strix::generate::generate;
+use crate::common::{self, ChatTemplateArgs, ModelArgs, SamplingArgs, StdoutStream};
+use crate::device::{self, with_backend};
 
 #[derive(Args, Debug)]
 #[command(
@@ -63,7 +63,7 @@ pub struct ChatArgs {
     #[arg(long)]
     pub exact_history: bool,
 
-    /// Print per-turn statistics on stderr
+    /// Print the device and per-turn statistics on stderr
     #[arg(short, long)]
     pub verbose: bool,
 
@@ -72,14 +72,14 @@ pub struct ChatArgs {
 }
 
 /// The conversation: its messages and the session that has seen them.
-struct Conversation<'m> {
-    model: &'m CpuModel,
+struct Conversation<'m, B: Backend> {
+    model: &'m Model<B>,
     template: &'m ChatTemplate,
     tokenizer: &'m Tokenizer,
     args: &'m ChatArgs,
     /// The system message (if any) and the turns so far.
     messages: Vec<ChatMessage>,
-    session: Session<CpuBackend>,
+    session: Session<B>,
     ctx: usize,
     /// The token that ends a turn in the template's text (`<|im_end|>`), and its text.
     end_of_turn: Option<(u32, String)>,
@@ -98,9 +98,23 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let tokenizer = common::load_tokenizer(&dir)?
         .ok_or_else(|| anyhow!("{} has no tokenizer.json, which chat needs", dir.display()))?;
     let template = common::require_template(&dir)?;
-    let model = common::load_model(&dir)?;
+    let opened = device::open(args.model.device.device, args.verbose)?;
+    with_backend!(opened, backend => {
+        let model = common::load_model(&dir, backend)?;
+        chat_with(&model, &args, &dir, &tokenizer, &template)
+    })
+}
+
+/// The conversation loop, on whichever backend the model was loaded on.
+fn chat_with<B: Backend>(
+    model: &Model<B>,
+    args: &ChatArgs,
+    dir: &std::path::Path,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+) -> Result<()> {
     let ctx = common::context_size(args.ctx, 0, model.config.max_position_embeddings)?;
-    let end_of_turn = find_end_of_turn(&template, &tokenizer, &model.config.eos_token_ids)?;
+    let end_of_turn = find_end_of_turn(template, tokenizer, &model.config.eos_token_ids)?;
     if end_of_turn.is_none() && args.verbose {
         eprintln!(
             "strix: the chat template ends turns with no end-of-sequence token; every turn re-prefills"
@@ -108,12 +122,12 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     }
 
     let mut conversation = Conversation {
-        model: &model,
-        template: &template,
-        tokenizer: &tokenizer,
-        args: &args,
+        model,
+        template,
+        tokenizer,
+        args,
         messages: args.template.system_messages(),
-        session: model.new_session(ctx),
+        session: model.try_new_session(ctx)?,
         ctx,
         end_of_turn,
         stale: false,
@@ -258,7 +272,7 @@ struct Prefill {
     rewritten: bool,
 }
 
-impl Conversation<'_> {
+impl<B: Backend> Conversation<'_, B> {
     fn reset(&mut self) {
         self.messages = self.args.template.system_messages();
         self.session = self.model.new_session(self.ctx);

@@ -1,6 +1,6 @@
 //! What the subcommands share: finding the model (local directory or Hugging Face repo id),
-//! loading it behind a progress bar, the thread pool, the sampling and generation flags, and
-//! turning a prompt (text, chat message or token ids) into ids.
+//! loading it onto the chosen backend behind a progress bar, the thread pool, the sampling and
+//! generation flags, and turning a prompt (text, chat message or token ids) into ids.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -8,14 +8,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use strix::backend::cpu::CpuBackend;
+use strix::backend::Backend;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use strix::hub::{fetch_model, DEFAULT_MODEL};
 use strix::model::Model;
 use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 
-pub type CpuModel = Model<CpuBackend>;
+use crate::device::DeviceArgs;
 
 /// Context used when `--ctx` is not given, unless the prompt and its completion need more
 /// (and the model allows it).
@@ -32,6 +32,9 @@ pub struct ModelArgs {
     /// Worker threads [default: one per logical CPU]
     #[arg(short, long, value_name = "N")]
     pub threads: Option<usize>,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 /// Sampling flags, with llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95,
@@ -201,23 +204,32 @@ pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
     bail!("model directory {arg} does not exist")
 }
 
-/// A progress bar on stderr; indicatif draws nothing when stderr is not a terminal.
+/// A progress bar on stderr counting `unit`s ("bytes" shows sizes); indicatif draws nothing
+/// when stderr is not a terminal.
 pub fn progress_bar(message: &'static str, unit: &str) -> ProgressBar {
-    let template = format!("{{msg}} [{{bar:40}}] {{pos}}/{{len}} {unit} ({{elapsed}})");
+    let counts =
+        if unit == "bytes" { "{bytes}/{total_bytes}".to_string() } else { format!("{{pos}}/{{len}} {unit}") };
+    let template = format!("{{msg}} [{{bar:40}}] {counts} ({{elapsed}})");
     let style = ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar());
     ProgressBar::new(0).with_style(style.progress_chars("=> ")).with_message(message)
 }
 
-/// Loads a model directory's weights, with a progress bar over its layers.
-pub fn load_model(dir: &Path) -> Result<CpuModel> {
-    let bar = progress_bar("loading", "layers");
+/// Runs `f` with a progress callback drawing a bar, cleared when `f` returns.
+pub fn with_progress<T>(message: &'static str, unit: &str, f: impl FnOnce(&dyn Fn(u64, u64)) -> T) -> T {
+    let bar = progress_bar(message, unit);
     let progress = |done: u64, total: u64| {
         bar.set_length(total);
         bar.set_position(done);
     };
-    let model = Model::load(dir, CpuBackend::new(), Some(&progress));
+    let out = f(&progress);
     bar.finish_and_clear();
-    Ok(model?)
+    out
+}
+
+/// Loads a model directory's weights onto `backend`, with a progress bar over the read of the
+/// files (`Model::load` reports bytes read).
+pub fn load_model<B: Backend>(dir: &Path, backend: B) -> Result<Model<B>> {
+    Ok(with_progress("loading", "bytes", |p| Model::load(dir, backend, Some(p)))?)
 }
 
 /// The tokenizer of a model directory; `None` when it ships none.

@@ -7,9 +7,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use safetensors::tensor::{Dtype, TensorView};
-use strix::model::Logits;
+use strix::backend::Backend;
+use strix::model::{Logits, Model};
 
 use crate::common;
+use crate::device::{self, with_backend, DeviceArgs};
 
 #[derive(Args, Debug)]
 #[command(
@@ -36,6 +38,13 @@ pub struct LogitsArgs {
     /// Worker threads [default: one per logical CPU]
     #[arg(short, long, value_name = "N")]
     pub threads: Option<usize>,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
+
+    /// Print the device on stderr
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 pub fn logits(args: LogitsArgs) -> Result<()> {
@@ -50,19 +59,12 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
         }
         (None, None) => bail!("give the prompt with --prompt-ids or --prompt"),
     };
-    let model = common::load_model(&dir)?;
-    let vocab = model.config.vocab_size;
-    common::check_ids(&ids, vocab)?;
-    if ids.len() > model.config.max_position_embeddings {
-        bail!(
-            "the prompt has {} tokens, more than the model's max_position_embeddings ({})",
-            ids.len(),
-            model.config.max_position_embeddings
-        );
-    }
-
-    let mut session = model.new_session(ids.len());
-    let logits = model.forward(&mut session, &ids, Logits::All)?;
+    let opened = device::open(args.device.device, args.verbose)?;
+    let logits = with_backend!(opened, backend => {
+        let model = common::load_model(&dir, backend)?;
+        prompt_logits(&model, &ids)?
+    });
+    let vocab = logits.len() / ids.len();
 
     let logit_bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     let id_bytes: Vec<u8> = ids.iter().flat_map(|&id| i64::from(id).to_le_bytes()).collect();
@@ -75,4 +77,18 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
     std::fs::write(&args.out, bytes).with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!("strix: wrote logits [{}, {vocab}] to {}", ids.len(), args.out.display());
     Ok(())
+}
+
+/// The logits of every position of `ids`, `[ids.len(), vocab]`, on the model's backend.
+fn prompt_logits<B: Backend>(model: &Model<B>, ids: &[u32]) -> Result<Vec<f32>> {
+    common::check_ids(ids, model.config.vocab_size)?;
+    if ids.len() > model.config.max_position_embeddings {
+        bail!(
+            "the prompt has {} tokens, more than the model's max_position_embeddings ({})",
+            ids.len(),
+            model.config.max_position_embeddings
+        );
+    }
+    let mut session = model.try_new_session(ids.len())?;
+    Ok(model.forward(&mut session, ids, Logits::All)?)
 }

@@ -4,14 +4,18 @@
 mod bench;
 mod chat;
 mod common;
+mod device;
 mod logits;
 mod run;
 
 use clap::{Parser, Subcommand};
 
-const ABOUT: &str = "Run Qwen3.5 hybrid (Gated DeltaNet + attention) language models on the CPU";
+const ABOUT: &str =
+    "Run Qwen3.5 hybrid (Gated DeltaNet + attention) language models on the CPU or an NVIDIA GPU";
 
-const LONG_ABOUT: &str = "Run Qwen3.5 hybrid (Gated DeltaNet + attention) language models on the CPU.
+const LONG_ABOUT: &str = "Run Qwen3.5 hybrid (Gated DeltaNet + attention) language models on the CPU or an
+NVIDIA GPU (--device auto|cpu|cuda|cuda:N; auto, the default, takes the first CUDA GPU when one
+is usable).
 
 A model is a Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
 chat_template.jinja) or a Hugging Face repo id such as Qwen/Qwen3.5-2B, downloaded to the
@@ -23,7 +27,8 @@ const EXAMPLES: &str = "Examples:
   strix run --model ./Qwen3.5-2B --temperature 0 --max-tokens 32 --json \"1, 2, 3,\"
   strix chat --model ./Qwen3.5-2B --system \"You are terse.\"
   strix logits --model ./Qwen3.5-2B --prompt-ids 1,2,3 --out logits.safetensors
-  strix bench --preset qwen3.5-0.8b --prompt-len 512 --gen 32";
+  strix bench --preset qwen3.5-0.8b --prompt-len 512 --gen 32
+  strix bench --device cuda --preset qwen3.5-9b";
 
 #[derive(Parser)]
 #[command(name = "strix", version, about = ABOUT, long_about = LONG_ABOUT, after_help = EXAMPLES)]

@@ -6,11 +6,14 @@ use std::io::{IsTerminal, Read};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
-use strix::generate::GenerateParams;
+use strix::backend::Backend;
+use strix::generate::{generate, GenerateParams};
+use strix::model::Model;
+use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 
 use crate::common::{self, ChatTemplateArgs, ModelArgs, SamplingArgs, StdoutStream};
-use strix::generate::generate;
+use crate::device::{self, with_backend};
 
 #[derive(Args, Debug)]
 #[command(after_help = "The prompt is PROMPT, --prompt, --prompt-ids, or (when none is given) all of stdin.
@@ -61,7 +64,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub json: bool,
 
-    /// Print timings on stderr
+    /// Print the device and the timings on stderr
     #[arg(short, long)]
     pub verbose: bool,
 
@@ -90,8 +93,22 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     };
 
-    let model = common::load_model(&dir)?;
-    common::check_ids(&prompt_ids, model.config.vocab_size)?;
+    let opened = device::open(args.model.device.device, args.verbose)?;
+    with_backend!(opened, backend => {
+        let model = common::load_model(&dir, backend)?;
+        run_with(&model, &args, tokenizer.as_ref(), &prompt_ids, &sampling)
+    })
+}
+
+/// Generates the completion on whichever backend the model was loaded on.
+fn run_with<B: Backend>(
+    model: &Model<B>,
+    args: &RunArgs,
+    tokenizer: Option<&Tokenizer>,
+    prompt_ids: &[u32],
+    sampling: &SamplingParams,
+) -> Result<()> {
+    common::check_ids(prompt_ids, model.config.vocab_size)?;
     let ctx = common::context_size(
         args.ctx,
         prompt_ids.len() + args.max_tokens,
@@ -107,9 +124,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
     };
-    let mut session = model.new_session(ctx);
+    let mut session = model.try_new_session(ctx)?;
     let mut out = StdoutStream::default();
-    let generated = generate(&model, &mut session, &prompt_ids, tokenizer.as_ref(), &params, |text| {
+    let generated = generate(model, &mut session, prompt_ids, tokenizer, &params, |text| {
         if !args.json {
             out.write(text)
         }
