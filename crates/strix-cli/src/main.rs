@@ -7,6 +7,7 @@ mod common;
 mod device;
 mod logits;
 mod run;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -47,6 +48,8 @@ enum Command {
     Logits(logits::LogitsArgs),
     /// Measure prefill and decode speed, and decode speed against memory bandwidth
     Bench(bench::BenchArgs),
+    /// Serve the OpenAI API over HTTP, with continuous batching
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -56,6 +59,7 @@ fn main() {
         Command::Chat(args) => chat::chat(args),
         Command::Logits(args) => logits::logits(args),
         Command::Bench(args) => bench::bench(args),
+        Command::Serve(args) => serve::serve(args),
     };
     if let Err(e) = result {
         // One line, so scripts and logs keep the whole message together.

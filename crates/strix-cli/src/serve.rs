@@ -1,0 +1,114 @@
+//! `strix serve`: the OpenAI-compatible HTTP server (crate `strix-server`) on the backend
+//! `--device` picks, configured from the command line.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use strix_server::{ServedModel, Server, ServerConfig};
+
+use crate::common::{self, ModelArgs};
+use crate::device::{self, with_backend};
+
+#[derive(Args, Debug)]
+#[command(after_help = "Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health, GET /metrics (Prometheus), GET / (a chat page).
+Example: curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+  -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0: any free port, printed at start)
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+
+    /// Require `Authorization: Bearer KEY` on every /v1 route
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+
+    /// The model id reported by /v1/models [default: the model directory's name]
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+
+    /// Tokens per sequence, prompt and completion together [default: 4096, at most the
+    /// model's max_position_embeddings]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N")]
+    pub ctx: Option<usize>,
+
+    /// Sequences decoded together at most
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_seqs: usize,
+
+    /// Requests that may wait beyond a full batch; more are refused with 429
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub max_queue: usize,
+
+    /// Memory the running sequences may reserve for KV cache and DeltaNet state, in MiB
+    /// (each reserves its prompt plus max_tokens)
+    #[arg(long, value_name = "MIB", default_value_t = 4096)]
+    pub state_budget_mib: u64,
+
+    /// Prompt tokens prefilled per scheduler step, between decode steps (rounded up to
+    /// whole 512-token chunks)
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub prefill_chunk: usize,
+
+    /// Largest request body accepted, in bytes
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
+    pub max_body: usize,
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    common::init_threads(args.model.threads)?;
+    if args.max_seqs == 0 {
+        bail!("--max-seqs must be at least 1");
+    }
+    let dir = common::resolve_model(args.model.model.as_deref())?;
+    let opened = device::open(args.model.device.device, false)?;
+    with_backend!(opened, backend => serve_with(&args, &dir, common::load_model(&dir, backend)?))
+}
+
+/// Starts the server on whichever backend the model was loaded on and waits for it to stop.
+fn serve_with<B: strix::backend::Backend + 'static>(
+    args: &ServeArgs,
+    dir: &std::path::Path,
+    model: strix::model::Model<B>,
+) -> Result<()> {
+    let context = common::context_size(args.ctx, 0, model.config.max_position_embeddings)?;
+    if context < 2 {
+        bail!("--ctx must be at least 2 (a prompt token and a generated one)");
+    }
+    let served = ServedModel::with_model(dir, model)?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .model
+            .clone()
+            .filter(|m| !std::path::Path::new(m).is_dir())
+            .or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "strix".into())
+    });
+
+    let mut config = ServerConfig::new(name.clone(), context);
+    config.host = args.host.clone();
+    config.port = args.port;
+    config.api_key = args.api_key.clone();
+    config.max_body = args.max_body;
+    config.engine.max_seqs = args.max_seqs;
+    config.engine.max_queue = args.max_queue;
+    config.engine.state_budget_bytes = args.state_budget_mib.saturating_mul(1 << 20);
+    config.engine.prefill_chunk = args.prefill_chunk;
+
+    let server = Server::start_with(served, config, true)
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    eprintln!(
+        "strix serve: {name} on http://{} (context {context}, up to {} sequences{})",
+        server.addr(),
+        args.max_seqs,
+        if args.api_key.is_some() { ", API key required" } else { "" }
+    );
+    server.wait();
+    Ok(())
+}

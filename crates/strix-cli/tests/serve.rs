@@ -1,0 +1,46 @@
+//! `strix serve` as a process: it starts on a free port, says where it listens, answers
+//! HTTP, and exits cleanly on Ctrl-C (SIGINT). The API itself is tested in strix-server.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+fn get(addr: &str, path: &str) -> String {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    response
+}
+
+#[test]
+fn serve_listens_answers_and_stops_on_ctrl_c() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strix"))
+        .args(["serve", "--port", "0", "--served-model-name", "fixture", "--model"])
+        .arg(&model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start strix serve");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).expect("the startup line");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    assert!(addr.starts_with("127.0.0.1:"), "binds loopback by default: {line}");
+
+    let health = get(&addr, "/health");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(get(&addr, "/v1/models").contains("\"id\":\"fixture\""));
+
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "strix serve exited with {exit}");
+}

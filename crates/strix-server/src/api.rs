@@ -1,0 +1,782 @@
+//! The HTTP API: routes, authentication, request → [`Job`] (template rendering and
+//! tokenization), and engine events → OpenAI responses, whole or as server-sent events.
+//!
+//! Handlers never block the async runtime on model work: rendering and tokenizing run on
+//! the blocking pool, generation on the engine thread. A handler's event receiver lives as
+//! long as its client: when the connection closes, axum drops the handler future or the SSE
+//! stream, the receiver goes with it, and the engine cancels the sequence at its next step.
+
+use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value};
+use strix::chat::ChatTemplate;
+use strix::generate::FinishReason;
+use strix::sampling::{Sampler, SamplingParams, TokenLogprobs};
+use strix::tokenizer::Tokenizer;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::engine::{EngineHandle, Event, Job};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::output::{Delta, OutputParser, ToolCall};
+use crate::request::{self, GenOptions, Prompt};
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Tokenizer,
+    pub template: Option<Arc<ChatTemplate>>,
+    /// Sampling defaults from the model's `generation_config.json`.
+    pub defaults: SamplingParams,
+    pub metrics: Arc<Metrics>,
+    pub model_name: String,
+    pub api_key: Option<String>,
+    pub max_body: usize,
+    /// Unix time the server started, reported as the model's `created`.
+    pub created: u64,
+}
+
+type AppStateRef = Arc<AppState>;
+
+/// The known routes, as labels for the request counter (anything else is `other`, so that
+/// scanners cannot grow the metric without bound).
+const ROUTES: [&str; 6] =
+    ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/"];
+
+pub fn router(state: AppStateRef) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/", get(page))
+        .fallback(not_found)
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(middleware::from_fn_with_state(state.clone(), count_responses))
+        .with_state(state)
+}
+
+async fn count_responses(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
+    let path = request.uri().path();
+    let route = ROUTES.iter().find(|r| **r == path).copied().unwrap_or("other");
+    let response = next.run(request).await;
+    state.metrics.count_response(route, response.status().as_u16());
+    response
+}
+
+async fn authenticate(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Compares without an early exit, so the time taken says nothing about where a guess went wrong.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::not_found(format!("no route for {} {}", request.method(), request.uri().path()))
+}
+
+async fn health(State(state): State<AppStateRef>) -> Response {
+    if state.engine.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        ApiError::unavailable("the engine has stopped").into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppStateRef>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render())
+        .into_response()
+}
+
+async fn models(State(state): State<AppStateRef>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "strix",
+            "max_model_len": state.engine.context,
+        }]
+    }))
+}
+
+async fn page() -> Html<&'static str> {
+    Html(include_str!("chat.html"))
+}
+
+/// Reads the body, refusing more than `limit` bytes (413) before buffering them.
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut data = Vec::new();
+    let mut chunks = body.into_data_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+        if data.len() + chunk.len() > limit {
+            return Err(ApiError::too_large(limit));
+        }
+        data.extend_from_slice(&chunk);
+    }
+    Ok(data)
+}
+
+async fn chat_completions(State(state): State<AppStateRef>, headers: HeaderMap, body: Body) -> Response {
+    chat_inner(state, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(state): State<AppStateRef>, headers: HeaderMap, body: Body) -> Response {
+    completion_inner(state, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_inner(state: AppStateRef, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let submitted = Instant::now();
+    let body = read_body(&headers, body, state.max_body).await?;
+    let req = request::parse_chat(&body, &state.defaults)?;
+    let template = state
+        .template
+        .clone()
+        .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
+    let tokenizer = state.tokenizer.clone();
+    let (messages, options) = (req.messages, req.template.clone());
+    let (prompt_text, ids) = tokio::task::spawn_blocking(move || {
+        let text = template.render(&messages, &options).map_err(|e| {
+            ApiError::invalid_param("messages", format!("cannot apply the chat template: {e}"))
+        })?;
+        let ids = tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok::<_, ApiError>((text, ids))
+    })
+    .await
+    .map_err(|_| ApiError::internal("rendering the prompt failed"))??;
+
+    let tools = if req.parse_tools { req.template.tools.clone() } else { None };
+    let parser = OutputParser::new(OutputParser::prompt_opens_reasoning(&prompt_text), tools);
+    let events = submit(&state, ids, &req.gen, "messages", submitted)?;
+    let reply = Reply::new(&state, "chatcmpl-", req.gen.clone());
+    if req.gen.stream {
+        Ok(sse(chat_stream(reply, events, parser)))
+    } else {
+        chat_whole(reply, events, parser).await
+    }
+}
+
+async fn completion_inner(state: AppStateRef, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let submitted = Instant::now();
+    let body = read_body(&headers, body, state.max_body).await?;
+    let req = request::parse_completion(&body, &state.defaults)?;
+    let ids = match req.prompt {
+        Prompt::Ids(ids) => ids,
+        Prompt::Text(text) => {
+            let tokenizer = state.tokenizer.clone();
+            tokio::task::spawn_blocking(move || tokenizer.encode(&text, false))
+                .await
+                .map_err(|_| ApiError::internal("tokenizing the prompt failed"))?
+                .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
+        }
+    };
+    let events = submit(&state, ids, &req.gen, "prompt", submitted)?;
+    let reply = Reply::new(&state, "cmpl-", req.gen.clone());
+    if req.gen.stream {
+        Ok(sse(completion_stream(reply, events)))
+    } else {
+        completion_whole(reply, events).await
+    }
+}
+
+/// Checks the prompt against the context, fixes `max_tokens` and queues the job.
+fn submit(
+    state: &AppState,
+    prompt: Vec<u32>,
+    gen: &GenOptions,
+    prompt_param: &str,
+    submitted: Instant,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
+    let context = state.engine.context;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(prompt_param, "the prompt is empty (0 tokens)"));
+    }
+    if prompt.len() >= context {
+        return Err(ApiError {
+            param: Some(prompt_param.to_owned()),
+            ..ApiError::context_length(format!(
+                "the prompt is {} tokens long, and this server's context holds {context} tokens \
+                 (prompt and completion together); shorten the prompt",
+                prompt.len()
+            ))
+        });
+    }
+    if let Some(bad) = prompt.iter().find(|&&id| id as usize >= state.engine.vocab_size) {
+        return Err(ApiError::invalid_param(
+            prompt_param,
+            format!("token id {bad} is outside the vocabulary ({} ids)", state.engine.vocab_size),
+        ));
+    }
+    let room = context - prompt.len();
+    let max_tokens = gen.max_tokens.unwrap_or(room).min(room);
+    let sampler = Sampler::new(gen.sampling.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let (events, receiver) = unbounded_channel();
+    state.engine.submit(Job {
+        prompt,
+        max_tokens,
+        sampler,
+        stop: gen.stop.clone(),
+        logprobs: gen.logprobs,
+        ignore_eos: gen.ignore_eos,
+        events,
+        submitted,
+    })?;
+    Ok(receiver)
+}
+
+/// Identity and options of one response, shared by its chunks.
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    gen: GenOptions,
+    tokenizer: Tokenizer,
+}
+
+impl Reply {
+    fn new(state: &AppState, prefix: &str, gen: GenOptions) -> Self {
+        Reply {
+            id: fresh_id(prefix),
+            created: unix_time(),
+            model: state.model_name.clone(),
+            gen,
+            tokenizer: state.tokenizer.clone(),
+        }
+    }
+
+    fn chunk(&self, object: &str, choice: Value) -> Value {
+        let mut chunk = json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [choice],
+        });
+        if self.gen.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+
+    fn usage_chunk(&self, object: &str, usage: Value) -> Value {
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [], "usage": usage,
+        })
+    }
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+fn finish_reason(finish: FinishReason, tool_calls: bool) -> &'static str {
+    match finish {
+        FinishReason::Length | FinishReason::Context => "length",
+        FinishReason::Eos | FinishReason::Stop if tool_calls => "tool_calls",
+        FinishReason::Eos | FinishReason::Stop => "stop",
+    }
+}
+
+fn tool_call_json(call: &ToolCall, index: Option<usize>) -> Value {
+    let mut value = json!({
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if let Some(index) = index {
+        value["index"] = json!(index);
+    }
+    value
+}
+
+/// The parts of a chat answer, gathered from the parser's deltas.
+#[derive(Default)]
+struct ChatParts {
+    reasoning: String,
+    content: String,
+    tool_calls: Vec<ToolCall>,
+}
+
+impl ChatParts {
+    fn add(&mut self, deltas: Vec<Delta>) {
+        for delta in deltas {
+            match delta {
+                Delta::Reasoning(text) => self.reasoning.push_str(&text),
+                Delta::Content(text) => self.content.push_str(&text),
+                Delta::ToolCall(call) => self.tool_calls.push(call),
+            }
+        }
+    }
+}
+
+async fn chat_whole(
+    reply: Reply,
+    mut events: UnboundedReceiver<Event>,
+    mut parser: OutputParser,
+) -> Result<Response, ApiError> {
+    let mut parts = ChatParts::default();
+    let mut logprobs = Vec::new();
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Token { text, logprobs: lp } => {
+                parts.add(parser.push(&text));
+                logprobs.extend(lp);
+            }
+            Event::Done { finish, prompt_tokens, completion_tokens } => {
+                parts.add(parser.finish());
+                let has_tools = !parts.tool_calls.is_empty();
+                let mut message = json!({
+                    "role": "assistant",
+                    "content": if parts.content.is_empty() && has_tools { Value::Null } else { json!(parts.content) },
+                    "reasoning_content": if parts.reasoning.is_empty() { Value::Null } else { json!(parts.reasoning) },
+                });
+                if has_tools {
+                    message["tool_calls"] =
+                        parts.tool_calls.iter().map(|c| tool_call_json(c, None)).collect::<Vec<_>>().into();
+                }
+                let logprobs = reply.gen.logprobs.map(|_| chat_logprobs(&reply.tokenizer, &logprobs));
+                return Ok(Json(json!({
+                    "id": reply.id,
+                    "object": "chat.completion",
+                    "created": reply.created,
+                    "model": reply.model,
+                    "choices": [{
+                        "index": 0,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(finish, has_tools),
+                    }],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                }))
+                .into_response());
+            }
+            Event::Error(e) => return Err(e),
+        }
+    }
+    Err(ApiError::unavailable("the engine stopped before the request finished"))
+}
+
+async fn completion_whole(reply: Reply, mut events: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Token { text: piece, logprobs: lp } => {
+                text.push_str(&piece);
+                logprobs.extend(lp);
+            }
+            Event::Done { finish, prompt_tokens, completion_tokens } => {
+                let logprobs =
+                    reply.gen.logprobs.map(|_| completion_logprobs(&reply.tokenizer, &logprobs, 0));
+                return Ok(Json(json!({
+                    "id": reply.id,
+                    "object": "text_completion",
+                    "created": reply.created,
+                    "model": reply.model,
+                    "choices": [{
+                        "index": 0,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(finish, false),
+                    }],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                }))
+                .into_response());
+            }
+            Event::Error(e) => return Err(e),
+        }
+    }
+    Err(ApiError::unavailable("the engine stopped before the request finished"))
+}
+
+fn sse(chunks: impl Stream<Item = Value> + Send + 'static) -> Response {
+    let events = chunks
+        .map(|chunk| SseEvent::default().data(chunk.to_string()))
+        .chain(stream::once(async { SseEvent::default().data("[DONE]") }))
+        .map(Ok::<_, Infallible>);
+    Sse::new(events).into_response()
+}
+
+/// Where a streamed response is.
+enum Phase {
+    Start,
+    Running,
+    Over,
+}
+
+struct ChatStream {
+    reply: Reply,
+    events: UnboundedReceiver<Event>,
+    parser: OutputParser,
+    /// Log-probabilities not yet sent: they ride on the next chunk.
+    logprobs: Vec<TokenLogprobs>,
+    tool_index: usize,
+    phase: Phase,
+}
+
+impl ChatStream {
+    fn delta_chunk(&mut self, delta: Value, finish: Option<&str>) -> Value {
+        let logprobs = if self.reply.gen.logprobs.is_some() && !self.logprobs.is_empty() {
+            chat_logprobs(&self.reply.tokenizer, &std::mem::take(&mut self.logprobs))
+        } else {
+            Value::Null
+        };
+        self.reply.chunk(
+            "chat.completion.chunk",
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),
+        )
+    }
+
+    fn deltas(&mut self, deltas: Vec<Delta>) -> Vec<Value> {
+        deltas
+            .into_iter()
+            .map(|delta| {
+                let delta = match delta {
+                    Delta::Reasoning(text) => json!({"reasoning_content": text}),
+                    Delta::Content(text) => json!({"content": text}),
+                    Delta::ToolCall(call) => {
+                        self.tool_index += 1;
+                        json!({"tool_calls": [tool_call_json(&call, Some(self.tool_index - 1))]})
+                    }
+                };
+                self.delta_chunk(delta, None)
+            })
+            .collect()
+    }
+
+    async fn next_chunks(&mut self) -> Option<Vec<Value>> {
+        match self.phase {
+            Phase::Start => {
+                self.phase = Phase::Running;
+                Some(vec![self.delta_chunk(json!({"role": "assistant", "content": ""}), None)])
+            }
+            Phase::Over => None,
+            Phase::Running => {
+                let event = self.events.recv().await;
+                Some(match event {
+                    Some(Event::Token { text, logprobs }) => {
+                        self.logprobs.extend(logprobs);
+                        let deltas = self.parser.push(&text);
+                        self.deltas(deltas)
+                    }
+                    Some(Event::Done { finish, prompt_tokens, completion_tokens }) => {
+                        self.phase = Phase::Over;
+                        let deltas = self.parser.finish();
+                        let mut chunks = self.deltas(deltas);
+                        let reason = finish_reason(finish, self.parser.tool_calls() > 0);
+                        chunks.push(self.delta_chunk(json!({}), Some(reason)));
+                        if self.reply.gen.include_usage {
+                            chunks.push(self.reply.usage_chunk(
+                                "chat.completion.chunk",
+                                usage(prompt_tokens, completion_tokens),
+                            ));
+                        }
+                        chunks
+                    }
+                    Some(Event::Error(e)) => {
+                        self.phase = Phase::Over;
+                        vec![e.body()]
+                    }
+                    None => {
+                        self.phase = Phase::Over;
+                        vec![ApiError::unavailable("the engine stopped before the request finished").body()]
+                    }
+                })
+            }
+        }
+    }
+}
+
+fn chat_stream(
+    reply: Reply,
+    events: UnboundedReceiver<Event>,
+    parser: OutputParser,
+) -> impl Stream<Item = Value> + Send + 'static {
+    let state =
+        ChatStream { reply, events, parser, logprobs: Vec::new(), tool_index: 0, phase: Phase::Start };
+    stream::unfold(state, |mut s| async move { s.next_chunks().await.map(|chunks| (chunks, s)) })
+        .flat_map(stream::iter)
+}
+
+fn completion_stream(
+    reply: Reply,
+    events: UnboundedReceiver<Event>,
+) -> impl Stream<Item = Value> + Send + 'static {
+    // (reply, events, text offset so far, over)
+    let state = (reply, events, 0usize, false);
+    stream::unfold(state, |(reply, mut events, offset, over)| async move {
+        if over {
+            return None;
+        }
+        let choice = |text: &str, logprobs: Value, finish: Option<&str>| {
+            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        };
+        let (chunks, offset, over) = match events.recv().await {
+            Some(Event::Token { text, logprobs }) => {
+                let lp = match (&reply.gen.logprobs, logprobs) {
+                    (Some(_), Some(lp)) => completion_logprobs(&reply.tokenizer, &[lp], offset),
+                    _ => Value::Null,
+                };
+                let chunk = reply.chunk("text_completion", choice(&text, lp, None));
+                (vec![chunk], offset + text.len(), false)
+            }
+            Some(Event::Done { finish, prompt_tokens, completion_tokens }) => {
+                let mut chunks =
+                    vec![reply.chunk("text_completion", choice("", Value::Null, Some(finish_reason(finish, false))))];
+                if reply.gen.include_usage {
+                    chunks.push(reply.usage_chunk("text_completion", usage(prompt_tokens, completion_tokens)));
+                }
+                (chunks, offset, true)
+            }
+            Some(Event::Error(e)) => (vec![e.body()], offset, true),
+            None => (vec![ApiError::unavailable("the engine stopped").body()], offset, true),
+        };
+        Some((chunks, (reply, events, offset, over)))
+    })
+    .flat_map(stream::iter)
+}
+
+/// JSON has no −∞; OpenAI-compatible servers report it as −9999 (as vLLM does).
+fn finite(logprob: f32) -> f64 {
+    if logprob.is_finite() {
+        f64::from(logprob)
+    } else {
+        -9999.0
+    }
+}
+
+/// `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs]) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let bytes = token_bytes(tokenizer, id);
+        json!({"token": String::from_utf8_lossy(&bytes), "logprob": finite(logprob), "bytes": bytes})
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(t.token, t.logprob);
+            e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect::<Vec<_>>().into();
+            e
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// The legacy completions form: parallel arrays, `top_logprobs` as maps from token to logprob.
+fn completion_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs], mut offset: usize) -> Value {
+    let text = |id: u32| String::from_utf8_lossy(&token_bytes(tokenizer, id)).into_owned();
+    let (mut strings, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for t in tokens {
+        let token = text(t.token);
+        let top: serde_json::Map<String, Value> =
+            t.top.iter().map(|&(id, lp)| (text(id), json!(finite(lp)))).collect();
+        offsets.push(json!(offset));
+        offset += token.len();
+        strings.push(json!(token));
+        logprobs.push(json!(finite(t.logprob)));
+        tops.push(Value::Object(top));
+    }
+    json!({"tokens": strings, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// The bytes of one token. Byte-level BPE vocabularies spell bytes as printable characters
+/// (GPT-2's table: `Ġ` is a space); tokens outside that alphabet (added tokens) are their
+/// own UTF-8. Ids without a token (embedding padding) have no bytes.
+fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
+    let Some(token) = tokenizer.id_to_token(id) else {
+        return Vec::new();
+    };
+    let table = byte_decoder();
+    token
+        .chars()
+        .map(|c| table.iter().position(|&t| t == c).map(|b| b as u8))
+        .collect::<Option<Vec<u8>>>()
+        .unwrap_or_else(|| token.into_bytes())
+}
+
+/// GPT-2's `bytes_to_unicode`: the character standing for each byte.
+fn byte_decoder() -> &'static [char; 256] {
+    static TABLE: OnceLock<[char; 256]> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let printable =
+            |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let mut table = ['\0'; 256];
+        let mut next = 256u32;
+        for b in 0..256u32 {
+            table[b as usize] = if printable(b) {
+                char::from_u32(b).unwrap_or('\0')
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap_or('\0')
+            };
+        }
+        table
+    })
+}
+
+/// A unique id with a prefix (`chatcmpl-`, `call_`): a per-process random salt and a counter.
+pub fn fresh_id(prefix: &str) -> String {
+    static SALT: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let salt = *SALT.get_or_init(|| std::collections::hash_map::RandomState::new().build_hasher().finish());
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(salt ^ n);
+    format!("{prefix}{:016x}{:08x}", h.finish(), n as u32)
+}
+
+pub fn unix_time() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(stream: bool) -> Reply {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/vlm-f32-gdn2x");
+        let gen = GenOptions {
+            max_tokens: None,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            logprobs: None,
+            stream,
+            include_usage: stream,
+            ignore_eos: false,
+        };
+        Reply {
+            id: fresh_id("chatcmpl-"),
+            created: 0,
+            model: "m".into(),
+            gen,
+            tokenizer: Tokenizer::from_model_dir(&dir).unwrap().unwrap(),
+        }
+    }
+
+    /// Engine events for a model that thinks, says a word, and calls two tools.
+    fn tool_events() -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        let text = "Let me look.\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n\
+                    <parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n\
+                    {\"name\": \"get_time\", \"arguments\": {\"tz\": \"CET\"}}\n</tool_call>";
+        for piece in text.as_bytes().chunks(7) {
+            let text = String::from_utf8(piece.to_vec()).unwrap();
+            tx.send(Event::Token { text, logprobs: None }).unwrap();
+        }
+        tx.send(Event::Done { finish: FinishReason::Eos, prompt_tokens: 10, completion_tokens: 40 }).unwrap();
+        rx
+    }
+
+    fn tools() -> Option<Value> {
+        Some(json!([{"type": "function", "function": {"name": "get_weather"}},
+                    {"type": "function", "function": {"name": "get_time"}}]))
+    }
+
+    #[tokio::test]
+    async fn tool_calls_have_openais_whole_shape() {
+        let response =
+            chat_whole(reply(false), tool_events(), OutputParser::new(true, tools())).await.unwrap();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let body: Value = serde_json::from_slice(&bytes).unwrap();
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["content"], "Checking.");
+        assert_eq!(choice["message"]["reasoning_content"], "Let me look.");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0]["type"], "function");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(calls[1]["function"]["arguments"], "{\"tz\":\"CET\"}");
+        assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    }
+
+    #[tokio::test]
+    async fn tool_calls_have_openais_streamed_shape() {
+        let chunks: Vec<Value> =
+            chat_stream(reply(true), tool_events(), OutputParser::new(true, tools())).collect().await;
+        let deltas: Vec<&Value> =
+            chunks.iter().filter_map(|c| c["choices"].get(0).map(|c| &c["delta"])).collect();
+        assert_eq!(deltas[0]["role"], "assistant");
+        let calls: Vec<&Value> = deltas.iter().filter_map(|d| d["tool_calls"].get(0)).collect();
+        assert_eq!(calls.len(), 2);
+        assert_eq!((calls[0]["index"].as_u64(), calls[1]["index"].as_u64()), (Some(0), Some(1)));
+        assert_eq!(calls[1]["function"]["name"], "get_time");
+        let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+        assert_eq!(content, "Checking.");
+        let finish: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0)?.get("finish_reason"))
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(finish, vec![&json!("tool_calls")]);
+        let usage = chunks.last().unwrap();
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(usage["usage"]["total_tokens"], 50);
+    }
+
+    #[test]
+    fn the_byte_table_is_gpt2s() {
+        let t = byte_decoder();
+        assert_eq!(t[b'!' as usize], '!');
+        assert_eq!(t[b' ' as usize], 'Ġ');
+        assert_eq!(t[b'\n' as usize], 'Ċ');
+        let mut sorted = t.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 256);
+    }
+
+    #[test]
+    fn ids_are_unique() {
+        let a = fresh_id("x-");
+        let b = fresh_id("x-");
+        assert!(a.starts_with("x-") && a != b);
+    }
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,278 @@
+//! strix-server: an OpenAI-compatible HTTP server for strix models, with continuous batching.
+//!
+//! - [`engine`]: the scheduler thread that owns the model and batches every running
+//!   sequence into one decode step;
+//! - [`api`]: the axum routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+//!   `/health`, `/metrics`), authentication, and OpenAI response and SSE chunk shapes;
+//! - [`request`]: request decoding and validation; [`output`]: splitting the output into
+//!   reasoning, content and tool calls; [`metrics`]: the Prometheus counters;
+//!   [`error`]: the OpenAI error body.
+//!
+//! [`Server::start`] runs it all in the background (tests start one on port 0);
+//! `strix serve` is the command-line front end.
+
+pub mod api;
+pub mod engine;
+pub mod error;
+pub mod metrics;
+pub mod output;
+pub mod request;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use strix::backend::Backend;
+use strix::chat::ChatTemplate;
+use strix::model::Model;
+use strix::sampling::SamplingParams;
+use strix::tokenizer::Tokenizer;
+use tokio::sync::oneshot;
+
+pub use engine::EngineConfig;
+pub use error::ApiError;
+
+/// How the server listens and what it admits.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub host: String,
+    /// 0 picks a free port ([`Server::addr`] tells which).
+    pub port: u16,
+    /// When set, every `/v1` route requires `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// The model id reported by `/v1/models` and in responses.
+    pub model_name: String,
+    /// Largest request body accepted, in bytes.
+    pub max_body: usize,
+    pub engine: EngineConfig,
+}
+
+impl ServerConfig {
+    /// Loopback only, port 8080, no key, 64 sequences, 256 waiting, a 4 GiB state budget.
+    pub fn new(model_name: impl Into<String>, context: usize) -> Self {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            api_key: None,
+            model_name: model_name.into(),
+            max_body: 4 << 20,
+            engine: EngineConfig {
+                max_seqs: 64,
+                max_queue: 256,
+                state_budget_bytes: 4 << 30,
+                context,
+                prefill_chunk: strix::model::MAX_TOKENS_PER_PASS,
+            },
+        }
+    }
+}
+
+/// What the server serves: the model and the text side of the checkpoint.
+pub struct ServedModel<B: Backend> {
+    pub model: Model<B>,
+    pub tokenizer: Tokenizer,
+    /// `None`: only `/v1/completions` works.
+    pub template: Option<ChatTemplate>,
+    /// Sampling defaults (the checkpoint's `generation_config.json`), overridden per request.
+    pub defaults: SamplingParams,
+}
+
+impl<B: Backend> ServedModel<B> {
+    /// Loads a model directory: weights, `tokenizer.json` (required), the chat template and
+    /// the sampling defaults.
+    pub fn load(dir: &Path, backend: B) -> strix::Result<Self> {
+        let model = Model::load(dir, backend, None)?;
+        Self::with_model(dir, model)
+    }
+
+    /// Reads the text side of a model directory for an already loaded model.
+    pub fn with_model(dir: &Path, model: Model<B>) -> strix::Result<Self> {
+        let tokenizer = Tokenizer::from_model_dir(dir)?.ok_or_else(|| {
+            strix::Error::Tokenizer(format!("{} has no tokenizer.json; the server needs one", dir.display()))
+        })?;
+        let template = ChatTemplate::from_model_dir(dir)?;
+        let defaults = sampling_defaults(dir);
+        Ok(ServedModel { model, tokenizer, template, defaults })
+    }
+}
+
+/// The sampling fields of `generation_config.json`, over OpenAI's defaults (temperature 1,
+/// nothing else). A checkpoint with `do_sample: false` defaults to greedy.
+pub fn sampling_defaults(dir: &Path) -> SamplingParams {
+    let mut p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
+        return p;
+    };
+    let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return p;
+    };
+    let number = |key: &str| config.get(key).and_then(serde_json::Value::as_f64);
+    if let Some(t) = number("temperature") {
+        p.temperature = t as f32;
+    }
+    if let Some(v) = number("top_p") {
+        p.top_p = v as f32;
+    }
+    if let Some(v) = config.get("top_k").and_then(serde_json::Value::as_u64) {
+        p.top_k = v as usize;
+    }
+    if let Some(v) = number("min_p") {
+        p.min_p = v as f32;
+    }
+    if let Some(v) = number("repetition_penalty") {
+        p.repetition_penalty = v as f32;
+    }
+    if config.get("do_sample").and_then(serde_json::Value::as_bool) == Some(false) {
+        p.temperature = 0.0;
+    }
+    // Checkpoint files are not trusted to hold sane values; an invalid one falls back.
+    if p.validate().is_err() {
+        return SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    }
+    p
+}
+
+/// A running server: the HTTP listener on its own runtime thread, the engine on another.
+/// Dropping it shuts both down.
+pub struct Server {
+    addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How long open connections (streams) get to finish after a shutdown is asked for.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+impl Server {
+    /// Binds `config.host:config.port` and starts serving. Errors: the address cannot be
+    /// bound, or a thread cannot be started.
+    pub fn start<B: Backend + 'static>(
+        served: ServedModel<B>,
+        config: ServerConfig,
+    ) -> std::io::Result<Server> {
+        Self::start_with(served, config, false)
+    }
+
+    /// [`Server::start`], also shutting down on Ctrl-C (for the command line).
+    pub fn start_with<B: Backend + 'static>(
+        served: ServedModel<B>,
+        config: ServerConfig,
+        ctrl_c: bool,
+    ) -> std::io::Result<Server> {
+        let listener = std::net::TcpListener::bind((config.host.as_str(), config.port))?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+
+        let metrics = Arc::new(metrics::Metrics::default());
+        let ServedModel { model, tokenizer, template, defaults } = served;
+        let (engine, engine_thread) =
+            engine::EngineHandle::start(model, tokenizer.clone(), config.engine.clone(), metrics.clone())?;
+        let state = Arc::new(api::AppState {
+            engine,
+            tokenizer,
+            template: template.map(Arc::new),
+            defaults,
+            metrics,
+            model_name: config.model_name.clone(),
+            api_key: config.api_key.clone(),
+            max_body: config.max_body,
+            created: api::unix_time(),
+        });
+
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("strix-http")
+            .enable_all()
+            .build()?;
+        let (shutdown, shutdown_rx) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new().name("strix-server".into()).spawn(move || {
+            runtime.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(listener) => listener,
+                    Err(e) => {
+                        eprintln!("strix serve: cannot listen: {e}");
+                        return;
+                    }
+                };
+                let app = api::router(state);
+                let (stop_tx, stop_rx) = oneshot::channel::<()>();
+                let server = tokio::spawn(async move {
+                    let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+                        let _ = stop_rx.await;
+                    });
+                    if let Err(e) = serve.await {
+                        eprintln!("strix serve: {e}");
+                    }
+                });
+                if ctrl_c {
+                    tokio::select! {
+                        _ = shutdown_rx => {}
+                        _ = tokio::signal::ctrl_c() => eprintln!("strix serve: shutting down"),
+                    }
+                } else {
+                    let _ = shutdown_rx.await;
+                }
+                let _ = stop_tx.send(());
+                let _ = tokio::time::timeout(SHUTDOWN_GRACE, server).await;
+            });
+            // Dropping the runtime drops every connection and with them the engine's handles
+            // and event receivers: the engine cancels what is left and stops.
+            drop(runtime);
+            let _ = engine_thread.join();
+        })?;
+        Ok(Server { addr, shutdown: Some(shutdown), thread: Some(thread) })
+    }
+
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Blocks until the server stops (Ctrl-C, with [`Server::start_with`]).
+    pub fn wait(mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults_of(json: &str) -> SamplingParams {
+        let dir = std::env::temp_dir().join(format!("strix-defaults-{}-{}", std::process::id(), json.len()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("generation_config.json"), json).unwrap();
+        let p = sampling_defaults(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        p
+    }
+
+    #[test]
+    fn sampling_defaults_come_from_generation_config() {
+        let p = defaults_of(r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20}"#);
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.6, 0.95, 20));
+        assert_eq!(defaults_of(r#"{"do_sample": false, "temperature": 0.6}"#).temperature, 0.0);
+        // OpenAI's defaults when the file says nothing, or nothing sane.
+        assert_eq!(defaults_of("{}").temperature, 1.0);
+        assert_eq!(
+            defaults_of(r#"{"top_p": 7}"#),
+            SamplingParams { temperature: 1.0, ..SamplingParams::default() }
+        );
+        assert_eq!(sampling_defaults(Path::new("/nonexistent")).temperature, 1.0);
+    }
+}

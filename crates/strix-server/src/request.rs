@@ -1,0 +1,578 @@
+//! Decoding request bodies into typed requests: JSON parsing, the type and range of every
+//! field the server reads, and errors that name the field at fault (`param`).
+//!
+//! Fields are read one by one from the JSON object rather than through a derived
+//! `Deserialize`, for two reasons: unknown fields must be ignored while a known field of the
+//! wrong type must be a 400 naming that field, and OpenAI's fields have several shapes
+//! (`stop` is a string or a list, a completion `prompt` text or token ids). `null` counts as
+//! absent everywhere, as in OpenAI's API. Nothing here panics on any input: the property
+//! tests in `tests/fuzz.rs` feed it random bytes and random JSON.
+
+use serde_json::{Map, Value};
+use strix::chat::{ChatMessage, ChatOptions};
+use strix::sampling::SamplingParams;
+
+use crate::error::ApiError;
+
+/// Most stop strings a request may give (OpenAI allows 4; vLLM has no limit).
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Most `top_logprobs` (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// What both endpoints share: how much to generate, how to sample, when to stop, what to report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenOptions {
+    /// `max_completion_tokens`, else `max_tokens`; `None` runs to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// `Some(n)` when log-probabilities are asked for, with the `n` most likely alternatives.
+    pub logprobs: Option<usize>,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the token counts.
+    pub include_usage: bool,
+    /// vLLM's extension: keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    /// Template options: `tools`, `enable_thinking` and the rest of `chat_template_kwargs`.
+    pub template: ChatOptions,
+    /// Whether `<tool_call>` blocks of the output become `tool_calls`: when tools were given
+    /// and `tool_choice` is not `"none"`.
+    pub parse_tools: bool,
+    pub gen: GenOptions,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+#[derive(Clone, Debug)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub gen: GenOptions,
+}
+
+/// Parses a `/v1/chat/completions` body. `defaults` are the server's sampling defaults (the
+/// model's `generation_config.json`), which the request's fields override.
+pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest, ApiError> {
+    let object = parse_object(body)?;
+    let f = Fields(&object);
+    let gen = gen_options(&f, defaults, LogprobsStyle::Chat)?;
+
+    let messages = match f.get("messages") {
+        None => return Err(ApiError::invalid_param("messages", "`messages` is required")),
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(ApiError::invalid_param("messages", "`messages` must not be empty"))
+        }
+        Some(Value::Array(items)) => {
+            items.iter().enumerate().map(|(i, m)| message(i, m)).collect::<Result<Vec<_>, _>>()?
+        }
+        Some(_) => return Err(type_error("messages", "an array of messages")),
+    };
+
+    let tools = match f.get("tools") {
+        None => None,
+        Some(Value::Array(tools)) => {
+            for (i, tool) in tools.iter().enumerate() {
+                let name = tool.get("function").and_then(|function| function.get("name"));
+                if !matches!(name, Some(Value::String(_))) {
+                    return Err(ApiError::invalid_param(
+                        format!("tools[{i}]"),
+                        "each tool must be {\"type\": \"function\", \"function\": {\"name\": string, ...}}",
+                    ));
+                }
+            }
+            (!tools.is_empty()).then(|| Value::Array(tools.clone()))
+        }
+        Some(_) => return Err(type_error("tools", "an array of tools")),
+    };
+    let tool_choice_none = match f.get("tool_choice") {
+        None => false,
+        Some(Value::String(choice)) => match choice.as_str() {
+            "none" => true,
+            "auto" | "required" => false,
+            other => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    format!(
+                    "`tool_choice` must be \"none\", \"auto\", \"required\" or a function, got \"{other}\""
+                ),
+                ))
+            }
+        },
+        Some(Value::Object(_)) => false,
+        Some(_) => return Err(type_error("tool_choice", "a string or an object")),
+    };
+    let tools = if tool_choice_none { None } else { tools };
+
+    let mut extra = match f.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(kwargs)) => kwargs.clone(),
+        Some(_) => return Err(type_error("chat_template_kwargs", "an object")),
+    };
+    let enable_thinking = match extra.remove("enable_thinking") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(b),
+        Some(_) => return Err(type_error("chat_template_kwargs.enable_thinking", "a boolean")),
+    };
+    // These belong to the server: a request must not be able to turn the generation prompt off.
+    for reserved in ["messages", "tools", "add_generation_prompt"] {
+        extra.remove(reserved);
+    }
+
+    Ok(ChatRequest {
+        messages,
+        parse_tools: tools.is_some(),
+        template: ChatOptions { add_generation_prompt: true, enable_thinking, tools, extra },
+        gen,
+    })
+}
+
+/// Parses a `/v1/completions` body.
+pub fn parse_completion(body: &[u8], defaults: &SamplingParams) -> Result<CompletionRequest, ApiError> {
+    let object = parse_object(body)?;
+    let f = Fields(&object);
+    let gen = gen_options(&f, defaults, LogprobsStyle::Completion)?;
+    let prompt = match f.get("prompt") {
+        None => return Err(ApiError::invalid_param("prompt", "`prompt` is required")),
+        Some(value) => prompt(value)?,
+    };
+    if f.bool("echo")? == Some(true) {
+        return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
+    }
+    if f.get("suffix").is_some() {
+        return Err(ApiError::invalid_param("suffix", "`suffix` is not supported"));
+    }
+    if let Some(best_of) = f.int("best_of")? {
+        if best_of != 1 {
+            return Err(ApiError::invalid_param("best_of", "only `best_of` = 1 is supported"));
+        }
+    }
+    Ok(CompletionRequest { prompt, gen })
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if std::str::from_utf8(body).is_err() {
+        return Err(ApiError::bad_request("the request body is not valid UTF-8"));
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(object)) => Ok(object),
+        Ok(_) => Err(ApiError::bad_request("the request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(format!("the request body is not valid JSON: {e}"))),
+    }
+}
+
+fn prompt(value: &Value) -> Result<Prompt, ApiError> {
+    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|id| {
+                id.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                    type_error("prompt", "a string, or an array of token ids (non-negative integers)")
+                })
+            })
+            .collect()
+    };
+    match value {
+        Value::String(text) => Ok(Prompt::Text(text.clone())),
+        Value::Array(items) => match items.as_slice() {
+            [] => Err(ApiError::invalid_param("prompt", "`prompt` must not be empty")),
+            [Value::String(text)] => Ok(Prompt::Text(text.clone())),
+            [Value::Array(inner)] => Ok(Prompt::Ids(ids(inner)?)),
+            [Value::String(_) | Value::Array(_), _, ..] => {
+                Err(ApiError::invalid_param("prompt", "only one prompt per request is supported"))
+            }
+            _ => Ok(Prompt::Ids(ids(items)?)),
+        },
+        _ => Err(type_error("prompt", "a string or an array of token ids")),
+    }
+}
+
+fn message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
+    let param = format!("messages[{index}]");
+    let Value::Object(object) = value else {
+        return Err(ApiError::invalid_param(param, "each message must be an object"));
+    };
+    let role = match object.get("role") {
+        Some(Value::String(role)) => role.as_str(),
+        Some(_) => return Err(type_error(format!("{param}.role"), "a string")),
+        None => return Err(ApiError::invalid_param(format!("{param}.role"), "each message needs a `role`")),
+    };
+    if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+        return Err(ApiError::invalid_param(
+            format!("{param}.role"),
+            format!("unknown role \"{role}\" (expected system, developer, user, assistant or tool)"),
+        ));
+    }
+    match object.get("content") {
+        None | Some(Value::Null | Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            if let Some(i) = parts.iter().position(|part| !part.is_object()) {
+                return Err(ApiError::invalid_param(
+                    format!("{param}.content[{i}]"),
+                    "content parts must be objects such as {\"type\": \"text\", \"text\": \"...\"}",
+                ));
+            }
+        }
+        Some(_) => return Err(type_error(format!("{param}.content"), "a string, an array of parts or null")),
+    }
+    for field in ["reasoning_content", "name", "tool_call_id"] {
+        if !matches!(object.get(field), None | Some(Value::Null | Value::String(_))) {
+            return Err(type_error(format!("{param}.{field}"), "a string"));
+        }
+    }
+    if !matches!(object.get("tool_calls"), None | Some(Value::Null | Value::Array(_))) {
+        return Err(type_error(format!("{param}.tool_calls"), "an array"));
+    }
+    let mut message: ChatMessage = serde_json::from_value(value.clone())
+        .map_err(|e| ApiError::invalid_param(param.clone(), format!("invalid message: {e}")))?;
+    // OpenAI's newer name for the system role; the Qwen templates know only `system`.
+    if message.role == "developer" {
+        message.role = "system".into();
+    }
+    Ok(message)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum LogprobsStyle {
+    /// `logprobs: bool` and `top_logprobs: int`.
+    Chat,
+    /// `logprobs: int` (the number of alternatives), the legacy completions API.
+    Completion,
+}
+
+fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> Result<GenOptions, ApiError> {
+    if let Some(n) = f.int("n")? {
+        if n != 1 {
+            return Err(ApiError::invalid_param("n", "only `n` = 1 is supported"));
+        }
+    }
+    if !matches!(f.get("model"), None | Some(Value::String(_))) {
+        return Err(type_error("model", "a string"));
+    }
+    let max_tokens = match f.positive("max_completion_tokens")? {
+        Some(n) => Some(n),
+        None => f.positive("max_tokens")?,
+    };
+
+    let mut s = defaults.clone();
+    if let Some(t) = f.number("temperature")? {
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(ApiError::invalid_param("temperature", "`temperature` must be >= 0"));
+        }
+        s.temperature = t as f32;
+    }
+    if let Some(p) = f.number("top_p")? {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::invalid_param("top_p", "`top_p` must be in (0, 1]"));
+        }
+        s.top_p = p as f32;
+    }
+    if let Some(k) = f.int("top_k")? {
+        s.top_k = match k {
+            -1 | 0 => 0,
+            k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            _ => return Err(ApiError::invalid_param("top_k", "`top_k` must be >= 0 (0 or -1: off)")),
+        };
+    }
+    if let Some(p) = f.number("min_p")? {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(ApiError::invalid_param("min_p", "`min_p` must be in [0, 1]"));
+        }
+        s.min_p = p as f32;
+    }
+    for (name, slot) in
+        [("presence_penalty", &mut s.presence_penalty), ("frequency_penalty", &mut s.frequency_penalty)]
+    {
+        if let Some(p) = f.number(name)? {
+            if !(-2.0..=2.0).contains(&p) {
+                return Err(ApiError::invalid_param(name, format!("`{name}` must be in [-2, 2]")));
+            }
+            *slot = p as f32;
+        }
+    }
+    if let Some(p) = f.number("repetition_penalty")? {
+        if !(p.is_finite() && p > 0.0) {
+            return Err(ApiError::invalid_param("repetition_penalty", "`repetition_penalty` must be > 0"));
+        }
+        s.repetition_penalty = p as f32;
+    }
+    match f.get("seed") {
+        None => {}
+        // Negative seeds are valid OpenAI seeds; any integer names one stream.
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(seed), _) => s.seed = Some(seed),
+            (None, Some(seed)) => s.seed = Some(seed as u64),
+            _ => return Err(type_error("seed", "an integer")),
+        },
+    }
+    s.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
+
+    let stop = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(stop)) => vec![stop.clone()],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP_STRINGS {
+                return Err(ApiError::invalid_param(
+                    "stop",
+                    format!("at most {MAX_STOP_STRINGS} stop strings are allowed"),
+                ));
+            }
+            items
+                .iter()
+                .map(|item| {
+                    item.as_str()
+                        .map(str::to_owned)
+                        .ok_or_else(|| type_error("stop", "a string or an array of strings"))
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Some(_) => return Err(type_error("stop", "a string or an array of strings")),
+    };
+
+    let logprobs = match style {
+        LogprobsStyle::Chat => {
+            let top = f.int("top_logprobs")?;
+            let top = match top {
+                None => 0,
+                Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => n as usize,
+                Some(_) => {
+                    return Err(ApiError::invalid_param(
+                        "top_logprobs",
+                        format!("`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}]"),
+                    ))
+                }
+            };
+            match f.bool("logprobs")? {
+                Some(true) => Some(top),
+                _ if top > 0 => {
+                    return Err(ApiError::invalid_param(
+                        "top_logprobs",
+                        "`top_logprobs` needs `logprobs: true`",
+                    ))
+                }
+                _ => None,
+            }
+        }
+        LogprobsStyle::Completion => match f.get("logprobs") {
+            None => None,
+            Some(Value::Bool(_)) => return Err(type_error("logprobs", "an integer")),
+            Some(_) => match f.int("logprobs")? {
+                Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        "logprobs",
+                        format!("`logprobs` must be in [0, {MAX_TOP_LOGPROBS}]"),
+                    ))
+                }
+            },
+        },
+    };
+
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.get("stream_options") {
+        None => false,
+        Some(Value::Object(options)) => match options.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(type_error("stream_options.include_usage", "a boolean")),
+        },
+        Some(_) => return Err(type_error("stream_options", "an object")),
+    };
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    Ok(GenOptions { max_tokens, sampling: s, stop, logprobs, stream, include_usage, ignore_eos })
+}
+
+fn type_error(param: impl Into<String>, expected: &str) -> ApiError {
+    let param = param.into();
+    ApiError::invalid_param(param.clone(), format!("`{param}` must be {expected}"))
+}
+
+/// Typed access to the fields of a request object.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    /// The field, `None` when absent or null.
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn number(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| type_error(name, "a number")),
+        }
+    }
+
+    /// An integer; a float with no fractional part (`5.0`) counts, as Python clients send them.
+    fn int(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => {
+                if let Some(i) = v.as_i64() {
+                    return Ok(Some(i));
+                }
+                if v.as_u64().is_some() {
+                    return Ok(Some(i64::MAX));
+                }
+                match v.as_f64() {
+                    Some(x) if x.fract() == 0.0 && x.abs() < 9e15 => Ok(Some(x as i64)),
+                    _ => Err(type_error(name, "an integer")),
+                }
+            }
+        }
+    }
+
+    fn positive(&self, name: &str) -> Result<Option<usize>, ApiError> {
+        match self.int(name)? {
+            None => Ok(None),
+            Some(n) if n >= 1 => Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+            Some(_) => Err(ApiError::invalid_param(name, format!("`{name}` must be at least 1"))),
+        }
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(type_error(name, "a boolean")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ChatRequest, ApiError> {
+        parse_chat(body.as_bytes(), &SamplingParams::default())
+    }
+
+    fn completion(body: &str) -> Result<CompletionRequest, ApiError> {
+        parse_completion(body.as_bytes(), &SamplingParams::default())
+    }
+
+    fn param(e: ApiError) -> String {
+        assert_eq!(e.status.as_u16(), 400, "{e}");
+        e.param.unwrap_or_default()
+    }
+
+    #[test]
+    fn a_full_chat_request_decodes() {
+        let r = chat(
+            r#"{"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+                "top_k": -1, "min_p": 0.1, "presence_penalty": 1, "frequency_penalty": -1,
+                "repetition_penalty": 1.1, "seed": -3, "stop": "x", "logprobs": true,
+                "top_logprobs": 2, "stream": true, "stream_options": {"include_usage": true},
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "chat_template_kwargs": {"enable_thinking": false, "custom": 1},
+                "unknown_field": {"anything": [1, 2]}, "n": 1, "user": null}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages[0].role, "system");
+        assert_eq!(r.gen.max_tokens, Some(7));
+        assert_eq!(r.gen.sampling.top_k, 0);
+        assert_eq!(r.gen.sampling.seed, Some(-3i64 as u64));
+        assert_eq!(r.gen.stop, vec!["x"]);
+        assert_eq!(r.gen.logprobs, Some(2));
+        assert!(r.gen.stream && r.gen.include_usage && r.parse_tools);
+        assert_eq!(r.template.enable_thinking, Some(false));
+        assert_eq!(r.template.extra.get("custom"), Some(&Value::from(1)));
+        assert!(r.template.add_generation_prompt);
+    }
+
+    #[test]
+    fn wrong_types_name_their_field() {
+        let cases = [
+            (r#"{"messages": "hi"}"#, "messages"),
+            (r#"{"messages": []}"#, "messages"),
+            (r#"{}"#, "messages"),
+            (r#"{"messages": [1]}"#, "messages[0]"),
+            (r#"{"messages": [{"content": "x"}]}"#, "messages[0].role"),
+            (r#"{"messages": [{"role": "robot", "content": "x"}]}"#, "messages[0].role"),
+            (r#"{"messages": [{"role": "user", "content": 5}]}"#, "messages[0].content"),
+            (r#"{"messages": [{"role": "user", "content": [1]}]}"#, "messages[0].content[0]"),
+            (r#"{"messages": [{"role": "user"}], "temperature": "hot"}"#, "temperature"),
+            (r#"{"messages": [{"role": "user"}], "temperature": -1}"#, "temperature"),
+            (r#"{"messages": [{"role": "user"}], "max_tokens": 0}"#, "max_tokens"),
+            (r#"{"messages": [{"role": "user"}], "max_tokens": 1.5}"#, "max_tokens"),
+            (r#"{"messages": [{"role": "user"}], "n": 2}"#, "n"),
+            (r#"{"messages": [{"role": "user"}], "stop": [1]}"#, "stop"),
+            (r#"{"messages": [{"role": "user"}], "seed": "x"}"#, "seed"),
+            (r#"{"messages": [{"role": "user"}], "top_p": 0}"#, "top_p"),
+            (r#"{"messages": [{"role": "user"}], "top_k": -2}"#, "top_k"),
+            (r#"{"messages": [{"role": "user"}], "presence_penalty": 3}"#, "presence_penalty"),
+            (r#"{"messages": [{"role": "user"}], "logprobs": 1}"#, "logprobs"),
+            (r#"{"messages": [{"role": "user"}], "top_logprobs": 2}"#, "top_logprobs"),
+            (r#"{"messages": [{"role": "user"}], "logprobs": true, "top_logprobs": 21}"#, "top_logprobs"),
+            (r#"{"messages": [{"role": "user"}], "stream": "yes"}"#, "stream"),
+            (r#"{"messages": [{"role": "user"}], "stream_options": []}"#, "stream_options"),
+            (r#"{"messages": [{"role": "user"}], "tools": {}}"#, "tools"),
+            (r#"{"messages": [{"role": "user"}], "tools": [{}]}"#, "tools[0]"),
+            (r#"{"messages": [{"role": "user"}], "tool_choice": "maybe"}"#, "tool_choice"),
+            (r#"{"messages": [{"role": "user"}], "chat_template_kwargs": 1}"#, "chat_template_kwargs"),
+            (r#"{"messages": [{"role": "user"}], "model": 1}"#, "model"),
+        ];
+        for (body, expected) in cases {
+            assert_eq!(param(chat(body).unwrap_err()), expected, "{body}");
+        }
+    }
+
+    #[test]
+    fn bodies_that_are_not_json_objects_are_400() {
+        for body in [&b"{"[..], b"[]", b"null", b"\"x\"", b"", b"{\"messages\": \"\xff\"}"] {
+            let e = parse_chat(body, &SamplingParams::default()).unwrap_err();
+            assert_eq!(e.status.as_u16(), 400);
+            assert_eq!(e.param, None);
+        }
+    }
+
+    #[test]
+    fn completion_prompts_take_every_openai_shape() {
+        assert_eq!(completion(r#"{"prompt": "hi"}"#).unwrap().prompt, Prompt::Text("hi".into()));
+        assert_eq!(completion(r#"{"prompt": ["hi"]}"#).unwrap().prompt, Prompt::Text("hi".into()));
+        assert_eq!(completion(r#"{"prompt": [1, 2]}"#).unwrap().prompt, Prompt::Ids(vec![1, 2]));
+        assert_eq!(completion(r#"{"prompt": [[1, 2]]}"#).unwrap().prompt, Prompt::Ids(vec![1, 2]));
+        for body in [
+            r#"{"prompt": ["a", "b"]}"#,
+            r#"{"prompt": []}"#,
+            r#"{"prompt": [-1]}"#,
+            r#"{"prompt": 5}"#,
+            r#"{}"#,
+            r#"{"prompt": "x", "echo": true}"#,
+            r#"{"prompt": "x", "logprobs": true}"#,
+            r#"{"prompt": "x", "logprobs": 50}"#,
+        ] {
+            assert!(!param(completion(body).unwrap_err()).is_empty(), "{body}");
+        }
+        assert_eq!(completion(r#"{"prompt": "x", "logprobs": 2}"#).unwrap().gen.logprobs, Some(2));
+        assert_eq!(completion(r#"{"prompt": "x", "logprobs": 0}"#).unwrap().gen.logprobs, Some(0));
+    }
+
+    #[test]
+    fn server_defaults_apply_unless_the_request_overrides_them() {
+        let defaults = SamplingParams { temperature: 0.6, top_k: 20, ..SamplingParams::default() };
+        let r = parse_completion(br#"{"prompt": "x", "temperature": 0}"#, &defaults).unwrap();
+        assert_eq!(r.gen.sampling.temperature, 0.0);
+        assert_eq!(r.gen.sampling.top_k, 20);
+    }
+
+    #[test]
+    fn tool_choice_none_drops_the_tools() {
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+                "tools": [{"type": "function", "function": {"name": "f"}}]}"#,
+        )
+        .unwrap();
+        assert!(!r.parse_tools);
+        assert_eq!(r.template.tools, None);
+    }
+}
