@@ -18,9 +18,9 @@
 //! Every op's output buffer is poisoned with NaN first, so an element the GPU never wrote
 //! fails the comparison. The decode-batch ops (`*_rows`) must equal the one-token ops bitwise.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use safetensors::SafeTensors;
+use common::{argmax, cases, fixtures, rel_err, Case};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::cuda::{CudaBackend, GemmPath};
 use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
@@ -59,21 +59,6 @@ impl Rng {
     }
     fn below(&mut self, n: usize) -> usize {
         ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
-    }
-}
-
-/// max |a − b| / max |b|; infinite when `a` holds a NaN (an unwritten, poisoned element).
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len());
-    if ours.iter().any(|x| !x.is_finite()) {
-        return f32::INFINITY;
-    }
-    let max_ref = reference.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let max_d = ours.iter().zip(reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    if max_ref == 0.0 {
-        max_d
-    } else {
-        max_d / max_ref
     }
 }
 
@@ -497,81 +482,6 @@ fn kernels_load_from_the_cache_the_second_time() {
 }
 
 // --- whole models ---------------------------------------------------------------------------
-
-/// The fixtures beside the sources, or (for a prebuilt test binary run on another machine)
-/// `$STRIX_FIXTURES` or `tests/fixtures/models` under the working directory.
-fn fixtures() -> Vec<PathBuf> {
-    let candidates = [
-        std::env::var_os("STRIX_FIXTURES").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")),
-        Some(PathBuf::from("tests/fixtures/models")),
-    ];
-    let root = candidates.into_iter().flatten().find(|p| p.is_dir()).expect("the fixtures directory");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("goldens.safetensors").exists())
-        .collect();
-    dirs.sort();
-    assert!(dirs.len() >= 3, "expected the committed fixtures under {}", root.display());
-    dirs
-}
-
-struct Case {
-    len: usize,
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-    decode_logits: Vec<f32>,
-}
-
-fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
-fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
-fn cases(dir: &Path) -> Vec<Case> {
-    let bytes = std::fs::read(dir.join("goldens.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut lens: Vec<usize> = st
-        .names()
-        .iter()
-        .filter_map(|n| n.strip_suffix(".ids").and_then(|p| p.strip_prefix('p')).map(|l| l.parse().unwrap()))
-        .collect();
-    lens.sort();
-    lens.into_iter()
-        .map(|len| Case {
-            len,
-            ids: ids(&st, &format!("p{len}.ids")),
-            logits: f32s(&st, &format!("p{len}.logits")),
-            greedy: ids(&st, &format!("p{len}.greedy")),
-            decode_logits: f32s(&st, &format!("p{len}.decode_logits")),
-        })
-        .collect()
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// Top-1 minus top-2 of a logit row.
 fn margin(x: &[f32]) -> f32 {

@@ -4,83 +4,13 @@
 //! Tolerance everywhere: max |strix − reference| / max |reference| ≤ 1e-4 (f32 arithmetic on
 //! both sides; the errors reached are printed — about 1e-6).
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use safetensors::SafeTensors;
+use common::{argmax, cases, fixtures, rel_err};
 use strix::backend::cpu::CpuBackend;
 use strix::model::{Logits, Model};
 
 const TOLERANCE: f32 = 1e-4;
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("goldens.safetensors").exists())
-        .collect();
-    dirs.sort();
-    assert!(dirs.len() >= 3, "expected the committed fixtures under {}", root.display());
-    dirs
-}
-
-struct Case {
-    len: usize,
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-    decode_logits: Vec<f32>,
-}
-
-fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
-    let t = st.tensor(name).unwrap();
-    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
-fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
-    let t = st.tensor(name).unwrap();
-    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
-}
-
-fn cases(dir: &Path) -> Vec<Case> {
-    let bytes = std::fs::read(dir.join("goldens.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut lens: Vec<usize> = st
-        .names()
-        .iter()
-        .filter_map(|n| n.strip_suffix(".ids").and_then(|p| p.strip_prefix('p')).map(|l| l.parse().unwrap()))
-        .collect();
-    lens.sort();
-    lens.into_iter()
-        .map(|len| Case {
-            len,
-            ids: ids(&st, &format!("p{len}.ids")),
-            logits: f32s(&st, &format!("p{len}.logits")),
-            greedy: ids(&st, &format!("p{len}.greedy")),
-            decode_logits: f32s(&st, &format!("p{len}.decode_logits")),
-        })
-        .collect()
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len());
-    let max_ref = reference.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let max_d = ours.iter().zip(reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    if max_d.is_nan() || ours.iter().any(|x| x.is_nan()) {
-        return f32::INFINITY;
-    }
-    max_d / max_ref
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// Every prompt position's logits from one forward pass, then ten greedy steps one token at a
 /// time through the session (the recurrent GDN path and the growing KV cache).

@@ -1,0 +1,99 @@
+//! What the integration tests share: the committed transformers fixtures
+//! (`tests/fixtures/models/*`, made by `scripts/make_fixtures.py`), their goldens, and the
+//! error measure every tolerance is stated in.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+
+/// max |ours − reference| / max |reference|; infinite when ours holds a NaN.
+pub fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(ours.len(), reference.len());
+    if ours.iter().any(|x| !x.is_finite()) {
+        return f32::INFINITY;
+    }
+    let max_ref = reference.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let max_d = ours.iter().zip(reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    if max_ref == 0.0 {
+        max_d
+    } else {
+        max_d / max_ref
+    }
+}
+
+/// The fixtures beside the sources, or (for a prebuilt test binary run on another machine)
+/// `$STRIX_FIXTURES` or `tests/fixtures/models` under the working directory.
+pub fn fixtures() -> Vec<PathBuf> {
+    let candidates = [
+        std::env::var_os("STRIX_FIXTURES").map(PathBuf::from),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")),
+        Some(PathBuf::from("tests/fixtures/models")),
+    ];
+    let root = candidates.into_iter().flatten().find(|p| p.is_dir()).expect("the fixtures directory");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("goldens.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 3, "expected the committed fixtures under {}", root.display());
+    dirs
+}
+
+pub struct Case {
+    pub len: usize,
+    pub ids: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub greedy: Vec<u32>,
+    pub decode_logits: Vec<f32>,
+}
+
+pub fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+pub fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+pub fn cases(dir: &Path) -> Vec<Case> {
+    let bytes = std::fs::read(dir.join("goldens.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut lens: Vec<usize> = st
+        .names()
+        .iter()
+        .filter_map(|n| n.strip_suffix(".ids").and_then(|p| p.strip_prefix('p')).map(|l| l.parse().unwrap()))
+        .collect();
+    lens.sort();
+    lens.into_iter()
+        .map(|len| Case {
+            len,
+            ids: ids(&st, &format!("p{len}.ids")),
+            logits: f32s(&st, &format!("p{len}.logits")),
+            greedy: ids(&st, &format!("p{len}.greedy")),
+            decode_logits: f32s(&st, &format!("p{len}.decode_logits")),
+        })
+        .collect()
+}
+
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
