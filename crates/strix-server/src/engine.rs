@@ -471,12 +471,7 @@ impl<B: Backend> Engine<B> {
         if !job.ignore_eos && self.eos.contains(&token) {
             return Some(FinishReason::Eos);
         }
-        // Checkpoints pad the embedding past the tokenizer's vocabulary; those ids have no text.
-        let piece = if self.tokenizer.id_to_token(token).is_some() {
-            seq.decoder.push(token).unwrap_or_default()
-        } else {
-            String::new()
-        };
+        let piece = seq.decoder.push_sampled(token).unwrap_or_default();
         let (text, hit) = seq.stops.push(&piece);
         seq.send(Event::Token { text, logprobs });
         if hit {

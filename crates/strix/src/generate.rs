@@ -120,11 +120,8 @@ pub fn generate<B: Backend>(
         if !params.ignore_eos && model.config.eos_token_ids.contains(&token) {
             break FinishReason::Eos;
         }
-        if let (Some(decoder), Some(tokenizer)) = (decoder.as_mut(), tokenizer) {
-            // Checkpoints pad the embedding past the tokenizer's vocabulary (Qwen3.5: 248,320
-            // rows for about 248,000 tokens) and a model can sample those rows: they carry no text.
-            let piece =
-                if tokenizer.id_to_token(token).is_some() { decoder.push(token)? } else { String::new() };
+        if let Some(decoder) = decoder.as_mut() {
+            let piece = decoder.push_sampled(token)?;
             let (emit, hit) = stops.push(&piece);
             on_text(&emit);
             text.push_str(&emit);

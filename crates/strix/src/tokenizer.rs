@@ -146,6 +146,16 @@ impl StreamDecoder {
         emitted
     }
 
+    /// [`StreamDecoder::push`] for an id a model sampled. Checkpoints pad the embedding past
+    /// the tokenizer's vocabulary (Qwen3.5: 248,320 rows for about 248,000 tokens) and a
+    /// model can sample those rows: they carry no text rather than failing the generation.
+    pub fn push_sampled(&mut self, id: u32) -> Result<String> {
+        if self.tokenizer.id_to_token(id).is_none() {
+            return Ok(String::new());
+        }
+        self.push(id)
+    }
+
     fn emit(&mut self) -> Result<String> {
         let before = self.decode(..self.read)?;
         let now = self.decode(..)?;
