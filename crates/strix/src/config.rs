@@ -8,6 +8,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::backend::ValueHeadOrder;
 use crate::error::{Error, Result};
 
 /// The token mixer of one decoder layer.
@@ -45,6 +46,9 @@ pub struct ModelConfig {
     pub linear_num_v_heads: usize,
     pub linear_k_head_dim: usize,
     pub linear_v_head_dim: usize,
+    /// How value heads map onto key heads: `Grouped` for Hugging Face checkpoints, `Tiled` for
+    /// GGUF files written by llama.cpp's converter.
+    pub linear_value_head_order: ValueHeadOrder,
 
     /// Token ids that end generation (config and generation_config, deduplicated).
     pub eos_token_ids: Vec<u32>,
@@ -371,6 +375,7 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
         linear_num_v_heads: t.usize("linear_num_value_heads")?,
         linear_k_head_dim: t.usize("linear_key_head_dim")?,
         linear_v_head_dim: t.usize("linear_value_head_dim")?,
+        linear_value_head_order: ValueHeadOrder::Grouped,
         eos_token_ids,
     })
 }

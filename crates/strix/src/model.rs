@@ -613,6 +613,7 @@ pub fn deltanet_shape(c: &ModelConfig) -> DeltaNetShape {
         v_head_dim: c.linear_v_head_dim,
         conv_kernel: c.conv_kernel,
         eps: c.rms_norm_eps,
+        value_head_order: c.linear_value_head_order,
     }
 }
 

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
+use crate::backend::ValueHeadOrder;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::TensorSource;
@@ -45,6 +46,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         linear_num_v_heads: v_heads,
         linear_k_head_dim: 128,
         linear_v_head_dim: 128,
+        linear_value_head_order: ValueHeadOrder::Grouped,
         eos_token_ids: vec![248_046, 248_044],
     })
 }

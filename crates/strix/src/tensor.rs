@@ -9,28 +9,72 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-/// Element type of a stored tensor.
+use crate::quant::{self, QuantType};
+
+/// Element type of a stored tensor: a plain float, or one of the GGML block formats strix
+/// computes with (rows of whole blocks, see [`crate::quant`]).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
     F16,
     BF16,
+    Q8_0,
+    Q4_0,
+    Q4_K,
+    Q6_K,
 }
 
 impl DType {
-    pub fn size(self) -> usize {
+    /// The GGML type with the same storage.
+    pub fn quant_type(self) -> QuantType {
+        match self {
+            DType::F32 => QuantType::F32,
+            DType::F16 => QuantType::F16,
+            DType::BF16 => QuantType::BF16,
+            DType::Q8_0 => QuantType::Q8_0,
+            DType::Q4_0 => QuantType::Q4_0,
+            DType::Q4_K => QuantType::Q4_K,
+            DType::Q6_K => QuantType::Q6_K,
+        }
+    }
+
+    /// The dtype storing a GGML type, for the types strix computes with.
+    pub fn from_quant_type(ty: QuantType) -> Option<DType> {
+        Some(match ty {
+            QuantType::F32 => DType::F32,
+            QuantType::F16 => DType::F16,
+            QuantType::BF16 => DType::BF16,
+            QuantType::Q8_0 => DType::Q8_0,
+            QuantType::Q4_0 => DType::Q4_0,
+            QuantType::Q4_K => DType::Q4_K,
+            QuantType::Q6_K => DType::Q6_K,
+            _ => return None,
+        })
+    }
+
+    /// Whether elements are packed in blocks (anything but the plain floats).
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Bytes of a row of `cols` elements; `None` when `cols` is not a whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        self.quant_type().row_size(cols).ok()
+    }
+
+    /// The alignment the kernels need to read the bytes in place (the element size for
+    /// floats; blocks are read bytewise).
+    pub fn align(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            _ => 1,
         }
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "F32",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-        }
+        self.quant_type().name()
     }
 }
 
@@ -108,10 +152,48 @@ impl HostTensor {
         self.shape.iter().product()
     }
 
-    /// All elements widened to f32 (for small tensors: norms, biases, A_log).
+    /// Checks that the tensor holds a `[rows, cols]` matrix (its bytes whole rows of its dtype).
+    pub fn check_matrix(&self, rows: usize, cols: usize) -> crate::error::Result<()> {
+        let want = self.dtype.row_bytes(cols).and_then(|r| r.checked_mul(rows));
+        if self.numel() != rows * cols || want != Some(self.bytes.len()) {
+            return Err(crate::error::Error::Input(format!(
+                "tensor `{}` of shape {:?} ({} bytes) is not a {rows}x{cols} {} matrix",
+                self.name,
+                self.shape,
+                self.bytes.len(),
+                self.dtype.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The matrix with its packed blocks decoded to f32 (plain float tensors are returned as
+    /// they are), for backends without kernels for a block format.
+    pub fn dequantized(&self) -> HostTensor {
+        if !self.dtype.is_quantized() {
+            return self.clone();
+        }
+        let v = self.to_f32_vec();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        HostTensor {
+            name: self.name.clone(),
+            dtype: DType::F32,
+            shape: self.shape.clone(),
+            bytes: Bytes::owned(&bytes),
+        }
+    }
+
+    /// All elements widened (or dequantized) to f32 (for small tensors: norms, biases, A_log).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let b = self.bytes.as_slice();
         match self.dtype {
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
+                let mut out = vec![0.0; self.numel()];
+                // The tensor's constructor checked that the bytes are whole blocks of numel().
+                quant::dequantize_row(self.dtype.quant_type(), b, &mut out)
+                    .unwrap_or_else(|e| panic!("tensor `{}`: {e}", self.name));
+                out
+            }
             DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DType::BF16 => b
                 .chunks_exact(2)

@@ -81,11 +81,8 @@ fn bf16_round(v: &[f32]) -> Vec<f32> {
 }
 
 fn tensor(dtype: DType, rows: usize, cols: usize, vals: &[f32]) -> HostTensor {
-    let bytes: Vec<u8> = match dtype {
-        DType::BF16 => vals.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-        DType::F16 => vals.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
-        DType::F32 => vals.iter().flat_map(|&x| x.to_le_bytes()).collect(),
-    };
+    let mut bytes = vec![0u8; rows * dtype.row_bytes(cols).unwrap()];
+    strix::quant::quantize_row(dtype.quant_type(), vals, &mut bytes).unwrap();
     HostTensor { name: "w".into(), dtype, shape: vec![rows, cols], bytes: Bytes::owned(&bytes) }
 }
 
@@ -258,6 +255,7 @@ fn dn_shape(nk: usize, nv: usize, dk: usize, dv: usize, kernel: usize) -> DeltaN
         v_head_dim: dv,
         conv_kernel: kernel,
         eps: 1e-6,
+        value_head_order: Default::default(),
     }
 }
 

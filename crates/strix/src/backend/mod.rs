@@ -12,6 +12,18 @@ pub mod cuda;
 use crate::error::Result;
 use crate::tensor::HostTensor;
 
+/// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ValueHeadOrder {
+    /// `transformers`' order: value head `h` reads key head `h / (num_v_heads / num_k_heads)`
+    /// (each key head's value heads in one consecutive run).
+    #[default]
+    Grouped,
+    /// llama.cpp's GGUF order: value head `h` reads key head `h % num_k_heads` (its converter
+    /// permutes the value heads so that `ggml_repeat` of the key heads lines up).
+    Tiled,
+}
+
 /// Per-layer shapes of a Gated DeltaNet mixer.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaNetShape {
@@ -21,9 +33,21 @@ pub struct DeltaNetShape {
     pub v_head_dim: usize,
     pub conv_kernel: usize,
     pub eps: f32,
+    pub value_head_order: ValueHeadOrder,
 }
 
 impl DeltaNetShape {
+    /// The key head value head `h` reads: `(h / key_head_divisor()) % num_k_heads`.
+    pub fn key_head(&self, h: usize) -> usize {
+        (h / self.key_head_divisor()) % self.num_k_heads
+    }
+    /// The divisor in [`DeltaNetShape::key_head`]: value heads per key head when grouped, 1 when tiled.
+    pub fn key_head_divisor(&self) -> usize {
+        match self.value_head_order {
+            ValueHeadOrder::Grouped => (self.num_v_heads / self.num_k_heads).max(1),
+            ValueHeadOrder::Tiled => 1,
+        }
+    }
     pub fn key_dim(&self) -> usize {
         self.num_k_heads * self.k_head_dim
     }

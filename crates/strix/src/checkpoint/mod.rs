@@ -219,7 +219,7 @@ impl Checkpoint {
                 format!("tensor `{name}` has shape {:?}, expected {:?}", entry.shape, shape),
             ));
         }
-        let bytes = Bytes::Mapped { map: map.clone(), range: entry.start..entry.end }.aligned(dtype.size());
+        let bytes = Bytes::Mapped { map: map.clone(), range: entry.start..entry.end }.aligned(dtype.align());
         Ok(HostTensor { name: name.to_string(), dtype, shape: entry.shape.clone(), bytes })
     }
 }

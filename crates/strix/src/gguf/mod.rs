@@ -540,15 +540,16 @@ impl GgufFile {
         Ok(Bytes::Mapped { map: self.map.clone(), range: info.range.clone() })
     }
 
-    /// A tensor of one of the plain float types as a [`HostTensor`] (row-major shape),
-    /// without copying.
+    /// A tensor of one of the types strix computes with (F32, F16, BF16, Q8_0, Q4_0, Q4_K,
+    /// Q6_K) as a [`HostTensor`] (row-major shape), without copying.
     pub fn host_tensor(&self, name: &str) -> Result<HostTensor> {
         let info = self.tensor_info(name)?;
-        let dtype = match info.ty {
-            QuantType::F32 => DType::F32,
-            QuantType::F16 => DType::F16,
-            QuantType::BF16 => DType::BF16,
-            ty => return Err(self.err(format!("tensor `{name}` is {ty}, not F32, F16 or BF16"))),
+        let Some(dtype) = DType::from_quant_type(info.ty) else {
+            return Err(self.err(format!(
+                "tensor `{name}` is {}, which strix cannot compute with (F32, F16, BF16, Q8_0, Q4_0, \
+                 Q4_K and Q6_K are supported)",
+                info.ty
+            )));
         };
         Ok(HostTensor { name: name.to_string(), dtype, shape: info.shape(), bytes: self.tensor_data(name)? })
     }

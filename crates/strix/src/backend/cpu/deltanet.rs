@@ -147,8 +147,7 @@ impl DeltaRuleInputs {
     fn head(&self, shape: &DeltaNetShape, h: usize) -> HeadInputs<'_> {
         let t = self.tokens;
         let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
-        // Value heads are grouped onto key heads in consecutive runs.
-        let kh = h / (shape.num_v_heads / shape.num_k_heads);
+        let kh = shape.key_head(h);
         HeadInputs {
             q: &self.q[kh * t * dk..(kh + 1) * t * dk],
             k: &self.k[kh * t * dk..(kh + 1) * t * dk],
@@ -338,6 +337,7 @@ mod tests {
             v_head_dim: dv,
             conv_kernel: 4,
             eps: 1e-6,
+            value_head_order: Default::default(),
         }
     }
 

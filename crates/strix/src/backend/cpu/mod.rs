@@ -9,7 +9,7 @@ pub mod simd;
 use rayon::prelude::*;
 
 use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::{Bytes, DType, HostTensor};
 use matmul::WeightRef;
 
@@ -46,6 +46,9 @@ impl CpuWeight {
                 }
                 DType::F32 => {
                     WeightRef::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4))
+                }
+                DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
+                    unreachable!("CpuBackend::weight dequantizes block formats")
                 }
             }
         }
@@ -90,16 +93,9 @@ impl Backend for CpuBackend {
     }
 
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CpuWeight> {
-        if t.numel() != rows * cols || t.bytes.len() != rows * cols * t.dtype.size() {
-            return Err(Error::Input(format!(
-                "tensor `{}` of shape {:?} ({} bytes) is not a {rows}x{cols} {} matrix",
-                t.name,
-                t.shape,
-                t.bytes.len(),
-                t.dtype.name()
-            )));
-        }
-        Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.size()) })
+        t.check_matrix(rows, cols)?;
+        let t = t.dequantized();
+        Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.align()) })
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {

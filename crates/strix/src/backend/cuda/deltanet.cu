@@ -100,6 +100,7 @@ extern "C" __global__ void conv1d_state_update(const float* __restrict__ raw, fl
 // lanes, lane part p keeping rows p, p + GDN_PARTS, ...; the dot products over k_head_dim are
 // finished with two shuffles. Fuses the q/k L2 norms, the q scale, beta = sigmoid(b) and
 // g = -exp(A_log) softplus(a + dt_bias). DK bounds k_head_dim; EXACT means dk == DK.
+// Value head h reads key head (h / kh_div) % nk (DeltaNetShape::key_head_divisor).
 #define GDN_PARTS 4
 #define GDN_COLS 32
 
@@ -114,7 +115,7 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv
                                                    const float* __restrict__ b, const float* __restrict__ a_log,
                                                    const float* __restrict__ dt_bias, float* __restrict__ state,
                                                    float* __restrict__ out, int T, int nk, int nv, int dk, int dv,
-                                                   float q_scale) {
+                                                   float q_scale, int kh_div) {
     constexpr int ROWS = DK / GDN_PARTS;
     __shared__ float qs[DK];
     __shared__ float ks[DK];
@@ -122,7 +123,7 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv
     const int part = threadIdx.x & (GDN_PARTS - 1);
     const int j = blockIdx.y * GDN_COLS + threadIdx.x / GDN_PARTS;
     const bool active = j < dv;
-    const int kh = h / (nv / nk);
+    const int kh = (h / kh_div) % nk;  // see DeltaNetShape::key_head
     const int key_dim = nk * dk;
     const int conv_dim = 2 * key_dim + nv * dv;
     const int value_dim = nv * dv;
@@ -192,8 +193,8 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_dk128(
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale) {
-    gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale);
+    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
 
 // A decode batch: blockIdx.z is the sequence, whose row of qkv, a, b and out is its token and
@@ -201,30 +202,30 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_dk128(
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
-    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale) {
+    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
     gdn_recurrent_body<128, true>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
                                   reinterpret_cast<float*>(states[i]), out + (i64)i * nv * dv, 1, nk, nv, dk, dv,
-                                  q_scale);
+                                  q_scale, kh_div);
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_generic(
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
-    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale) {
+    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
     gdn_recurrent_body<256, false>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
                                    reinterpret_cast<float*>(states[i]), out + (i64)i * nv * dv, 1, nk, nv, dk, dv,
-                                   q_scale);
+                                   q_scale, kh_div);
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_generic(
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale) {
-    gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale);
+    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale) {
+    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     extern __shared__ float sm[];
     const int ldk = dk + 1;  // padded rows: threads walking different rows hit different banks
     const int lda = CH + 1;
@@ -257,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
 
     const int h = blockIdx.x;
     const int c0 = blockIdx.y * DVB;
-    const int kh = h / (nv / nk);
+    const int kh = (h / kh_div) % nk;  // see DeltaNetShape::key_head
     const int key_dim = nk * dk;
     const int conv_dim = 2 * key_dim + nv * dv;
     const int value_dim = nv * dv;

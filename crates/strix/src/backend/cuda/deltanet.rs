@@ -197,6 +197,7 @@ impl Kernels {
         let ptrs = state_pointers(states, shape.state_len(), "gated_delta_rule_rows");
         let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let q_scale = 1.0 / (dk as f32).sqrt();
+        let kh_div = shape.key_head_divisor() as i32;
         let (f, name) = if dk == 128 {
             (&self.gdn_recurrent_rows_dk128, "gdn_recurrent_rows_dk128")
         } else {
@@ -220,7 +221,8 @@ impl Kernels {
                 nv as i32,
                 dk as i32,
                 dv as i32,
-                q_scale
+                q_scale,
+                kh_div
             ],
         );
     }
@@ -255,6 +257,7 @@ impl Kernels {
         }
         // As the CPU computes it, so both backends scale q identically.
         let q_scale = 1.0 / (dk as f32).sqrt();
+        let kh_div = shape.key_head_divisor() as i32;
         let (t, nk32, nv32, dk32, dv32) = (tokens as i32, nk as i32, nv as i32, dk as i32, dv as i32);
         match mode {
             DeltaRuleMode::Recurrent => {
@@ -286,7 +289,8 @@ impl Kernels {
                         nv32,
                         dk32,
                         dv32,
-                        q_scale
+                        q_scale,
+                        kh_div
                     ],
                 );
             }
@@ -316,7 +320,8 @@ impl Kernels {
                         nv32,
                         dk32,
                         dv32,
-                        q_scale
+                        q_scale,
+                        kh_div
                     ],
                 );
             }

@@ -261,25 +261,19 @@ impl Device {
     /// A `[rows, cols]` weight in bf16: bf16 tensors are copied as they are, f16 and f32 ones
     /// rounded to nearest even on the host (all cores) first.
     pub fn upload_weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CudaWeight> {
-        if t.numel() != rows * cols || t.bytes.len() != rows * cols * t.dtype.size() {
-            return Err(Error::Input(format!(
-                "tensor `{}` of shape {:?} ({} bytes) is not a {rows}x{cols} {} matrix",
-                t.name,
-                t.shape,
-                t.bytes.len(),
-                t.dtype.name()
-            )));
-        }
+        t.check_matrix(rows, cols)?;
+        let t = &t.dequantized();
         let n = rows * cols;
         let (data, ptr) = self.alloc_raw::<u16>(n)?;
         let bytes = t.bytes.as_slice();
         match t.dtype {
             DType::BF16 => self.copy_htod(ptr, bytes)?,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => unreachable!("dequantized above"),
             DType::F16 | DType::F32 => {
                 let mut bf = vec![0u16; n];
                 let f16 = t.dtype == DType::F16;
                 bf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, chunk)| {
-                    let size = t.dtype.size();
+                    let size = if f16 { 2 } else { 4 };
                     let src = &bytes[i * (1 << 16) * size..];
                     for (k, o) in chunk.iter_mut().enumerate() {
                         let b = &src[k * size..(k + 1) * size];
