@@ -298,6 +298,11 @@ impl<B: Backend> Model<B> {
                 session.max_context()
             )));
         }
+        if ids.len() == 1 && want == Logits::Last {
+            // One token: the decode-step path, which a backend may record and replay.
+            let mut one = [session];
+            return self.decode_batch(&mut one, ids);
+        }
         let mut logits = Vec::with_capacity(match want {
             Logits::Last => vocab,
             Logits::All => ids.len() * vocab,
@@ -342,14 +347,21 @@ impl<B: Backend> Model<B> {
         for (s, &p) in sessions.iter_mut().zip(&positions) {
             s.reserve(b, p + 1, attention_shape(c).kv_dim());
         }
-        let mut scratch = Scratch::new(b, c, n);
-        self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
+        // The sequences and their buffers, in batch order, name the step for a recording.
+        let key = sessions
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, s| (h ^ s.buffers_id()).wrapping_mul(0x0000_0100_0000_01b3));
+        let logits = b.decode_step(key, tokens, &positions, n * c.vocab_size, &mut || {
+            let mut scratch = Scratch::new(b, c, n);
+            self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
+            let mut logits = b.scratch(n * c.vocab_size);
+            b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
+            logits
+        });
         for (s, &t) in sessions.iter_mut().zip(tokens) {
             s.advance(&[t]);
         }
-        let mut logits = b.scratch(n * c.vocab_size);
-        b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
-        Ok(b.download(&logits, 0, n * c.vocab_size))
+        Ok(logits)
     }
 
     /// One pass of at most [`MAX_TOKENS_PER_PASS`] tokens through every layer.

@@ -1053,3 +1053,119 @@ fn sessions_that_do_not_fit_in_device_memory_are_errors() {
     let logits = model.forward(&mut session, &[1, 2, 3], Logits::Last).unwrap();
     assert!(logits.iter().all(|x| x.is_finite()));
 }
+
+// --- recorded decode steps (CUDA graphs) -------------------------------------------------------
+
+/// Greedy decode of `steps` tokens after `prompt`; the logits of every step.
+fn greedy_decode(model: &Model<CudaBackend>, prompt: &[u32], steps: usize, context: usize) -> Vec<Vec<f32>> {
+    let mut s = model.try_new_session(context).unwrap();
+    let mut logits = model.forward(&mut s, prompt, Logits::Last).unwrap();
+    let mut all = Vec::new();
+    for _ in 0..steps {
+        let next = argmax(&logits);
+        logits = model.forward(&mut s, &[next], Logits::Last).unwrap();
+        all.push(logits.clone());
+    }
+    all
+}
+
+/// Decode steps replayed from graphs give bitwise the logits of steps run op by op, over enough
+/// steps that attention crosses several of its 64-key ranges (a recording launches every range a
+/// row can have and the kernels skip the empty ones), and the counters prove the replays ran.
+#[test]
+fn recorded_decode_steps_equal_eager_steps_bitwise() {
+    if gpu().is_none() {
+        return;
+    }
+    let c = small_real_heads();
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
+    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let mut rng = Rng(14);
+    let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
+    let g = model.backend();
+
+    g.set_graphs(false);
+    g.reset_path_counts();
+    let eager = greedy_decode(&model, &prompt, 150, 256);
+    assert_eq!((g.path_counts().graph_replays, g.path_counts().steps_eager), (0, 150));
+
+    g.set_graphs(true);
+    g.reset_path_counts();
+    let replayed = greedy_decode(&model, &prompt, 150, 256);
+    let counts = g.path_counts();
+    println!("graphs: {counts}");
+    assert_eq!(counts.graph_failures, 0, "{:?}", g.last_graph_failure());
+    // The first step of the session runs op by op, the second is recorded, the rest replay.
+    assert_eq!((counts.steps_eager, counts.graph_captures, counts.graph_replays), (1, 1, 148));
+    for (step, (a, b)) in replayed.iter().zip(&eager).enumerate() {
+        assert_eq!(a, b, "step {step}: a replayed step differs from the eager one");
+    }
+
+    // A session whose KV caches grow (no up-front reservation) changes its buffers: the
+    // recording is redone, never replayed over stale buffers.
+    g.reset_path_counts();
+    let mut s = model.new_session(1024);
+    let mut logits = model.forward(&mut s, &prompt, Logits::Last).unwrap();
+    let mut grown = Vec::new();
+    for _ in 0..300 {
+        logits = model.forward(&mut s, &[argmax(&logits)], Logits::Last).unwrap();
+        grown.push(logits.clone());
+    }
+    g.set_graphs(false);
+    let mut s = model.new_session(1024);
+    let mut logits = model.forward(&mut s, &prompt, Logits::Last).unwrap();
+    for (step, want) in grown.iter().enumerate() {
+        logits = model.forward(&mut s, &[argmax(&logits)], Logits::Last).unwrap();
+        assert_eq!(&logits, want, "growing session, step {step}");
+    }
+    println!("growing caches: {}", g.path_counts());
+    assert!(g.path_counts().graph_captures >= 2, "{}", g.path_counts());
+}
+
+/// Recorded decode batches: several sequences at different positions, replayed, bitwise equal
+/// to each sequence decoded alone op by op; and the batch's recording is not reused when the
+/// batch changes.
+#[test]
+fn recorded_decode_batches_equal_single_decodes_bitwise() {
+    if gpu().is_none() {
+        return;
+    }
+    let c = small_real_heads();
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
+    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let mut rng = Rng(16);
+    let prompts: Vec<Vec<u32>> = [3usize, 90, 1, 40, 17]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(c.vocab_size) as u32).collect())
+        .collect();
+    let mut batch: Vec<_> = prompts.iter().map(|_| model.try_new_session(256).unwrap()).collect();
+    let mut alone: Vec<_> = prompts.iter().map(|_| model.try_new_session(256).unwrap()).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        model.forward(&mut batch[i], p, Logits::Last).unwrap();
+        model.forward(&mut alone[i], p, Logits::Last).unwrap();
+    }
+    let g = model.backend();
+    let mut tokens: Vec<u32> = (0..prompts.len()).map(|_| rng.below(c.vocab_size) as u32).collect();
+    for step in 0..40 {
+        // The last sequence leaves the batch half way: a different batch, a different recording.
+        let n = if step < 20 { prompts.len() } else { prompts.len() - 1 };
+        g.set_graphs(true);
+        let logits =
+            model.decode_batch(&mut batch[..n].iter_mut().collect::<Vec<_>>(), &tokens[..n]).unwrap();
+        g.set_graphs(false);
+        for (i, s) in alone[..n].iter_mut().enumerate() {
+            let one = model.forward(s, &[tokens[i]], Logits::Last).unwrap();
+            assert_eq!(
+                &logits[i * c.vocab_size..(i + 1) * c.vocab_size],
+                &one[..],
+                "step {step}, sequence {i}"
+            );
+            tokens[i] = argmax(&one);
+        }
+    }
+    let counts = g.path_counts();
+    println!("recorded batches: {counts}");
+    assert_eq!(counts.graph_failures, 0, "{:?}", g.last_graph_failure());
+    // Each batch: seen once, recorded once, then replayed for its 18 remaining steps.
+    assert_eq!((counts.graph_captures, counts.graph_replays), (2, 36));
+}

@@ -126,6 +126,30 @@ pub trait Backend: Send + Sync {
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
 
+    // --- decode steps -------------------------------------------------------------------------
+
+    /// Runs one decode step: `step` issues the step's ops for rows fed `ids` at `positions` and
+    /// returns the buffer holding the step's output, whose first `out_len` floats come back.
+    ///
+    /// A backend may record the ops `step` issues and, on a later call with the same `key`,
+    /// replay the recording instead of calling `step` (CUDA graphs). The caller guarantees
+    /// that one key always names the same sequences with the same state buffers, so that a
+    /// step differs from a recorded one only in `ids` and `positions`; a recording backend
+    /// makes its ops read those two from device memory it refills before each replay, and
+    /// must give bitwise the results of running `step`.
+    fn decode_step(
+        &self,
+        key: u64,
+        ids: &[u32],
+        positions: &[usize],
+        out_len: usize,
+        step: &mut dyn FnMut() -> Self::Buf,
+    ) -> Vec<f32> {
+        let _ = (key, ids, positions);
+        let out = step();
+        self.download(&out, 0, out_len)
+    }
+
     // --- dense ops ----------------------------------------------------------------------------
 
     /// `out[t] = table[ids[t]]` widened to f32; `out` is `[ids.len(), dim]`.

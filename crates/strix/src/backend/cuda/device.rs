@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
@@ -89,6 +90,44 @@ pub(super) struct Device {
     cache: Arc<BufCache>,
     /// Page-locked staging for large downloads, grown on demand.
     staging: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// A second stream, for allocations while `stream` is being captured (an allocation on
+    /// the capturing stream would become a node of the graph).
+    side: Arc<CudaStream>,
+    /// Set while `stream` is captured into a graph.
+    capturing: AtomicBool,
+    /// The current decode step's token ids and positions, where recorded steps read them.
+    step: StepInputs,
+    /// Host copies of what uploads captured into a graph read on every replay.
+    captured_pinned: Mutex<Vec<PinnedHostSlice<u8>>>,
+}
+
+/// Rows a recorded decode step can carry: the step-input buffer holds this many token ids and
+/// as many positions.
+pub(super) const MAX_STEP_ROWS: usize = 1024;
+
+/// `[ids; MAX_STEP_ROWS]` then `[positions; MAX_STEP_ROWS]` (u32) on the device at a fixed
+/// address, refilled from pinned host memory before each step, and the rows of this step.
+struct StepInputs {
+    _buf: CudaSlice<u32>,
+    ptr: u64,
+    host: Mutex<PinnedHostSlice<u32>>,
+    rows: AtomicUsize,
+}
+
+/// What a capture leaves that the graph needs on every replay: the buffers its kernels use
+/// and the host memory its uploads copy from. Given back by [`Captured::release`].
+pub(super) struct Captured {
+    buffers: Vec<CudaSlice<f32>>,
+    _pinned: Vec<PinnedHostSlice<u8>>,
+    cache: Arc<BufCache>,
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        for b in self.buffers.drain(..) {
+            self.cache.put_free(b);
+        }
+    }
 }
 
 /// Downloads of at least this many floats go through the pinned staging buffer.
@@ -98,6 +137,9 @@ const PINNED_MIN_FLOATS: usize = 16 << 10;
 #[derive(Default)]
 pub(super) struct BufCache {
     free: Mutex<HashMap<usize, Vec<CudaSlice<f32>>>>,
+    /// While a graph is being captured, the buffers dropped meanwhile: the graph's kernels
+    /// keep using their addresses on every replay, so they belong to the recording.
+    captured: Mutex<Option<Vec<CudaSlice<f32>>>>,
 }
 
 impl BufCache {
@@ -111,6 +153,17 @@ impl BufCache {
     }
 
     fn put(&self, data: CudaSlice<f32>) {
+        if let Ok(mut captured) = self.captured.lock() {
+            if let Some(kept) = captured.as_mut() {
+                kept.push(data);
+                return;
+            }
+        }
+        self.put_free(data);
+    }
+
+    /// Returns a buffer to the free list (or the pool), bypassing a capture in progress.
+    pub(super) fn put_free(&self, data: CudaSlice<f32>) {
         let bytes = data.len() * 4;
         if bytes > Self::MAX_BUF_BYTES {
             return;
@@ -177,6 +230,13 @@ impl Device {
             }
         }
         let name = ctx.name().map_err(cuda_error)?;
+        let side = ctx.new_stream().map_err(cuda_error)?;
+        // SAFETY: written (step inputs) before any kernel reads them.
+        let step_buf = unsafe { stream.alloc::<u32>(2 * MAX_STEP_ROWS) }.map_err(cuda_error)?;
+        let step_ptr = step_buf.device_ptr(&stream).0;
+        // SAFETY: as above; host-written before each copy.
+        let step_host =
+            unsafe { ctx.alloc_pinned_with_flags::<u32>(2 * MAX_STEP_ROWS, 0) }.map_err(cuda_error)?;
         Ok(Device {
             ctx,
             stream,
@@ -188,6 +248,15 @@ impl Device {
             driver_version,
             cache: Arc::default(),
             staging: Mutex::new(None),
+            side,
+            capturing: AtomicBool::new(false),
+            step: StepInputs {
+                _buf: step_buf,
+                ptr: step_ptr,
+                host: Mutex::new(step_host),
+                rows: AtomicUsize::new(0),
+            },
+            captured_pinned: Mutex::new(Vec::new()),
         })
     }
 
@@ -208,10 +277,20 @@ impl Device {
     /// `len` elements of uninitialised device memory (at least one element is allocated, so
     /// every buffer has a valid pointer).
     fn alloc_raw<T: DeviceRepr>(&self, len: usize) -> Result<(CudaSlice<T>, u64)> {
-        // SAFETY: the contents are uninitialised; every caller writes before anything reads.
-        let data = unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(|e| {
-            cuda_error(format!("allocating {} bytes: {e}", len.max(1) * std::mem::size_of::<T>()))
-        })?;
+        let what = |e| cuda_error(format!("allocating {} bytes: {e}", len.max(1) * std::mem::size_of::<T>()));
+        let data = if self.is_capturing() {
+            // Allocated on the side stream and waited for, then owned by `stream` (which frees
+            // it, stream-ordered, when it is dropped).
+            // SAFETY: as below; the pointer is leaked from one slice into the other.
+            unsafe {
+                let side = self.side.alloc::<T>(len.max(1)).map_err(what)?;
+                self.side.synchronize().map_err(what)?;
+                self.stream.upgrade_device_ptr::<T>(side.leak(), len.max(1))
+            }
+        } else {
+            // SAFETY: the contents are uninitialised; every caller writes before anything reads.
+            unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(what)?
+        };
         // With event tracking off the guard returned beside the pointer records nothing.
         let ptr = data.device_ptr(&self.stream).0;
         Ok((data, ptr))
@@ -245,17 +324,117 @@ impl Device {
         Ok(buf)
     }
 
-    pub fn upload_u32(&self, data: &[u32]) -> Result<(CudaSlice<u32>, u64)> {
-        let (slice, ptr) = self.alloc_raw::<u32>(data.len())?;
-        self.copy_htod(ptr, data)?;
-        Ok((slice, ptr))
+    pub fn upload_u32(&self, data: &[u32]) -> Result<(CudaBuf, u64)> {
+        self.upload_words(data)
     }
 
     /// Device pointers (or any u64s) for a kernel to read.
-    pub fn upload_u64(&self, data: &[u64]) -> Result<(CudaSlice<u64>, u64)> {
-        let (slice, ptr) = self.alloc_raw::<u64>(data.len())?;
-        self.copy_htod(ptr, data)?;
-        Ok((slice, ptr))
+    pub fn upload_u64(&self, data: &[u64]) -> Result<(CudaBuf, u64)> {
+        self.upload_words(data)
+    }
+
+    /// Small constant data for a kernel (ids, positions, pointers), in a buffer of whole
+    /// floats. While capturing, the copy is made from pinned memory that the recording keeps,
+    /// so that each replay copies the same values again.
+    fn upload_words<T: Copy>(&self, data: &[T]) -> Result<(CudaBuf, u64)> {
+        let bytes = std::mem::size_of_val(data);
+        let buf = self.alloc(bytes.div_ceil(4))?;
+        let ptr = buf.ptr;
+        if !self.is_capturing() {
+            self.copy_htod(ptr, data)?;
+            return Ok((buf, ptr));
+        }
+        let what = |e| cuda_error(format!("captured upload of {bytes} bytes: {e}"));
+        // SAFETY: written in full below before the copy reads it.
+        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }.map_err(what)?;
+        // SAFETY: `T` is plain data (u32 or u64) and the slice covers exactly its bytes.
+        let src = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
+        pinned.as_mut_slice().map_err(what)?[..bytes].copy_from_slice(src);
+        // SAFETY: `ptr` is a live allocation of at least `bytes`; the pinned source outlives
+        // the graph (the recording keeps it).
+        unsafe {
+            result::memcpy_htod_async(
+                ptr,
+                &pinned.as_slice().map_err(what)?[..bytes],
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(what)?;
+        self.captured_pinned.lock().map_err(|_| cuda_error("capture lock poisoned"))?.push(pinned);
+        Ok((buf, ptr))
+    }
+
+    // --- recorded decode steps ----------------------------------------------------------------
+
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::Relaxed)
+    }
+
+    /// Device addresses of the step's token ids and positions and its row count, while a
+    /// step is being captured: ops read these instead of uploading host values, so a replay
+    /// sees the values of the step it replays.
+    pub fn step_inputs(&self) -> Option<(u64, u64, usize)> {
+        self.is_capturing().then(|| {
+            (
+                self.step.ptr,
+                self.step.ptr + (MAX_STEP_ROWS * 4) as u64,
+                self.step.rows.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// Queues the copy of a step's ids and positions into the step-input buffer.
+    pub fn write_step_inputs(&self, ids: &[u32], positions: &[usize]) -> Result<()> {
+        let n = ids.len();
+        if n > MAX_STEP_ROWS || positions.len() != n {
+            return Err(cuda_error(format!("a recorded step carries at most {MAX_STEP_ROWS} rows, not {n}")));
+        }
+        let mut host = self.step.host.lock().map_err(|_| cuda_error("step input lock poisoned"))?;
+        // Waits for nothing: the previous step's download synchronised the stream, so its copy
+        // out of this buffer is done.
+        let h = host.as_mut_slice().map_err(cuda_error)?;
+        h[..n].copy_from_slice(ids);
+        for (d, &p) in h[MAX_STEP_ROWS..MAX_STEP_ROWS + n].iter_mut().zip(positions) {
+            *d = u32::try_from(p).map_err(|_| cuda_error(format!("position {p} beyond u32")))?;
+        }
+        let what = |e| cuda_error(format!("step inputs: {e}"));
+        // SAFETY: both ranges lie inside the 2 * MAX_STEP_ROWS words of the buffers.
+        unsafe {
+            let src = host.as_slice().map_err(what)?;
+            result::memcpy_htod_async(self.step.ptr, &src[..n], self.stream.cu_stream()).map_err(what)?;
+            result::memcpy_htod_async(
+                self.step.ptr + (MAX_STEP_ROWS * 4) as u64,
+                &src[MAX_STEP_ROWS..MAX_STEP_ROWS + n],
+                self.stream.cu_stream(),
+            )
+            .map_err(what)?;
+        }
+        self.step.rows.store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Starts capturing the stream into a graph (relaxed mode: the side-stream allocations
+    /// and pinned host allocations made meanwhile are not stream work).
+    pub fn begin_capture(&self) -> Result<()> {
+        *self.cache.captured.lock().map_err(|_| cuda_error("capture lock poisoned"))? = Some(Vec::new());
+        self.capturing.store(true, Ordering::Relaxed);
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| cuda_error(format!("beginning a graph capture: {e}")))
+    }
+
+    /// Ends a capture: the instantiated graph (an error when the capture failed) and what it
+    /// must keep alive.
+    pub fn end_capture(&self) -> (Result<cudarc::driver::CudaGraph>, Captured) {
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| cuda_error(format!("ending a graph capture: {e}")))
+            .and_then(|g| g.ok_or_else(|| cuda_error("the graph capture recorded nothing")));
+        self.capturing.store(false, Ordering::Relaxed);
+        let buffers = self.cache.captured.lock().ok().and_then(|mut c| c.take()).unwrap_or_default();
+        let pinned = self.captured_pinned.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default();
+        (graph, Captured { buffers, _pinned: pinned, cache: self.cache.clone() })
     }
 
     /// A `[rows, cols]` weight in bf16: bf16 tensors are copied as they are, f16 and f32 ones

@@ -29,9 +29,11 @@ mod compile;
 mod deltanet;
 mod device;
 mod elementwise;
+mod graph;
 mod matmul;
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Mutex;
 
 use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
@@ -65,6 +67,14 @@ pub struct PathCounts {
     pub attention_multi_split: u64,
     /// Decode-batch calls (`*_rows` ops: matmul, conv, delta rule, attention).
     pub batch_rows: u64,
+    /// Decode steps replayed from a recorded CUDA graph.
+    pub graph_replays: u64,
+    /// Decode steps recorded into a CUDA graph (then replayed).
+    pub graph_captures: u64,
+    /// Decode steps launched op by op (the first sight of a batch, or graphs switched off).
+    pub steps_eager: u64,
+    /// Captures that failed (the step then ran op by op).
+    pub graph_failures: u64,
     /// Kernel modules compiled by NVRTC when this backend was made.
     pub modules_compiled: u64,
     /// Kernel modules loaded from the cache (memory or disk) instead.
@@ -76,7 +86,8 @@ impl std::fmt::Display for PathCounts {
         write!(
             f,
             "gemv {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
-             gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | modules compiled {} cached {}",
+             gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | \
+             decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {}",
             self.gemv,
             self.gemm_cublas,
             self.gemm_cublas_split,
@@ -88,6 +99,10 @@ impl std::fmt::Display for PathCounts {
             self.attention,
             self.attention_multi_split,
             self.batch_rows,
+            self.graph_replays,
+            self.graph_captures,
+            self.steps_eager,
+            self.graph_failures,
             self.modules_compiled,
             self.modules_cached
         )
@@ -107,6 +122,10 @@ struct Counters {
     attention: AtomicU64,
     attention_multi_split: AtomicU64,
     batch_rows: AtomicU64,
+    graph_replays: AtomicU64,
+    graph_captures: AtomicU64,
+    steps_eager: AtomicU64,
+    graph_failures: AtomicU64,
     modules_compiled: AtomicU64,
     modules_cached: AtomicU64,
 }
@@ -125,6 +144,8 @@ pub struct CudaBackend {
     blas: Option<matmul::Blas>,
     gemm_path: AtomicU8,
     counters: Counters,
+    graphs: Mutex<graph::Recordings>,
+    use_graphs: AtomicBool,
 }
 
 impl CudaBackend {
@@ -147,7 +168,20 @@ impl CudaBackend {
         let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
         let blas = matmul::Blas::open(&dev)?;
-        Ok(CudaBackend { dev, ew, mm, dn, at, blas, gemm_path: AtomicU8::new(0), counters })
+        // STRIX_CUDA_GRAPHS=0 runs every decode step op by op (for profiling and comparison).
+        let use_graphs = std::env::var("STRIX_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Ok(CudaBackend {
+            dev,
+            ew,
+            mm,
+            dn,
+            at,
+            blas,
+            gemm_path: AtomicU8::new(0),
+            counters,
+            graphs: Mutex::default(),
+            use_graphs: AtomicBool::new(use_graphs),
+        })
     }
 
     /// The GPU's name as the driver reports it ("NVIDIA H200").
@@ -163,6 +197,24 @@ impl CudaBackend {
     /// Whether cuBLAS loaded (multi-token matmuls run on tensor cores).
     pub fn has_cublas(&self) -> bool {
         self.blas.is_some()
+    }
+
+    /// Whether decode steps are recorded as CUDA graphs and replayed (the default; tests
+    /// compare both ways).
+    pub fn set_graphs(&self, on: bool) {
+        self.use_graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// Drops every recorded decode step (their buffers go back to the free list).
+    pub fn clear_graphs(&self) {
+        if let Ok(mut g) = self.graphs.lock() {
+            g.clear();
+        }
+    }
+
+    /// Why the last failed decode-step capture failed (see [`PathCounts::graph_failures`]).
+    pub fn last_graph_failure(&self) -> Option<String> {
+        self.graphs.lock().ok().and_then(|g| g.last_failure().map(str::to_string))
     }
 
     /// Chooses the kernel for matmuls of more than one token (tests force each one).
@@ -200,6 +252,10 @@ impl CudaBackend {
             attention: g(&c.attention),
             attention_multi_split: g(&c.attention_multi_split),
             batch_rows: g(&c.batch_rows),
+            graph_replays: g(&c.graph_replays),
+            graph_captures: g(&c.graph_captures),
+            steps_eager: g(&c.steps_eager),
+            graph_failures: g(&c.graph_failures),
             modules_compiled: g(&c.modules_compiled),
             modules_cached: g(&c.modules_cached),
         }
@@ -220,6 +276,10 @@ impl CudaBackend {
             &c.attention,
             &c.attention_multi_split,
             &c.batch_rows,
+            &c.graph_replays,
+            &c.graph_captures,
+            &c.steps_eager,
+            &c.graph_failures,
         ] {
             a.store(0, Ordering::Relaxed);
         }
@@ -340,6 +400,56 @@ impl Backend for CudaBackend {
 
     fn weight_bytes(&self, w: &CudaWeight) -> usize {
         w.bytes()
+    }
+
+    fn decode_step(
+        &self,
+        key: u64,
+        ids: &[u32],
+        positions: &[usize],
+        out_len: usize,
+        step: &mut dyn FnMut() -> CudaBuf,
+    ) -> Vec<f32> {
+        self.dev.bind();
+        let eager = |step: &mut dyn FnMut() -> CudaBuf| {
+            bump(&self.counters.steps_eager);
+            let out = step();
+            self.download(&out, 0, out_len)
+        };
+        if !self.use_graphs.load(Ordering::Relaxed) || ids.len() > device::MAX_STEP_ROWS {
+            return eager(step);
+        }
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        match graphs.plan(key) {
+            graph::Plan::Eager => {
+                drop(graphs);
+                eager(step)
+            }
+            graph::Plan::Replay => {
+                or_panic(self.dev.write_step_inputs(ids, positions));
+                let out = or_panic(graphs.replay(key));
+                bump(&self.counters.graph_replays);
+                self.download(out, 0, out_len)
+            }
+            graph::Plan::Record => {
+                or_panic(self.dev.write_step_inputs(ids, positions));
+                match graph::Recording::capture(&self.dev, step) {
+                    Ok(recording) => {
+                        bump(&self.counters.graph_captures);
+                        let out = or_panic(graphs.insert_and_replay(key, recording));
+                        self.download(out, 0, out_len)
+                    }
+                    Err(e) => {
+                        // Nothing ran: a capture only records. Run the step op by op, and
+                        // never try this key again.
+                        bump(&self.counters.graph_failures);
+                        graphs.mark_failed(key, e.to_string());
+                        drop(graphs);
+                        eager(step)
+                    }
+                }
+            }
+        }
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
