@@ -8,6 +8,7 @@ extern "C" __global__ void attention_prologue(const float* __restrict__ q_and_ga
                                               const float* __restrict__ inv_freq, float* __restrict__ q,
                                               float* __restrict__ gate, const u32* __restrict__ positions,
                                               int nh, int nkv, int hd, int rot, float eps) {
+    pdl_enter();
     extern __shared__ float head[];
     __shared__ float scratch[32];
     const int hh = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
@@ -161,6 +162,7 @@ __device__ __forceinline__ void att_range(int visible, int s, int* begin, int* e
 extern "C" __global__ void __launch_bounds__(256) attention_partial_seq(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
     float* __restrict__ partial, int nh, int nkv, int hd, int pos0, float scale) {
+    pdl_enter();
     extern __shared__ float warp_acc[];
     __shared__ float warp_m[ATT_MAX_WARPS];
     __shared__ float warp_l[ATT_MAX_WARPS];
@@ -178,6 +180,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_partial_batch(
     const float* __restrict__ q, const unsigned long long* __restrict__ k_caches,
     const unsigned long long* __restrict__ v_caches, const u32* __restrict__ positions, float* __restrict__ partial,
     int nh, int nkv, int hd, float scale) {
+    pdl_enter();
     extern __shared__ float warp_acc[];
     __shared__ float warp_m[ATT_MAX_WARPS];
     __shared__ float warp_l[ATT_MAX_WARPS];
@@ -196,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_partial_batch(
 // grid (heads, rows), block head_dim rounded up to a warp.
 extern "C" __global__ void attention_combine(const float* __restrict__ partial, const float* __restrict__ gate,
                                              float* __restrict__ out, int nh, int hd, int splits) {
+    pdl_enter();
     const int h = blockIdx.x, r = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;
     const float* p = partial + ((i64)r * nh + h) * splits * (hd + 2);
@@ -220,6 +224,7 @@ extern "C" __global__ void kv_scatter(const float* __restrict__ k, const float* 
                                       const unsigned long long* __restrict__ k_caches,
                                       const unsigned long long* __restrict__ v_caches,
                                       const u32* __restrict__ positions, int kv_dim) {
+    pdl_enter();
     const int i = blockIdx.x;
     float* kc = reinterpret_cast<float*>(k_caches[i]) + (i64)positions[i] * kv_dim;
     float* vc = reinterpret_cast<float*>(v_caches[i]) + (i64)positions[i] * kv_dim;

@@ -42,6 +42,7 @@ __device__ __forceinline__ void conv_seq(float* __restrict__ qkv, const float* _
 // Short runs (decode): one thread per channel. grid ceil(C / block).
 extern "C" __global__ void conv1d_silu_seq(float* __restrict__ qkv, const float* __restrict__ weight,
                                            float* __restrict__ state, int T, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_seq(qkv, weight, state, T, C, K, c);
 }
@@ -50,6 +51,7 @@ extern "C" __global__ void conv1d_silu_seq(float* __restrict__ qkv, const float*
 // grid (ceil(C / block), B).
 extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float* __restrict__ weight,
                                             const unsigned long long* __restrict__ states, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int i = blockIdx.y;
     if (c < C) conv_seq(qkv + (i64)i * C, weight, reinterpret_cast<float*>(states[i]), 1, C, K, c);
@@ -60,6 +62,7 @@ extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float
 extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float* __restrict__ qkv,
                                            const float* __restrict__ weight, const float* __restrict__ state,
                                            int T, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t = blockIdx.y;
     if (c >= C) return;
@@ -77,6 +80,7 @@ extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float*
 // thread per channel reads everything before writing, since slots move within a channel.
 extern "C" __global__ void conv1d_state_update(const float* __restrict__ raw, float* __restrict__ state,
                                                int T, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int hist = K - 1;
@@ -194,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
     float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
 
@@ -203,6 +208,7 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
     float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
     gdn_recurrent_body<128, true>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
@@ -214,6 +220,7 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
     float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
     gdn_recurrent_body<256, false>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
@@ -225,6 +232,7 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
     float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
 
@@ -244,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
     const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
     float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     extern __shared__ float sm[];
     const int ldk = dk + 1;  // padded rows: threads walking different rows hit different banks
     const int lda = CH + 1;

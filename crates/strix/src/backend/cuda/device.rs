@@ -95,6 +95,9 @@ pub(super) struct Device {
     side: Arc<CudaStream>,
     /// Set while `stream` is captured into a graph.
     capturing: AtomicBool,
+    /// Kernels are launched with programmatic dependent launch (sm_90 and newer, unless
+    /// STRIX_CUDA_PDL=0).
+    pdl: bool,
     /// The current decode step's token ids and positions, where recorded steps read them.
     step: StepInputs,
     /// Host copies of what uploads captured into a graph read on every replay.
@@ -250,6 +253,7 @@ impl Device {
             staging: Mutex::new(None),
             side,
             capturing: AtomicBool::new(false),
+            pdl: cc.0 >= 9 && std::env::var("STRIX_CUDA_PDL").map_or(true, |v| v != "0"),
             step: StepInputs {
                 _buf: step_buf,
                 ptr: step_ptr,
@@ -550,8 +554,31 @@ impl Device {
         // SAFETY: `f` is a loaded kernel of this context; the launchers pass argument lists
         // that match the kernel signatures beside them and pointers into live allocations
         // sized for the launch (each launcher asserts the lengths first).
-        unsafe { result::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args) }
-            .unwrap_or_else(|e| panic!("cuda: launching {what} (grid {grid:?}, block {block:?}): {e}"));
+        let r = unsafe {
+            if self.pdl {
+                // Every kernel waits for its predecessor (`pdl_enter` in prelude.cu) before
+                // touching activations, so it may be scheduled while that one still runs.
+                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = sys::CUlaunchConfig {
+                    gridDimX: grid.0,
+                    gridDimY: grid.1,
+                    gridDimZ: grid.2,
+                    blockDimX: block.0,
+                    blockDimY: block.1,
+                    blockDimZ: block.2,
+                    sharedMemBytes: smem,
+                    hStream: self.stream.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()
+            } else {
+                result::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args)
+            }
+        };
+        r.unwrap_or_else(|e| panic!("cuda: launching {what} (grid {grid:?}, block {block:?}): {e}"));
     }
 
     /// Blocks for a grid-stride loop over `n` elements with `threads` per block: enough to

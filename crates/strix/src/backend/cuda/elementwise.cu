@@ -4,6 +4,7 @@
 // out[t, :] = table[ids[t], :] widened to f32. grid (x: column blocks, y: tokens).
 extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u32* __restrict__ ids,
                                       float* __restrict__ out, int dim) {
+    pdl_enter();
     const int t = blockIdx.y;
     const bf16_t* src = table + (i64)ids[t] * dim;
     float* dst = out + (i64)t * dim;
@@ -14,6 +15,7 @@ extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u3
 // Qwen3_5RMSNorm, one block per row: out = x / rms(x) * (1 + w).
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w,
                                          float* __restrict__ out, int dim, float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     const float* xr = x + (i64)blockIdx.x * dim;
     float* o = out + (i64)blockIdx.x * dim;
@@ -29,6 +31,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 extern "C" __global__ void add_rms_norm_rows(float* __restrict__ residual, const float* __restrict__ x,
                                              const float* __restrict__ w, float* __restrict__ out,
                                              int dim, float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     float* r = residual + (i64)blockIdx.x * dim;
     const float* xr = x + (i64)blockIdx.x * dim;
@@ -47,6 +50,7 @@ extern "C" __global__ void add_rms_norm_rows(float* __restrict__ residual, const
 // Qwen3_5RMSNormGated in place, one warp per row: x = w * (x / rms(x)) * silu(z).
 extern "C" __global__ void gated_rms_norm_rows(float* __restrict__ x, const float* __restrict__ z,
                                                const float* __restrict__ w, int rows, int dim, float eps) {
+    pdl_enter();
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -60,17 +64,20 @@ extern "C" __global__ void gated_rms_norm_rows(float* __restrict__ x, const floa
 }
 
 extern "C" __global__ void add_inplace(float* __restrict__ residual, const float* __restrict__ x, i64 n) {
+    pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         residual[i] += x[i];
 }
 
 extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                   float* __restrict__ out, i64 n) {
+    pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = silu_f(gate[i]) * up[i];
 }
 
 extern "C" __global__ void f32_to_bf16_copy(const float* __restrict__ x, bf16_t* __restrict__ y, i64 n) {
+    pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = f32_to_bf16(x[i]);
 }
@@ -79,6 +86,7 @@ extern "C" __global__ void f32_to_bf16_copy(const float* __restrict__ x, bf16_t*
 // mantissa bits of the activations instead of 8 (the precise GEMM path).
 extern "C" __global__ void f32_to_bf16_split(const float* __restrict__ x, bf16_t* __restrict__ hi,
                                              bf16_t* __restrict__ lo, i64 n) {
+    pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const float v = x[i];
         const bf16_t h = f32_to_bf16(v);

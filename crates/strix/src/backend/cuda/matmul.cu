@@ -42,6 +42,7 @@ template <int NT, int S>
 __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                                float* __restrict__ out, int rows, int cols, int tokens) {
     __shared__ float partial[GEMV_WARPS][NT];
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int part = warp % S;
     const i64 row = (i64)blockIdx.x * (GEMV_WARPS / S) + warp / S;
@@ -49,6 +50,8 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
     float acc0[NT], acc1[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.f;
+    // The weights never depend on the previous kernel: the first loads go out before the wait.
+    bool waited = false;
     if (live) {
         const bf16_t* wr = w + row * cols;
         if ((cols & 7) == 0) {
@@ -62,6 +65,10 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
                     const int i = base + 32 * S * u;
                     if (i < n) v[u] = ld_stream(w4 + i);
                     else v[u] = v4u{0u, 0u, 0u, 0u};
+                }
+                if (!waited) {
+                    pdl_wait();
+                    waited = true;
                 }
 #pragma unroll
                 for (int u = 0; u < GEMV_UNROLL; u++) {
@@ -79,6 +86,8 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
                 }
             }
         } else {
+            pdl_wait();
+            waited = true;
             for (int c = part * 32 + lane; c < cols; c += 32 * S) {
                 const float wv = bf16_to_f32(wr[c]);
 #pragma unroll
@@ -87,6 +96,7 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
             }
         }
     }
+    if (!waited) pdl_wait();
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         const float acc = warp_sum(acc0[t] + acc1[t]);
@@ -136,6 +146,7 @@ GEMV_ROWS(8)
 // grid (ceil(rows / 16), ceil(tokens / 16)), block (16, 16).
 extern "C" __global__ void gemm_bf16_tiled(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                            float* __restrict__ out, int tokens, int rows, int cols) {
+    pdl_enter();
     __shared__ float xs[16][17];
     __shared__ float ws[16][17];
     const int tx = threadIdx.x, ty = threadIdx.y;
