@@ -421,8 +421,13 @@ impl<B: Backend> Model<B> {
             b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
 
             // SwiGLU MLP.
-            seqs.matmul(b, &s.x, t, &layer.gate_proj, &mut s.mlp_gate);
-            seqs.matmul(b, &s.x, t, &layer.up_proj, &mut s.mlp_up);
+            seqs.matmul_many(
+                b,
+                &s.x,
+                t,
+                &[&layer.gate_proj, &layer.up_proj],
+                &mut [&mut s.mlp_gate, &mut s.mlp_up],
+            );
             b.swiglu(&s.mlp_gate, &s.mlp_up, t * c.intermediate_size, &mut s.mlp_act);
             seqs.matmul(b, &s.mlp_act, t, &layer.down_proj, &mut s.y);
 
@@ -443,10 +448,13 @@ impl<B: Backend> Model<B> {
     ) {
         let b = &self.backend;
         let d = deltanet_shape(&self.config);
-        seqs.matmul(b, &s.x, t, &m.in_proj_qkv, &mut s.qkv);
-        seqs.matmul(b, &s.x, t, &m.in_proj_z, &mut s.z);
-        seqs.matmul(b, &s.x, t, &m.in_proj_b, &mut s.beta_in);
-        seqs.matmul(b, &s.x, t, &m.in_proj_a, &mut s.decay_in);
+        seqs.matmul_many(
+            b,
+            &s.x,
+            t,
+            &[&m.in_proj_qkv, &m.in_proj_z, &m.in_proj_b, &m.in_proj_a],
+            &mut [&mut s.qkv, &mut s.z, &mut s.beta_in, &mut s.decay_in],
+        );
         match seqs {
             Sequences::One(session) => {
                 let LayerState::DeltaNet { conv, recurrent } = session.layer_mut(l) else {
@@ -507,9 +515,13 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let a = attention_shape(&self.config);
         let t = positions.len();
-        seqs.matmul(b, &s.x, t, &m.q_proj, &mut s.q_and_gate);
-        seqs.matmul(b, &s.x, t, &m.k_proj, &mut s.k);
-        seqs.matmul(b, &s.x, t, &m.v_proj, &mut s.v);
+        seqs.matmul_many(
+            b,
+            &s.x,
+            t,
+            &[&m.q_proj, &m.k_proj, &m.v_proj],
+            &mut [&mut s.q_and_gate, &mut s.k, &mut s.v],
+        );
         b.attention_prologue(
             &a,
             &s.q_and_gate,
@@ -552,6 +564,11 @@ enum Sequences<'s, 'a, B: Backend> {
 }
 
 impl<B: Backend> Sequences<'_, '_, B> {
+    /// The projections of one input, which a backend may fuse (row-invariantly for a batch).
+    fn matmul_many(&self, b: &B, x: &B::Buf, t: usize, ws: &[&B::Weight], outs: &mut [&mut B::Buf]) {
+        b.matmul_many(x, t, ws, outs, matches!(self, Sequences::Batch(_)));
+    }
+
     /// A batch multiplies row by row with the one-token kernel, so each sequence's numbers do
     /// not depend on the batch it is in.
     fn matmul(&self, b: &B, x: &B::Buf, t: usize, w: &B::Weight, out: &mut B::Buf) {

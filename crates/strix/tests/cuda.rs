@@ -732,7 +732,8 @@ fn fixtures_against(path: GemmPath, round_activations: bool, tol: f32) -> (f32, 
         }
         let counts = gpu.backend().path_counts();
         println!("{name}: {counts}");
-        assert!(counts.gemv > 0 && counts.gdn_recurrent > 0 && counts.gdn_chunked > 0, "{counts}");
+        // Decode steps run as decode batches of one, recorded and replayed after their first.
+        assert!(counts.batch_rows > 0 && counts.graph_replays > 0 && counts.gdn_chunked > 0, "{counts}");
         match path {
             GemmPath::CublasSplit => assert!(counts.gemm_cublas_split > 0, "{counts}"),
             GemmPath::Auto if gpu.backend().has_cublas() => assert!(counts.gemm_cublas > 0, "{counts}"),
@@ -1168,4 +1169,50 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
     assert_eq!(counts.graph_failures, 0, "{:?}", g.last_graph_failure());
     // Each batch: seen once, recorded once, then replayed for its 18 remaining steps.
     assert_eq!((counts.graph_captures, counts.graph_replays), (2, 36));
+}
+
+/// Fused projections (one GEMV launch over several weights of one input) against each weight's
+/// own GEMV, on awkward row counts; each token of a batch bitwise what it gives alone.
+#[test]
+fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(17);
+    for (cols, rows) in [(64usize, vec![1usize, 33, 7]), (1024, vec![6144, 2048, 16, 16]), (256, vec![3, 5])]
+    {
+        let ws: Vec<_> = rows
+            .iter()
+            .map(|&r| g.weight(&tensor(DType::BF16, r, cols, &rng.vec(r * cols, 0.1)), r, cols).unwrap())
+            .collect();
+        let wr: Vec<_> = ws.iter().collect();
+        for batch in [1usize, 3, 17] {
+            let x = g.upload(&rng.vec(batch * cols, 1.0));
+            let mut fused: Vec<_> = rows.iter().map(|&r| poison(&g, batch * r)).collect();
+            g.matmul_many(&x, batch, &wr, &mut fused.iter_mut().collect::<Vec<_>>(), true);
+            for (j, w) in ws.iter().enumerate() {
+                let mut alone = poison(&g, batch * rows[j]);
+                g.matmul_rows(&x, batch, w, &mut alone);
+                check(
+                    &format!("fused cols {cols} seg {j} batch {batch}"),
+                    &down(&g, &fused[j]),
+                    &down(&g, &alone),
+                    F32_TOL,
+                );
+            }
+            // Token t of the batch, alone.
+            let xs = down(&g, &x);
+            for t in [0, batch - 1] {
+                let x1 = g.upload(&xs[t * cols..(t + 1) * cols]);
+                let mut one: Vec<_> = rows.iter().map(|&r| poison(&g, r)).collect();
+                g.matmul_many(&x1, 1, &wr, &mut one.iter_mut().collect::<Vec<_>>(), true);
+                for (j, &r) in rows.iter().enumerate() {
+                    assert_eq!(
+                        down(&g, &one[j]),
+                        down(&g, &fused[j])[t * r..(t + 1) * r],
+                        "seg {j} token {t}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(g.path_counts().gemv_fused > 0, "{}", g.path_counts());
 }

@@ -160,6 +160,26 @@ pub trait Backend: Send + Sync {
     /// gives for row `t` of `x` alone (`tokens = 1`), whatever the batch size, so a sequence's
     /// tokens never depend on what else is in the batch.
     fn matmul_rows(&self, x: &Self::Buf, tokens: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// `outs[j] = x · ws[j]ᵀ` for weights that read the same `x` (the projections of one
+    /// normed input), which a backend may run as one pass. `decode_batch` says which contract
+    /// each product keeps: [`Backend::matmul_rows`]'s (rows independent of the batch) or
+    /// [`Backend::matmul`]'s.
+    fn matmul_many(
+        &self,
+        x: &Self::Buf,
+        tokens: usize,
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Self::Buf],
+        decode_batch: bool,
+    ) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            if decode_batch {
+                self.matmul_rows(x, tokens, w, out);
+            } else {
+                self.matmul(x, tokens, w, out);
+            }
+        }
+    }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.

@@ -95,9 +95,13 @@ pub(super) struct Device {
     side: Arc<CudaStream>,
     /// Set while `stream` is captured into a graph.
     capturing: AtomicBool,
-    /// Kernels are launched with programmatic dependent launch (sm_90 and newer, unless
-    /// STRIX_CUDA_PDL=0).
+    /// Kernels of recorded decode steps are launched with programmatic dependent launch
+    /// (sm_90 and newer, unless STRIX_CUDA_PDL=0)...
     pdl: bool,
+    /// ...when the operation before on the stream is a kernel of ours. A kernel launched this
+    /// way right after a copy read stale data on an H200 (the prefill's cache writes), so
+    /// copies, cuBLAS and everything outside a capture keep plain stream order.
+    prev_kernel: AtomicBool,
     /// The current decode step's token ids and positions, where recorded steps read them.
     step: StepInputs,
     /// Host copies of what uploads captured into a graph read on every replay.
@@ -254,6 +258,7 @@ impl Device {
             side,
             capturing: AtomicBool::new(false),
             pdl: cc.0 >= 9 && std::env::var("STRIX_CUDA_PDL").map_or(true, |v| v != "0"),
+            prev_kernel: AtomicBool::new(false),
             step: StepInputs {
                 _buf: step_buf,
                 ptr: step_ptr,
@@ -354,6 +359,7 @@ impl Device {
         // SAFETY: `T` is plain data (u32 or u64) and the slice covers exactly its bytes.
         let src = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
         pinned.as_mut_slice().map_err(what)?[..bytes].copy_from_slice(src);
+        self.prev_kernel.store(false, Ordering::Relaxed);
         // SAFETY: `ptr` is a live allocation of at least `bytes`; the pinned source outlives
         // the graph (the recording keeps it).
         unsafe {
@@ -422,6 +428,7 @@ impl Device {
     pub fn begin_capture(&self) -> Result<()> {
         *self.cache.captured.lock().map_err(|_| cuda_error("capture lock poisoned"))? = Some(Vec::new());
         self.capturing.store(true, Ordering::Relaxed);
+        self.prev_kernel.store(false, Ordering::Relaxed);
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(|e| cuda_error(format!("beginning a graph capture: {e}")))
@@ -477,6 +484,7 @@ impl Device {
     /// Queues a copy from host memory. The source may be dropped on return: from pageable
     /// memory the driver stages the bytes before `cuMemcpyHtoDAsync` returns.
     pub fn copy_htod<T>(&self, dst: u64, src: &[T]) -> Result<()> {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if src.is_empty() {
             return Ok(());
         }
@@ -511,6 +519,7 @@ impl Device {
 
     /// Copies to host memory and waits for it (and for everything queued before it).
     pub fn copy_dtoh<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if !dst.is_empty() {
             // SAFETY: `src` points at least `size_of_val(dst)` readable device bytes.
             unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
@@ -520,6 +529,7 @@ impl Device {
     }
 
     pub fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if bytes == 0 {
             return;
         }
@@ -529,6 +539,7 @@ impl Device {
     }
 
     pub fn memset_zero(&self, dst: u64, bytes: usize) {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if bytes == 0 {
             return;
         }
@@ -554,8 +565,10 @@ impl Device {
         // SAFETY: `f` is a loaded kernel of this context; the launchers pass argument lists
         // that match the kernel signatures beside them and pointers into live allocations
         // sized for the launch (each launcher asserts the lengths first).
+        let pdl = self.pdl && self.is_capturing() && self.prev_kernel.swap(true, Ordering::Relaxed);
+        self.prev_kernel.store(true, Ordering::Relaxed);
         let r = unsafe {
-            if self.pdl {
+            if pdl {
                 // Every kernel waits for its predecessor (`pdl_enter` in prelude.cu) before
                 // touching activations, so it may be scheduled while that one still runs.
                 let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
@@ -573,7 +586,8 @@ impl Device {
                     attrs: &mut attr,
                     numAttrs: 1,
                 };
-                sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()
+                sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
+                    .result()
             } else {
                 result::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args)
             }

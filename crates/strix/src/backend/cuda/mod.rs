@@ -49,6 +49,8 @@ use device::{cuda_error, Device};
 pub struct PathCounts {
     /// One-token matmuls on the bf16 GEMV kernel.
     pub gemv: u64,
+    /// Decode-batch projections of one input fused into one GEMV launch.
+    pub gemv_fused: u64,
     /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
     pub gemm_cublas: u64,
     /// Multi-token matmuls on cuBLAS with split (hi + lo bf16) activations.
@@ -85,10 +87,11 @@ impl std::fmt::Display for PathCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "gemv {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
+            "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {}",
             self.gemv,
+            self.gemv_fused,
             self.gemm_cublas,
             self.gemm_cublas_split,
             self.gemm_fallback,
@@ -112,6 +115,7 @@ impl std::fmt::Display for PathCounts {
 #[derive(Default)]
 struct Counters {
     gemv: AtomicU64,
+    gemv_fused: AtomicU64,
     gemm_cublas: AtomicU64,
     gemm_cublas_split: AtomicU64,
     gemm_fallback: AtomicU64,
@@ -242,6 +246,7 @@ impl CudaBackend {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PathCounts {
             gemv: g(&c.gemv),
+            gemv_fused: g(&c.gemv_fused),
             gemm_cublas: g(&c.gemm_cublas),
             gemm_cublas_split: g(&c.gemm_cublas_split),
             gemm_fallback: g(&c.gemm_fallback),
@@ -266,6 +271,7 @@ impl CudaBackend {
         let c = &self.counters;
         for a in [
             &c.gemv,
+            &c.gemv_fused,
             &c.gemm_cublas,
             &c.gemm_cublas_split,
             &c.gemm_fallback,
@@ -588,6 +594,30 @@ impl Backend for CudaBackend {
         if splits > 1 {
             bump(&self.counters.attention_multi_split);
         }
+    }
+
+    fn matmul_many(
+        &self,
+        x: &CudaBuf,
+        tokens: usize,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaBuf],
+        decode_batch: bool,
+    ) {
+        if !(decode_batch && matmul::Kernels::can_fuse(ws)) {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                if decode_batch {
+                    self.matmul_rows(x, tokens, w, out);
+                } else {
+                    self.matmul(x, tokens, w, out);
+                }
+            }
+            return;
+        }
+        self.dev.bind();
+        self.mm.matmul_many_rows(&self.dev, x, tokens, ws, outs);
+        bump(&self.counters.batch_rows);
+        bump(&self.counters.gemv_fused);
     }
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {

@@ -55,8 +55,8 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 #define NEG_INF __int_as_float(0xff800000)
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
-// Programmatic dependent launch (Hopper): every kernel is launched allowed to start while the
-// kernel before it on the stream is still running (Device::launch). `pdl_enter` lets the next
+// Programmatic dependent launch (Hopper): in a recorded decode step, a kernel that follows
+// another may start while that one is still running (Device::launch). `pdl_enter` lets the next
 // kernel be scheduled early and then waits until the previous one has completed and its writes
 // are visible; a kernel reads activations and writes anything only after it. GEMVs stream their
 // first weights in before waiting. Before sm_90 both are no-ops (launches serialise as usual).
