@@ -8,8 +8,8 @@
 // Conv, sequential in time, for channel c of one sequence: qkv [T, C] in place, state [C, K-1].
 // The last K-1 raw inputs ride along in registers, so no token reads a value another thread has
 // overwritten.
-__device__ __forceinline__ void conv_seq(float* __restrict__ qkv, const float* __restrict__ weight,
-                                         float* __restrict__ state, int T, int C, int K, int c) {
+__device__ __forceinline__ void conv_seq(float* qkv, const float* weight,
+                                         float* state, int T, int C, int K, int c) {
     const int hist = K - 1;
     float win[CONV_MAX_HIST];
     float w[CONV_MAX_HIST + 1];
@@ -40,8 +40,8 @@ __device__ __forceinline__ void conv_seq(float* __restrict__ qkv, const float* _
 }
 
 // Short runs (decode): one thread per channel. grid ceil(C / block).
-extern "C" __global__ void conv1d_silu_seq(float* __restrict__ qkv, const float* __restrict__ weight,
-                                           float* __restrict__ state, int T, int C, int K) {
+extern "C" __global__ void conv1d_silu_seq(float* qkv, const float* weight,
+                                           float* state, int T, int C, int K) {
     pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_seq(qkv, weight, state, T, C, K, c);
@@ -49,8 +49,8 @@ extern "C" __global__ void conv1d_silu_seq(float* __restrict__ qkv, const float*
 
 // A decode batch: row i of qkv [B, C] is one token of sequence i, whose state is states[i].
 // grid (ceil(C / block), B).
-extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float* __restrict__ weight,
-                                            const unsigned long long* __restrict__ states, int C, int K) {
+extern "C" __global__ void conv1d_silu_rows(float* qkv, const float* weight,
+                                            const unsigned long long* states, int C, int K) {
     pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int i = blockIdx.y;
@@ -59,8 +59,8 @@ extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float
 
 // Conv for long runs: every (token, channel) in parallel, reading a copy of the raw inputs.
 // grid (ceil(C / block), T).
-extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float* __restrict__ qkv,
-                                           const float* __restrict__ weight, const float* __restrict__ state,
+extern "C" __global__ void conv1d_silu_par(const float* raw, float* qkv,
+                                           const float* weight, const float* state,
                                            int T, int C, int K) {
     pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -78,7 +78,7 @@ extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float*
 
 // The new conv state after a long run: the last K-1 inputs (older state where T < K-1). One
 // thread per channel reads everything before writing, since slots move within a channel.
-extern "C" __global__ void conv1d_state_update(const float* __restrict__ raw, float* __restrict__ state,
+extern "C" __global__ void conv1d_state_update(const float* raw, float* state,
                                                int T, int C, int K) {
     pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -115,10 +115,10 @@ __device__ __forceinline__ float parts_sum(float v) {
 }
 
 template <int DK, bool EXACT>
-__device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* __restrict__ a,
-                                                   const float* __restrict__ b, const float* __restrict__ a_log,
-                                                   const float* __restrict__ dt_bias, float* __restrict__ state,
-                                                   float* __restrict__ out, int T, int nk, int nv, int dk, int dv,
+__device__ __forceinline__ void gdn_recurrent_body(const float* qkv, const float* a,
+                                                   const float* b, const float* a_log,
+                                                   const float* dt_bias, float* state,
+                                                   float* out, int T, int nk, int nv, int dk, int dv,
                                                    float q_scale, int kh_div) {
     constexpr int ROWS = DK / GDN_PARTS;
     __shared__ float qs[DK];
@@ -195,9 +195,9 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_dk128(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, float* state,
+    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     pdl_enter();
     gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
@@ -205,9 +205,9 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 // A decode batch: blockIdx.z is the sequence, whose row of qkv, a, b and out is its token and
 // whose state is states[z]; one token each, the arithmetic of the kernels above.
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_dk128(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
-    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, const unsigned long long* states,
+    float* out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     pdl_enter();
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
@@ -217,9 +217,9 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_generic(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
-    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, const unsigned long long* states,
+    float* out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     pdl_enter();
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
@@ -229,9 +229,9 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_generic(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, float* state,
+    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     pdl_enter();
     gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
@@ -249,9 +249,9 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 #define DVB 32
 
 extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, float* state,
+    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
     pdl_enter();
     extern __shared__ float sm[];
     const int ldk = dk + 1;  // padded rows: threads walking different rows hit different banks

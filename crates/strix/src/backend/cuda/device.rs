@@ -98,14 +98,12 @@ pub(super) struct Device {
     /// Kernels of recorded decode steps are launched with programmatic dependent launch
     /// (sm_90 and newer, unless STRIX_CUDA_PDL=0)...
     pdl: bool,
-    /// ...when the operation before on the stream is a kernel of ours. A kernel launched this
-    /// way right after a copy read stale data on an H200 (the prefill's cache writes), so
-    /// copies, cuBLAS and everything outside a capture keep plain stream order.
+    /// ...when the operation before on the stream is a kernel of ours. Outside recorded steps
+    /// (copies, cuBLAS) launches keep plain stream order: a kernel launched this way right
+    /// after a copy read stale data on an H200 (the prefill's cache writes).
     prev_kernel: AtomicBool,
     /// The current decode step's token ids and positions, where recorded steps read them.
     step: StepInputs,
-    /// Host copies of what uploads captured into a graph read on every replay.
-    captured_pinned: Mutex<Vec<PinnedHostSlice<u8>>>,
 }
 
 /// Rows a recorded decode step can carry: the step-input buffer holds this many token ids and
@@ -121,11 +119,9 @@ struct StepInputs {
     rows: AtomicUsize,
 }
 
-/// What a capture leaves that the graph needs on every replay: the buffers its kernels use
-/// and the host memory its uploads copy from. Given back by [`Captured::release`].
+/// The buffers a captured graph's kernels use on every replay; back to the free list on drop.
 pub(super) struct Captured {
     buffers: Vec<CudaSlice<f32>>,
-    _pinned: Vec<PinnedHostSlice<u8>>,
     cache: Arc<BufCache>,
 }
 
@@ -265,7 +261,6 @@ impl Device {
                 host: Mutex::new(step_host),
                 rows: AtomicUsize::new(0),
             },
-            captured_pinned: Mutex::new(Vec::new()),
         })
     }
 
@@ -343,34 +338,20 @@ impl Device {
     }
 
     /// Small constant data for a kernel (ids, positions, pointers), in a buffer of whole
-    /// floats. While capturing, the copy is made from pinned memory that the recording keeps,
-    /// so that each replay copies the same values again.
+    /// floats. While capturing, the data is copied at once and synchronously rather than
+    /// recorded (the stream was drained before the capture began, and the recording keeps the
+    /// buffer), so a recorded step holds kernels only.
     fn upload_words<T: Copy>(&self, data: &[T]) -> Result<(CudaBuf, u64)> {
         let bytes = std::mem::size_of_val(data);
         let buf = self.alloc(bytes.div_ceil(4))?;
         let ptr = buf.ptr;
         if !self.is_capturing() {
             self.copy_htod(ptr, data)?;
-            return Ok((buf, ptr));
+        } else if bytes > 0 {
+            // SAFETY: `ptr` is a live allocation of at least `bytes` that no queued work uses.
+            unsafe { result::memcpy_htod_sync(ptr, data) }
+                .map_err(|e| cuda_error(format!("upload of {bytes} bytes while capturing: {e}")))?;
         }
-        let what = |e| cuda_error(format!("captured upload of {bytes} bytes: {e}"));
-        // SAFETY: written in full below before the copy reads it.
-        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }.map_err(what)?;
-        // SAFETY: `T` is plain data (u32 or u64) and the slice covers exactly its bytes.
-        let src = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
-        pinned.as_mut_slice().map_err(what)?[..bytes].copy_from_slice(src);
-        self.prev_kernel.store(false, Ordering::Relaxed);
-        // SAFETY: `ptr` is a live allocation of at least `bytes`; the pinned source outlives
-        // the graph (the recording keeps it).
-        unsafe {
-            result::memcpy_htod_async(
-                ptr,
-                &pinned.as_slice().map_err(what)?[..bytes],
-                self.stream.cu_stream(),
-            )
-        }
-        .map_err(what)?;
-        self.captured_pinned.lock().map_err(|_| cuda_error("capture lock poisoned"))?.push(pinned);
         Ok((buf, ptr))
     }
 
@@ -423,9 +404,11 @@ impl Device {
         Ok(())
     }
 
-    /// Starts capturing the stream into a graph (relaxed mode: the side-stream allocations
-    /// and pinned host allocations made meanwhile are not stream work).
+    /// Starts capturing the stream into a graph, once the stream has drained (uploads made
+    /// while capturing are synchronous copies into buffers the drained stream no longer uses).
+    /// Relaxed mode: those copies and the side-stream allocations are not stream work.
     pub fn begin_capture(&self) -> Result<()> {
+        self.synchronize()?;
         *self.cache.captured.lock().map_err(|_| cuda_error("capture lock poisoned"))? = Some(Vec::new());
         self.capturing.store(true, Ordering::Relaxed);
         self.prev_kernel.store(false, Ordering::Relaxed);
@@ -444,8 +427,7 @@ impl Device {
             .and_then(|g| g.ok_or_else(|| cuda_error("the graph capture recorded nothing")));
         self.capturing.store(false, Ordering::Relaxed);
         let buffers = self.cache.captured.lock().ok().and_then(|mut c| c.take()).unwrap_or_default();
-        let pinned = self.captured_pinned.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default();
-        (graph, Captured { buffers, _pinned: pinned, cache: self.cache.clone() })
+        (graph, Captured { buffers, cache: self.cache.clone() })
     }
 
     /// A `[rows, cols]` weight in bf16: bf16 tensors are copied as they are, f16 and f32 ones

@@ -2,8 +2,8 @@
 // gated), residual add, SwiGLU and the f32 -> bf16 conversion that feeds cuBLAS.
 
 // out[t, :] = table[ids[t], :] widened to f32. grid (x: column blocks, y: tokens).
-extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u32* __restrict__ ids,
-                                      float* __restrict__ out, int dim) {
+extern "C" __global__ void embed_rows(const bf16_t* table, const u32* ids,
+                                      float* out, int dim) {
     pdl_enter();
     const int t = blockIdx.y;
     const bf16_t* src = table + (i64)ids[t] * dim;
@@ -13,8 +13,8 @@ extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u3
 }
 
 // Qwen3_5RMSNorm, one block per row: out = x / rms(x) * (1 + w).
-extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w,
-                                         float* __restrict__ out, int dim, float eps) {
+extern "C" __global__ void rms_norm_rows(const float* x, const float* w,
+                                         float* out, int dim, float eps) {
     pdl_enter();
     __shared__ float scratch[32];
     const float* xr = x + (i64)blockIdx.x * dim;
@@ -28,8 +28,8 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 
 // residual += x, then out = rms_norm(residual). Each thread reads back only the elements it
 // wrote itself, so no barrier is needed between the add and the norm.
-extern "C" __global__ void add_rms_norm_rows(float* __restrict__ residual, const float* __restrict__ x,
-                                             const float* __restrict__ w, float* __restrict__ out,
+extern "C" __global__ void add_rms_norm_rows(float* residual, const float* x,
+                                             const float* w, float* out,
                                              int dim, float eps) {
     pdl_enter();
     __shared__ float scratch[32];
@@ -48,8 +48,8 @@ extern "C" __global__ void add_rms_norm_rows(float* __restrict__ residual, const
 }
 
 // Qwen3_5RMSNormGated in place, one warp per row: x = w * (x / rms(x)) * silu(z).
-extern "C" __global__ void gated_rms_norm_rows(float* __restrict__ x, const float* __restrict__ z,
-                                               const float* __restrict__ w, int rows, int dim, float eps) {
+extern "C" __global__ void gated_rms_norm_rows(float* x, const float* z,
+                                               const float* w, int rows, int dim, float eps) {
     pdl_enter();
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -63,20 +63,20 @@ extern "C" __global__ void gated_rms_norm_rows(float* __restrict__ x, const floa
     for (int c = lane; c < dim; c += 32) xr[c] = w[c] * (xr[c] * s) * silu_f(zr[c]);
 }
 
-extern "C" __global__ void add_inplace(float* __restrict__ residual, const float* __restrict__ x, i64 n) {
+extern "C" __global__ void add_inplace(float* residual, const float* x, i64 n) {
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         residual[i] += x[i];
 }
 
-extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
-                                  float* __restrict__ out, i64 n) {
+extern "C" __global__ void swiglu(const float* gate, const float* up,
+                                  float* out, i64 n) {
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = silu_f(gate[i]) * up[i];
 }
 
-extern "C" __global__ void f32_to_bf16_copy(const float* __restrict__ x, bf16_t* __restrict__ y, i64 n) {
+extern "C" __global__ void f32_to_bf16_copy(const float* x, bf16_t* y, i64 n) {
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = f32_to_bf16(x[i]);
@@ -84,8 +84,8 @@ extern "C" __global__ void f32_to_bf16_copy(const float* __restrict__ x, bf16_t*
 
 // x = hi + lo with hi = bf16(x), lo = bf16(x - hi): two bf16 GEMMs on the pair carry ~16
 // mantissa bits of the activations instead of 8 (the precise GEMM path).
-extern "C" __global__ void f32_to_bf16_split(const float* __restrict__ x, bf16_t* __restrict__ hi,
-                                             bf16_t* __restrict__ lo, i64 n) {
+extern "C" __global__ void f32_to_bf16_split(const float* x, bf16_t* hi,
+                                             bf16_t* lo, i64 n) {
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const float v = x[i];

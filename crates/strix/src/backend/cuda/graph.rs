@@ -5,7 +5,9 @@
 //! fills the buffer free list with every size the step allocates, so the capture rarely needs
 //! fresh memory). While capturing, ops read the step's ids and positions from the device's
 //! step-input buffer rather than uploading them, and every buffer the step allocates stays
-//! with the recording, so each replay finds its scratch where the kernels were told it is.
+//! with the recording, so each replay finds its scratch where the kernels were told it is;
+//! small constant uploads (state pointers) are copied synchronously, so a recording holds
+//! kernels only, chained by programmatic dependent launch.
 //! Before a replay only the ids and positions are copied in.
 
 use std::collections::{HashMap, HashSet, VecDeque};

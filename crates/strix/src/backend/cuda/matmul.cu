@@ -16,7 +16,7 @@ __device__ __forceinline__ v4u ld_stream(const v4u* p) {
     return r;
 }
 
-__device__ __forceinline__ float dot8(v4u w, const float* __restrict__ x) {
+__device__ __forceinline__ float dot8(v4u w, const float* x) {
     const v4f a = *reinterpret_cast<const v4f*>(x);
     const v4f b = *reinterpret_cast<const v4f*>(x + 4);
     float s = bf16_lo(w.x) * a.x;
@@ -39,8 +39,8 @@ __device__ __forceinline__ float dot8(v4u w, const float* __restrict__ x) {
 #define GEMV_WARPS 8
 
 template <int NT, int S>
-__device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                               float* __restrict__ out, int rows, int cols, int tokens, int blk) {
+__device__ __forceinline__ void gemv_rows_body(const bf16_t* w, const float* x,
+                                               float* out, int rows, int cols, int tokens, int blk) {
     __shared__ float partial[GEMV_WARPS][NT];
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
 // One token: grid ceil(rows / (GEMV_WARPS / S)), block GEMV_WARPS * 32.
 #define GEMV_ONE(S)                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemv_bf16_s##S(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,   \
+        gemv_bf16_s##S(const bf16_t* w, const float* x, float* out,   \
                        int rows, int cols) {                                                                 \
         gemv_rows_body<1, S>(w, x, out, rows, cols, 1, blockIdx.x);                                          \
     }
@@ -128,8 +128,8 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
 #define GEMV_NT 4
 #define GEMV_ROWS(S)                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemv_bf16_rows_s##S(const bf16_t* __restrict__ w, const float* __restrict__ x,                       \
-                            float* __restrict__ out, int rows, int cols, int tokens) {                       \
+        gemv_bf16_rows_s##S(const bf16_t* w, const float* x,                       \
+                            float* out, int rows, int cols, int tokens) {                       \
         const int t0 = blockIdx.y * GEMV_NT;                                                                 \
         gemv_rows_body<GEMV_NT, S>(w, x + (i64)t0 * cols, out + (i64)t0 * rows, rows, cols,                  \
                                    imin(GEMV_NT, tokens - t0), blockIdx.x);                                  \
@@ -154,7 +154,7 @@ struct GemvSegs {
     int block_end[GEMV_MAX_SEGS];
 };
 template <int NT, int S>
-__device__ __forceinline__ void gemv_multi_body(const GemvSegs& segs, const float* __restrict__ x, int cols,
+__device__ __forceinline__ void gemv_multi_body(const GemvSegs& segs, const float* x, int cols,
                                                 int tokens) {
     int seg = 0;
     while (seg < GEMV_MAX_SEGS - 1 && (int)blockIdx.x >= segs.block_end[seg]) seg++;
@@ -169,11 +169,11 @@ __device__ __forceinline__ void gemv_multi_body(const GemvSegs& segs, const floa
 // arithmetic is the same either way).
 #define GEMV_MULTI(S)                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemv_multi_s##S(GemvSegs segs, const float* __restrict__ x, int cols, int tokens) {                  \
+        gemv_multi_s##S(GemvSegs segs, const float* x, int cols, int tokens) {                  \
         gemv_multi_body<1, S>(segs, x, cols, tokens);                                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemv_multi_rows_s##S(GemvSegs segs, const float* __restrict__ x, int cols, int tokens) {             \
+        gemv_multi_rows_s##S(GemvSegs segs, const float* x, int cols, int tokens) {             \
         gemv_multi_body<GEMV_NT, S>(segs, x, cols, tokens);                                                  \
     }
 GEMV_MULTI(1)
@@ -182,8 +182,8 @@ GEMV_MULTI(4)
 GEMV_MULTI(8)
 
 // grid (ceil(rows / 16), ceil(tokens / 16)), block (16, 16).
-extern "C" __global__ void gemm_bf16_tiled(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                           float* __restrict__ out, int tokens, int rows, int cols) {
+extern "C" __global__ void gemm_bf16_tiled(const bf16_t* w, const float* x,
+                                           float* out, int tokens, int rows, int cols) {
     pdl_enter();
     __shared__ float xs[16][17];
     __shared__ float ws[16][17];
