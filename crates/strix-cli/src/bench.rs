@@ -17,7 +17,6 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
-use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use strix::checkpoint::Checkpoint;
 use strix::config::ModelConfig;
@@ -480,12 +479,14 @@ fn run_once<B: DeviceInfo>(
 ) -> Result<(f64, f64)> {
     let mut session = model.new_session(prompt.len() + gen);
     let start = Instant::now();
-    let mut logits = model.forward(&mut session, prompt, Logits::Last)?;
+    let logits = model.forward(&mut session, prompt, Logits::Last)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let start = Instant::now();
+    // Greedy steps as `strix run --temperature 0` takes them: the token is picked on the
+    // device and only its id comes back.
+    let mut next = argmax(&logits);
     for _ in 0..gen {
-        let next = argmax(&logits);
-        logits = model.forward(&mut session, &[next], Logits::Last)?;
+        next = model.decode_batch_greedy(&mut [&mut session], &[next])?[0];
     }
     let decode_seconds = start.elapsed().as_secs_f64();
     peak.sample(model.backend());
@@ -516,8 +517,7 @@ fn prefill_runs<B: DeviceInfo>(
 
 /// Aggregate decode speeds of `batch` sequences, each prefilled (untimed) with `context`
 /// pseudo-random tokens of its own, then stepped greedily together: `repeats` timed runs of
-/// `gen` steps after [`WARM_STEPS`] untimed ones. Batch 1 takes the one-sequence path
-/// (`Model::forward`); larger batches `Model::decode_batch`.
+/// `gen` steps after [`WARM_STEPS`] untimed ones, through `Model::decode_batch_greedy`.
 fn decode_runs<B: DeviceInfo>(
     model: &Model<B>,
     batch: usize,
@@ -535,16 +535,8 @@ fn decode_runs<B: DeviceInfo>(
         next.push(argmax(&model.forward(session, &prompt, Logits::Last)?));
     }
     let mut refs: Vec<&mut Session<B>> = sessions.iter_mut().collect();
-    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> {
-        if let [session] = refs.as_mut_slice() {
-            Ok(vec![argmax(&model.forward(session, tokens, Logits::Last)?)])
-        } else {
-            // The batch's logits are [batch, vocab] on the host; picking in parallel keeps the
-            // host's share of a step small next to the device's.
-            let logits = model.decode_batch(&mut refs, tokens)?;
-            Ok(logits.par_chunks(vocab).map(argmax).collect())
-        }
-    };
+    // Greedy steps, each token picked on the device (only ids come back).
+    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> { Ok(model.decode_batch_greedy(&mut refs, tokens)?) };
     for _ in 0..WARM_STEPS {
         next = step(&next)?;
     }

@@ -321,6 +321,28 @@ impl<B: Backend> Model<B> {
     /// and row `i` is bitwise what `forward(sessions[i], &[tokens[i]], Logits::Last)` returns:
     /// a sequence's tokens never depend on what else is in the batch.
     pub fn decode_batch(&self, sessions: &mut [&mut Session<B>], tokens: &[u32]) -> Result<Vec<f32>> {
+        let vocab = self.config.vocab_size;
+        let mut logits = Vec::new();
+        self.decode_step(sessions, tokens, &mut |b, out| logits = b.download(out, 0, tokens.len() * vocab))?;
+        Ok(logits)
+    }
+
+    /// [`Model::decode_batch`] that returns each row's greedy token (the argmax of its logits,
+    /// ties to the lowest id) instead of the logits, so that only token ids leave the device.
+    pub fn decode_batch_greedy(&self, sessions: &mut [&mut Session<B>], tokens: &[u32]) -> Result<Vec<u32>> {
+        let vocab = self.config.vocab_size;
+        let mut ids = Vec::new();
+        self.decode_step(sessions, tokens, &mut |b, out| ids = b.argmax_rows(out, tokens.len(), vocab))?;
+        Ok(ids)
+    }
+
+    /// One decode step for a batch; `read` gets the `[batch, vocab]` logits on the device.
+    fn decode_step(
+        &self,
+        sessions: &mut [&mut Session<B>],
+        tokens: &[u32],
+        read: &mut dyn FnMut(&B, &B::Buf),
+    ) -> Result<()> {
         let c = &self.config;
         let b = &self.backend;
         if tokens.is_empty() || tokens.len() != sessions.len() {
@@ -351,17 +373,23 @@ impl<B: Backend> Model<B> {
         let key = sessions
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |h, s| (h ^ s.buffers_id()).wrapping_mul(0x0000_0100_0000_01b3));
-        let logits = b.decode_step(key, tokens, &positions, n * c.vocab_size, &mut || {
-            let mut scratch = Scratch::new(b, c, n);
-            self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
-            let mut logits = b.scratch(n * c.vocab_size);
-            b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
-            logits
-        });
+        b.decode_step(
+            key,
+            tokens,
+            &positions,
+            &mut || {
+                let mut scratch = Scratch::new(b, c, n);
+                self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
+                let mut logits = b.scratch(n * c.vocab_size);
+                b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
+                logits
+            },
+            &mut |out| read(b, out),
+        );
         for (s, &t) in sessions.iter_mut().zip(tokens) {
             s.advance(&[t]);
         }
-        Ok(logits)
+        Ok(())
     }
 
     /// One pass of at most [`MAX_TOKENS_PER_PASS`] tokens through every layer.

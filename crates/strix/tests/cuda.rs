@@ -1216,3 +1216,38 @@ fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
     }
     assert!(g.path_counts().gemv_fused > 0, "{}", g.path_counts());
 }
+
+/// The device's greedy pick is the host sampler's: NaN as −∞, ties to the lowest index, 0 for
+/// a row where nothing beats −∞; and a greedy decode batch picks the argmax of its logits.
+#[test]
+fn argmax_on_the_device_matches_the_host() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(18);
+    for (rows, cols) in [(1usize, 1usize), (3, 1000), (2, 248_320), (5, 33)] {
+        let mut x = rng.vec(rows * cols, 4.0);
+        if cols > 10 {
+            x[3] = f32::NAN;
+            x[cols + 7] = 100.0; // a tie in row 1: the lower index wins
+            x[cols + 9] = 100.0;
+        }
+        let want = cpu.argmax_rows(&x, rows, cols);
+        assert_eq!(g.argmax_rows(&g.upload(&x), rows, cols), want, "{rows}x{cols}");
+    }
+    let odd = [f32::NAN, f32::NEG_INFINITY, f32::NAN];
+    assert_eq!(g.argmax_rows(&g.upload(&odd), 1, 3), vec![0]);
+
+    let c = small_real_heads();
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
+    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let (mut a, mut b) = (model.try_new_session(64).unwrap(), model.try_new_session(64).unwrap());
+    let mut logits = model.forward(&mut a, &[1, 2, 3], Logits::Last).unwrap();
+    model.forward(&mut b, &[1, 2, 3], Logits::Last).unwrap();
+    let mut next = argmax(&logits);
+    for step in 0..20 {
+        let picked = model.decode_batch_greedy(&mut [&mut b], &[next]).unwrap()[0];
+        logits = model.forward(&mut a, &[next], Logits::Last).unwrap();
+        next = argmax(&logits);
+        assert_eq!(picked, next, "step {step}");
+    }
+}

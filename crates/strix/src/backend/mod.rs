@@ -129,7 +129,7 @@ pub trait Backend: Send + Sync {
     // --- decode steps -------------------------------------------------------------------------
 
     /// Runs one decode step: `step` issues the step's ops for rows fed `ids` at `positions` and
-    /// returns the buffer holding the step's output, whose first `out_len` floats come back.
+    /// returns the buffer holding the step's output, which `read` then reads back.
     ///
     /// A backend may record the ops `step` issues and, on a later call with the same `key`,
     /// replay the recording instead of calling `step` (CUDA graphs). The caller guarantees
@@ -142,12 +142,31 @@ pub trait Backend: Send + Sync {
         key: u64,
         ids: &[u32],
         positions: &[usize],
-        out_len: usize,
         step: &mut dyn FnMut() -> Self::Buf,
-    ) -> Vec<f32> {
+        read: &mut dyn FnMut(&Self::Buf),
+    ) {
         let _ = (key, ids, positions);
         let out = step();
-        self.download(&out, 0, out_len)
+        read(&out);
+    }
+
+    /// The index of the largest value of each `[cols]` row of `x`: NaN counts as −∞, ties go
+    /// to the lowest index, a row where nothing beats −∞ gives 0 (the sampler's greedy pick).
+    fn argmax_rows(&self, x: &Self::Buf, rows: usize, cols: usize) -> Vec<u32> {
+        let v = self.download(x, 0, rows * cols);
+        v.chunks(cols.max(1))
+            .take(rows)
+            .map(|row| {
+                let (mut best, mut best_value) = (0, f32::NEG_INFINITY);
+                for (i, &l) in row.iter().enumerate() {
+                    if l > best_value {
+                        best = i;
+                        best_value = l;
+                    }
+                }
+                best as u32
+            })
+            .collect()
     }
 
     // --- dense ops ----------------------------------------------------------------------------

@@ -94,3 +94,52 @@ extern "C" __global__ void f32_to_bf16_split(const float* x, bf16_t* hi,
         lo[i] = f32_to_bf16(v - bf16_to_f32(h));
     }
 }
+
+// Row-wise argmax of x: [rows, cols] into idx[rows], as the host's greedy pick: NaN counts as
+// -inf, ties go to the lowest column, and a row where nothing beats -inf gives 0.
+// grid rows, block 1024.
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* x, u32* idx, int cols) {
+    pdl_enter();
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* xr = x + (i64)blockIdx.x * cols;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = xr[c];
+        if (v > bv) {  // false for NaN; columns rise, so a tie keeps the lower one
+            bv = v;
+            bi = c;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = (blockDim.x + 31) >> 5;
+        bv = lane < nw ? sv[lane] : NEG_INF;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) idx[blockIdx.x] = bv > NEG_INF ? (u32)bi : 0u;
+    }
+}

@@ -413,14 +413,13 @@ impl Backend for CudaBackend {
         key: u64,
         ids: &[u32],
         positions: &[usize],
-        out_len: usize,
         step: &mut dyn FnMut() -> CudaBuf,
-    ) -> Vec<f32> {
+        read: &mut dyn FnMut(&CudaBuf),
+    ) {
         self.dev.bind();
-        let eager = |step: &mut dyn FnMut() -> CudaBuf| {
+        let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
             bump(&self.counters.steps_eager);
-            let out = step();
-            self.download(&out, 0, out_len)
+            read(&step());
         };
         if !self.use_graphs.load(Ordering::Relaxed) || ids.len() > device::MAX_STEP_ROWS {
             return eager(step);
@@ -435,7 +434,7 @@ impl Backend for CudaBackend {
                 or_panic(self.dev.write_step_inputs(ids, positions));
                 let out = or_panic(graphs.replay(key));
                 bump(&self.counters.graph_replays);
-                self.download(out, 0, out_len)
+                read(out)
             }
             graph::Plan::Record => {
                 or_panic(self.dev.write_step_inputs(ids, positions));
@@ -443,7 +442,7 @@ impl Backend for CudaBackend {
                     Ok(recording) => {
                         bump(&self.counters.graph_captures);
                         let out = or_panic(graphs.insert_and_replay(key, recording));
-                        self.download(out, 0, out_len)
+                        read(out)
                     }
                     Err(e) => {
                         // Nothing ran: a capture only records. Run the step op by op, and
@@ -456,6 +455,11 @@ impl Backend for CudaBackend {
                 }
             }
         }
+    }
+
+    fn argmax_rows(&self, x: &CudaBuf, rows: usize, cols: usize) -> Vec<u32> {
+        self.dev.bind();
+        self.ew.argmax_rows(&self.dev, x, rows, cols)
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
