@@ -84,6 +84,9 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
 
+    #[command(flatten)]
+    pub quant: crate::quant_flag::QuantArgs,
+
     /// Prompt tokens to prefill (headline measurement)
     #[arg(short = 'p', long, value_name = "N", default_value_t = 512)]
     pub prompt_len: usize,
@@ -266,14 +269,24 @@ fn bench_with<B: DeviceInfo>(
     let (model, name, source_kind, dtype) = match source {
         Source::Preset(name) => {
             let weights = SyntheticWeights::new(config.clone(), SEED);
-            let model = common::with_progress("synthesising", "layers", |p| {
-                Model::from_source(config, &weights, backend, Some(p))
-            })?;
-            (model, name.clone(), "synthetic", "bf16".to_string())
+            let model = match args.quant.quant {
+                None => common::with_progress("synthesising", "layers", |p| {
+                    Model::from_source(config, &weights, backend, Some(p))
+                })?,
+                Some(scheme) => common::with_progress("synthesising", "layers", |p| {
+                    let src = strix::quant::on_load::QuantizingSource::new(&weights, &config, scheme);
+                    Model::from_source(config.clone(), &src, backend, Some(p))
+                })?,
+            };
+            let dtype = args.quant.quant.map_or("bf16".to_string(), |q| q.name().to_string());
+            (model, name.clone(), "synthetic", dtype)
         }
         Source::Dir(dir) => {
-            let model = common::load_model(dir, backend)?;
-            let dtype = checkpoint_dtype(dir, &model.config);
+            let model = crate::quant_flag::load_model(dir, backend, args.quant.quant)?;
+            let dtype = match args.quant.quant {
+                Some(q) => q.name().to_string(),
+                None => checkpoint_dtype(dir, &model.config),
+            };
             (model, dir.display().to_string(), "checkpoint", dtype)
         }
     };

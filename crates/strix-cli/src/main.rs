@@ -6,6 +6,8 @@ mod chat;
 mod common;
 mod device;
 mod logits;
+mod perplexity;
+mod quant_flag;
 mod run;
 mod serve;
 
@@ -29,7 +31,8 @@ const EXAMPLES: &str = "Examples:
   strix chat --model ./Qwen3.5-2B --system \"You are terse.\"
   strix logits --model ./Qwen3.5-2B --prompt-ids 1,2,3 --out logits.safetensors
   strix bench --preset qwen3.5-0.8b --prompt-len 512 --gen 32
-  strix bench --device cuda --preset qwen3.5-9b";
+  strix bench --device cuda --preset qwen3.5-9b
+  strix perplexity --model ./Qwen3.5-2B --file wiki.test.raw --ctx 512 --quant q4_k";
 
 #[derive(Parser)]
 #[command(name = "strix", version, about = ABOUT, long_about = LONG_ABOUT, after_help = EXAMPLES)]
@@ -50,6 +53,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve the OpenAI API over HTTP, with continuous batching
     Serve(serve::ServeArgs),
+    /// Perplexity of a text file (llama.cpp's definition), or KL divergence against a base run
+    Perplexity(perplexity::PerplexityArgs),
 }
 
 fn main() {
@@ -60,6 +65,7 @@ fn main() {
         Command::Logits(args) => logits::logits(args),
         Command::Bench(args) => bench::bench(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Perplexity(args) => perplexity::perplexity(args),
     };
     if let Err(e) = result {
         // One line, so scripts and logs keep the whole message together.
