@@ -181,18 +181,21 @@ struct Q4_0F {
     }
 };
 
-// Scale and min of Q4_K sub-block j (0..7) from the 12 scale bytes held in words a, b, c
-// (bytes 0-3, 4-7, 8-11); see q4_k_scale_min in quant/blocks.rs.
-__device__ __forceinline__ void q4k_scale_min(int j, u32 a, u32 b, u32 c, int& sc, int& m) {
-    const int sh = 8 * (j & 3);
-    if (j < 4) {
-        sc = (a >> sh) & 63;
-        m = (b >> sh) & 63;
-    } else {
-        const u32 q8 = (c >> sh) & 0xff;
-        sc = (q8 & 0x0f) | (((a >> sh) & 0xff) >> 6 << 4);
-        m = (q8 >> 4) | (((b >> sh) & 0xff) >> 6 << 4);
-    }
+// Scales and mins of Q4_K sub-blocks 2g and 2g + 1 from the 12 scale bytes held in words a, b,
+// c (bytes 0-3, 4-7, 8-11), both at once and without branches (lanes of a warp hold different
+// g); the same values as q4_k_scale_min in quant/blocks.rs: sub-blocks 0-3 are the low 6 bits
+// of bytes 0-3 (scales) and 4-7 (mins), sub-blocks 4-7 take their low 4 bits from bytes 8-11
+// and their top 2 from the top bits of bytes 0-3 / 4-7.
+__device__ __forceinline__ void q4k_scale_min2(int g, u32 a, u32 b, u32 c, int& sc1, int& m1, int& sc2,
+                                               int& m2) {
+    const int sh = 16 * (g & 1);
+    const u32 A = (a >> sh) & 0xffff, B = (b >> sh) & 0xffff, C = (c >> sh) & 0xffff;
+    const u32 sc = g < 2 ? A & 0x3f3f : (C & 0x0f0f) | ((A >> 2) & 0x3030);
+    const u32 m = g < 2 ? B & 0x3f3f : ((C >> 4) & 0x0f0f) | ((B >> 2) & 0x3030);
+    sc1 = sc & 0xff;
+    sc2 = sc >> 8;
+    m1 = m & 0xff;
+    m2 = m >> 8;
 }
 
 struct Q4_KF {
@@ -217,13 +220,12 @@ struct Q4_KF {
                                                   float& m2) {
         const int g = (i & 7) >> 1;
         const float d = f16_to_f32((u16)(r.meta.x & 0xffff)), dmin = f16_to_f32((u16)(r.meta.x >> 16));
-        int sc, m;
-        q4k_scale_min(2 * g, r.meta.y, r.meta.z, r.meta.w, sc, m);
-        d1 = __fmul_rn(d, (float)sc);
-        m1 = __fmul_rn(dmin, (float)m);
-        q4k_scale_min(2 * g + 1, r.meta.y, r.meta.z, r.meta.w, sc, m);
-        d2 = __fmul_rn(d, (float)sc);
-        m2 = __fmul_rn(dmin, (float)m);
+        int sc1, mn1, sc2, mn2;
+        q4k_scale_min2(g, r.meta.y, r.meta.z, r.meta.w, sc1, mn1, sc2, mn2);
+        d1 = __fmul_rn(d, (float)sc1);
+        m1 = __fmul_rn(dmin, (float)mn1);
+        d2 = __fmul_rn(d, (float)sc2);
+        m2 = __fmul_rn(dmin, (float)mn2);
     }
     static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
         float d1, m1, d2, m2;
