@@ -374,6 +374,17 @@ impl Device {
         })
     }
 
+    /// The token ids of an embedding gather on the device: a recorded step's (where each
+    /// replay's are written), else uploaded (the buffer lives as long as the guard).
+    pub fn ids_on_device(&self, ids: &[u32]) -> (Option<CudaBuf>, u64) {
+        if let Some((step_ids, _, rows)) = self.step_inputs() {
+            assert_eq!(rows, ids.len(), "embed: a recorded step of {rows} rows");
+            return (None, step_ids);
+        }
+        let (buf, ptr) = self.upload_u32(ids).unwrap_or_else(|e| panic!("{e}"));
+        (Some(buf), ptr)
+    }
+
     /// Queues the copy of a step's ids and positions into the step-input buffer.
     pub fn write_step_inputs(&self, ids: &[u32], positions: &[usize]) -> Result<()> {
         let n = ids.len();
@@ -430,17 +441,23 @@ impl Device {
         (graph, Captured { buffers, cache: self.cache.clone() })
     }
 
-    /// A `[rows, cols]` weight in bf16: bf16 tensors are copied as they are, f16 and f32 ones
-    /// rounded to nearest even on the host (all cores) first.
+    /// A `[rows, cols]` weight: the GGML block formats stay packed (regrouped for the kernels
+    /// by [`super::quant::repack`], the same bytes); bf16 tensors are copied as they are, f16
+    /// and f32 ones rounded to bf16 (nearest even) on the host (all cores) first.
     pub fn upload_weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CudaWeight> {
         t.check_matrix(rows, cols)?;
-        let t = &t.dequantized();
+        if t.dtype.is_quantized() {
+            let packed = super::quant::repack(t.dtype, t.bytes.as_slice(), rows, cols);
+            let (data, ptr) = self.alloc_raw::<u16>(packed.len().div_ceil(2))?;
+            self.copy_htod(ptr, &packed)?;
+            return Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: t.dtype });
+        }
         let n = rows * cols;
         let (data, ptr) = self.alloc_raw::<u16>(n)?;
         let bytes = t.bytes.as_slice();
         match t.dtype {
             DType::BF16 => self.copy_htod(ptr, bytes)?,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => unreachable!("dequantized above"),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => unreachable!("uploaded packed above"),
             DType::F16 | DType::F32 => {
                 let mut bf = vec![0u16; n];
                 let f16 = t.dtype == DType::F16;
@@ -460,7 +477,7 @@ impl Device {
                 self.copy_htod(ptr, &bf)?;
             }
         }
-        Ok(CudaWeight { _data: data, ptr, rows, cols })
+        Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: DType::BF16 })
     }
 
     /// Queues a copy from host memory. The source may be dropped on return: from pageable
@@ -630,12 +647,14 @@ impl CudaBuf {
     }
 }
 
-/// A `[rows, cols]` bf16 matrix in device memory.
+/// A `[rows, cols]` matrix in device memory: bf16, or packed GGML blocks (`dtype`) in the
+/// layout `quant.cu` describes.
 pub struct CudaWeight {
     _data: CudaSlice<u16>,
     ptr: u64,
     rows: usize,
     cols: usize,
+    dtype: DType,
 }
 
 impl CudaWeight {
@@ -651,8 +670,19 @@ impl CudaWeight {
         self.ptr
     }
 
-    /// Bytes on the device (2 per element).
+    /// `DType::BF16`, or the block format the weight is packed in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes on the device (2 per element in bf16; the blocks' bytes when packed).
     pub fn bytes(&self) -> usize {
-        self.rows * self.cols * 2
+        self.rows * self.dtype.row_bytes(self.cols).unwrap_or(self.cols * 2)
+    }
+
+    /// Uninitialised bf16 scratch of `[rows, cols]` (a dequantized band of a packed weight).
+    pub(super) fn scratch_bf16(dev: &Device, rows: usize, cols: usize) -> Result<CudaWeight> {
+        let (data, ptr) = dev.alloc_raw::<u16>(rows * cols)?;
+        Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: DType::BF16 })
     }
 }

@@ -54,17 +54,7 @@ impl Kernels {
         if ids.is_empty() {
             return;
         }
-        // A recorded step reads its ids where each replay's are written.
-        let (_ids_dev, ids_ptr) = match dev.step_inputs() {
-            Some((step_ids, _, rows)) => {
-                assert_eq!(rows, ids.len(), "embed: a recorded step of {rows} rows");
-                (None, step_ids)
-            }
-            None => {
-                let (buf, ptr) = dev.upload_u32(ids).unwrap_or_else(|e| panic!("{e}"));
-                (Some(buf), ptr)
-            }
-        };
+        let (_ids_dev, ids_ptr) = dev.ids_on_device(ids);
         let threads = 256usize;
         let grid_x = dim.div_ceil(threads).min(64) as u32;
         dev.launch(

@@ -23,6 +23,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 use super::device::{cuda_error, kernel_args, no_panic, CudaBuf, CudaWeight, Device};
 use super::elementwise;
 use crate::error::Result;
+use crate::tensor::DType;
 
 pub(super) const SOURCE: &str = include_str!("matmul.cu");
 
@@ -244,15 +245,17 @@ impl Kernels {
         );
     }
 
-    /// Whether [`Kernels::matmul_many_rows`] takes these weights: 2 to [`MAX_SEGMENTS`] of
-    /// them, all of one width (a multiple of 8, so rows stream in 16-byte loads), none empty.
+    /// Whether [`Kernels::matmul_many_rows`] takes these weights: 2 to [`MAX_SEGMENTS`] bf16
+    /// ones (packed formats run their own GEMVs), all of one width (a multiple of 8, so rows stream in 16-byte loads), none empty.
     pub fn can_fuse(ws: &[&CudaWeight]) -> bool {
         let cols = ws.first().map_or(0, |w| w.cols());
         (2..=MAX_SEGMENTS).contains(&ws.len())
             && cols > 0
             && cols.is_multiple_of(8)
             && cols <= i32::MAX as usize
-            && ws.iter().all(|w| w.cols() == cols && w.rows() > 0 && w.rows() <= i32::MAX as usize)
+            && ws.iter().all(|w| {
+                w.dtype() == DType::BF16 && w.cols() == cols && w.rows() > 0 && w.rows() <= i32::MAX as usize
+            })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -322,9 +325,7 @@ impl Kernels {
 }
 
 /// `out[tokens, rows] = bf16(x) · Wᵀ` through `cublasGemmEx` (with `split`, `bf16(x) · Wᵀ +
-/// bf16(x − bf16(x)) · Wᵀ`). cuBLAS is column-major: there the row-major `W [rows, cols]` is a
-/// `cols × rows` matrix used transposed, `x` a `cols × tokens` one, and `out` the
-/// `rows × tokens` result.
+/// bf16(x − bf16(x)) · Wᵀ`).
 #[allow(clippy::too_many_arguments)]
 fn cublas_gemm(
     dev: &Device,
@@ -336,7 +337,29 @@ fn cublas_gemm(
     out: &mut CudaBuf,
     split: bool,
 ) {
-    let (rows, cols) = (w.rows(), w.cols());
+    cublas_gemm_at(dev, ew, blas, x, tokens, w.ptr(), w.rows(), w.cols(), out.ptr(), w.rows(), split);
+}
+
+/// [`cublas_gemm`] on a bf16 `[rows, cols]` matrix at `w`, writing `out[t * ldc + r]` (a band
+/// of columns of a wider output: the quantized path multiplies by one dequantized band of
+/// weight rows at a time). cuBLAS is column-major: there the row-major `W [rows, cols]` is a
+/// `cols × rows` matrix used transposed, `x` a `cols × tokens` one, and `out` the
+/// `rows × tokens` result with leading dimension `ldc`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn cublas_gemm_at(
+    dev: &Device,
+    ew: &elementwise::Kernels,
+    blas: &Blas,
+    x: &CudaBuf,
+    tokens: usize,
+    w: u64,
+    rows: usize,
+    cols: usize,
+    out: u64,
+    ldc: usize,
+    split: bool,
+) {
+    assert!(ldc >= rows && ldc <= i32::MAX as usize);
     let n = tokens * cols;
     // Freed (stream-ordered) when it goes out of scope, after the GEMMs in stream order.
     let (_xb, hi) = dev.alloc_u16(if split { 2 * n } else { n }).unwrap_or_else(|e| panic!("{e}"));
@@ -350,8 +373,9 @@ fn cublas_gemm(
     for &(xb, beta) in halves {
         let alpha = 1.0f32;
         // SAFETY: the handle is bound to the backend's stream; the pointers are live device
-        // allocations of the sizes asserted in `matmul` (`xb` holds tokens * cols bf16); alpha
-        // and beta are host f32s, as the default pointer mode expects.
+        // allocations of the sizes asserted by the callers (`xb` holds tokens * cols bf16, `w`
+        // rows * cols bf16, `out` (tokens - 1) * ldc + rows floats); alpha and beta are host
+        // f32s, as the default pointer mode expects.
         let r = unsafe {
             blas_result::gemm_ex(
                 *blas.handle.handle(),
@@ -361,16 +385,16 @@ fn cublas_gemm(
                 tokens as i32,
                 cols as i32,
                 &alpha as *const f32 as *const c_void,
-                w.ptr() as *const c_void,
+                w as *const c_void,
                 blas_sys::cudaDataType::CUDA_R_16BF,
                 cols as i32,
                 xb as *const c_void,
                 blas_sys::cudaDataType::CUDA_R_16BF,
                 cols as i32,
                 &beta as *const f32 as *const c_void,
-                out.ptr() as *mut c_void,
+                out as *mut c_void,
                 blas_sys::cudaDataType::CUDA_R_32F,
-                rows as i32,
+                ldc as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -1,5 +1,5 @@
-//! The CUDA backend: every [`Backend`] op on an NVIDIA GPU, weights in bf16, activations and
-//! states in `f32` device buffers, accumulation in f32, all work queued on one stream.
+//! The CUDA backend: every [`Backend`] op on an NVIDIA GPU, weights in bf16 or packed GGML
+//! blocks (Q8_0, Q4_0, Q4_K, Q6_K), activations and states in `f32` device buffers, accumulation in f32, all work queued on one stream.
 //!
 //! - `device.rs` opens the GPU (a clean error, never a panic, when there is no driver or
 //!   device: cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so the crate builds and runs
@@ -7,7 +7,7 @@
 //! - `compile.rs` turns the `.cu` sources kept beside their launchers into cubins with NVRTC,
 //!   for the device's architecture, cached on disk;
 //! - `elementwise.rs`, `matmul.rs`, `deltanet.rs` and `attention.rs` launch the kernels of
-//!   their `.cu` files.
+//!   their `.cu` files; `quant.rs` the matmuls and embedding gather on packed weights.
 //!
 //! The KV caches are the trait's `f32` buffers; a bf16 cache needs a cache type of its own in
 //! the trait.
@@ -31,6 +31,7 @@ mod device;
 mod elementwise;
 mod graph;
 mod matmul;
+mod quant;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -41,6 +42,7 @@ use crate::tensor::HostTensor;
 
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::GemmPath;
+pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 
 use device::{cuda_error, Device};
 
@@ -81,6 +83,14 @@ pub struct PathCounts {
     pub modules_compiled: u64,
     /// Kernel modules loaded from the cache (memory or disk) instead.
     pub modules_cached: u64,
+    /// One-token matmuls on a packed-weight (Q8_0/Q4_0/Q4_K/Q6_K) GEMV.
+    pub gemv_quant: u64,
+    /// Several-token matmuls (decode batches, short prompts) on the batched packed GEMV.
+    pub gemv_quant_rows: u64,
+    /// Matmuls on packed weights dequantized to bf16 for a GEMM (the GEMM is counted too).
+    pub gemm_dequant: u64,
+    /// Embedding gathers from a packed table.
+    pub embed_quant: u64,
 }
 
 impl std::fmt::Display for PathCounts {
@@ -89,7 +99,8 @@ impl std::fmt::Display for PathCounts {
             f,
             "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | \
-             decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {}",
+             decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
+             packed gemv {} rows {} dequant-gemm {} embed {}",
             self.gemv,
             self.gemv_fused,
             self.gemm_cublas,
@@ -107,7 +118,11 @@ impl std::fmt::Display for PathCounts {
             self.steps_eager,
             self.graph_failures,
             self.modules_compiled,
-            self.modules_cached
+            self.modules_cached,
+            self.gemv_quant,
+            self.gemv_quant_rows,
+            self.gemm_dequant,
+            self.embed_quant
         )
     }
 }
@@ -132,6 +147,10 @@ struct Counters {
     graph_failures: AtomicU64,
     modules_compiled: AtomicU64,
     modules_cached: AtomicU64,
+    gemv_quant: AtomicU64,
+    gemv_quant_rows: AtomicU64,
+    gemm_dequant: AtomicU64,
+    embed_quant: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -143,6 +162,7 @@ pub struct CudaBackend {
     dev: Device,
     ew: elementwise::Kernels,
     mm: matmul::Kernels,
+    q: quant::Kernels,
     dn: deltanet::Kernels,
     at: attention::Kernels,
     blas: Option<matmul::Blas>,
@@ -171,6 +191,7 @@ impl CudaBackend {
         let mm = matmul::Kernels::load(&module("matmul", matmul::SOURCE)?, &dev)?;
         let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
+        let q = quant::Kernels::load(&module("quant", quant::SOURCE)?, &dev)?;
         let blas = matmul::Blas::open(&dev)?;
         // STRIX_CUDA_GRAPHS=0 runs every decode step op by op (for profiling and comparison).
         let use_graphs = std::env::var("STRIX_CUDA_GRAPHS").map_or(true, |v| v != "0");
@@ -178,6 +199,7 @@ impl CudaBackend {
             dev,
             ew,
             mm,
+            q,
             dn,
             at,
             blas,
@@ -263,6 +285,10 @@ impl CudaBackend {
             graph_failures: g(&c.graph_failures),
             modules_compiled: g(&c.modules_compiled),
             modules_cached: g(&c.modules_cached),
+            gemv_quant: g(&c.gemv_quant),
+            gemv_quant_rows: g(&c.gemv_quant_rows),
+            gemm_dequant: g(&c.gemm_dequant),
+            embed_quant: g(&c.embed_quant),
         }
     }
 
@@ -286,6 +312,10 @@ impl CudaBackend {
             &c.graph_captures,
             &c.steps_eager,
             &c.graph_failures,
+            &c.gemv_quant,
+            &c.gemv_quant_rows,
+            &c.gemm_dequant,
+            &c.embed_quant,
         ] {
             a.store(0, Ordering::Relaxed);
         }
@@ -464,13 +494,29 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
         self.dev.bind();
+        if table.dtype().is_quantized() {
+            self.q.embed(&self.dev, table, ids, dim, out);
+            bump(&self.counters.embed_quant);
+            return;
+        }
         self.ew.embed(&self.dev, table, ids, dim, out);
     }
 
     fn matmul(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
         self.dev.bind();
-        let ran =
-            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out);
+        let ran = if w.dtype().is_quantized() {
+            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
+            match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out) {
+                quant::QRan::Gemv => return bump(&self.counters.gemv_quant),
+                quant::QRan::GemvRows => return bump(&self.counters.gemv_quant_rows),
+                quant::QRan::Dequant(ran) => {
+                    bump(&self.counters.gemm_dequant);
+                    ran
+                }
+            }
+        } else {
+            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out)
+        };
         bump(match ran {
             matmul::Ran::Gemv => &self.counters.gemv,
             matmul::Ran::Cublas => &self.counters.gemm_cublas,
@@ -626,7 +672,12 @@ impl Backend for CudaBackend {
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
         self.dev.bind();
-        self.mm.matmul_rows(&self.dev, x, tokens, w, out);
+        if w.dtype().is_quantized() {
+            self.q.matmul_rows(&self.dev, x, tokens, w, out);
+            bump(&self.counters.gemv_quant_rows);
+        } else {
+            self.mm.matmul_rows(&self.dev, x, tokens, w, out);
+        }
         bump(&self.counters.batch_rows);
     }
 
