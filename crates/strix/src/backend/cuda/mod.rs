@@ -674,7 +674,7 @@ impl Backend for CudaBackend {
         self.dev.bind();
         if w.dtype().is_quantized() {
             self.q.matmul_rows(&self.dev, x, tokens, w, out);
-            bump(&self.counters.gemv_quant_rows);
+            bump(if tokens == 1 { &self.counters.gemv_quant } else { &self.counters.gemv_quant_rows });
         } else {
             self.mm.matmul_rows(&self.dev, x, tokens, w, out);
         }

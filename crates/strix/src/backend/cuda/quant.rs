@@ -285,13 +285,14 @@ impl Kernels {
         );
     }
 
-    /// The decode-batch matmul: every row by the one-token GEMV's arithmetic.
+    /// The decode-batch matmul: every row by the one-token GEMV's arithmetic (a batch of one
+    /// takes the one-token kernel itself, which streams at far higher bandwidth).
     pub fn matmul_rows(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
         check(x, tokens, w, out);
         if tokens == 0 || w.rows() == 0 {
             return;
         }
-        self.gemv(dev, x, tokens, w, out, true);
+        self.gemv(dev, x, tokens, w, out, tokens > 1);
     }
 
     #[allow(clippy::too_many_arguments)]
