@@ -90,7 +90,47 @@ fn dequant_gemm(
     });
 }
 
+/// Calibration on the same machine state: the bf16 GEMV (cold) and gemm prefill.
+fn bf16_reference() {
+    use strix::backend::cpu::matmul::{matmul as fmatmul, WeightRef};
+    let (rows, cols) = (3584usize, 1024usize);
+    let one: Vec<u16> = random(rows * cols, 9).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let copies = ((512usize << 20) / (2 * one.len())).max(2);
+    let ws: Vec<Vec<u16>> = (0..copies).map(|_| one.clone()).collect();
+    let x = random(cols, 3);
+    let mut out = vec![0f32; rows];
+    let mut times = Vec::new();
+    for i in 0..copies.max(40) {
+        let t = Instant::now();
+        fmatmul(&x, 1, WeightRef::Bf16(&ws[i % copies]), rows, cols, &mut out);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let gemv = 2.0 * one.len() as f64 / median(times) / 1e9;
+    // Hot: one small matrix that stays in cache, to show the kernel's compute rate.
+    let mut hot = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        fmatmul(&x, 1, WeightRef::Bf16(&one[..256 * cols]), 256, cols, &mut out[..256]);
+        hot.push(t.elapsed().as_secs_f64());
+    }
+    let tokens = 512;
+    let x = random(tokens * cols, 5);
+    let mut out = vec![0f32; tokens * rows];
+    let mut pre = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        fmatmul(&x, tokens, WeightRef::Bf16(&one), rows, cols, &mut out);
+        pre.push(t.elapsed().as_secs_f64());
+    }
+    println!(
+        "BF16 {rows}x{cols}: decode {gemv:.1} GB/s cold, {:.1} GFLOP/s hot; prefill 512: gemm {:.1} GFLOP/s",
+        2.0 * (256 * cols) as f64 / median(hot) / 1e9,
+        2.0 * (rows * cols * tokens) as f64 / median(pre) / 1e9
+    );
+}
+
 fn main() {
+    bf16_reference();
     let shapes = [(3584usize, 1024usize), (1024, 3584), (6144, 1024)];
     for ty in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_K, QuantType::Q6_K] {
         for &(rows, cols) in &shapes {
@@ -114,6 +154,14 @@ fn main() {
             }
             let gemv = one.len() as f64 / median(times) / 1e9;
             drop(ws);
+            let hot_rows = 256;
+            let mut hot = Vec::new();
+            for _ in 0..200 {
+                let t = Instant::now();
+                matmul(&x, 1, qref(ty, &one[..hot_rows * row_bytes]), hot_rows, cols, &mut out[..hot_rows]);
+                hot.push(t.elapsed().as_secs_f64());
+            }
+            let hot = 2.0 * (hot_rows * cols) as f64 / median(hot) / 1e9;
             // Prefill: 512 tokens, int8 path and dequant + gemm.
             let tokens = 512;
             let x = random(tokens * cols, 5);
@@ -130,7 +178,7 @@ fn main() {
                 deq.push(t.elapsed().as_secs_f64());
             }
             println!(
-                "{ty} {rows}x{cols}: decode {gemv:.1} GB/s; prefill 512: int8 {:.1} GFLOP/s, dequant+gemm {:.1} GFLOP/s",
+                "{ty} {rows}x{cols}: decode {gemv:.1} GB/s cold, {hot:.1} GFLOP/s hot; prefill 512: int8 {:.1} GFLOP/s, dequant+gemm {:.1} GFLOP/s",
                 flop / median(int8) / 1e9,
                 flop / median(deq) / 1e9
             );

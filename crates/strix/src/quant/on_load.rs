@@ -12,11 +12,12 @@
 //! |---|---|---|---|
 //! | `q8_0` | Q8_0 | Q8_0 | – |
 //! | `q4_0` | Q4_0 | Q6_K | – |
-//! | `q4_k` (Q4_K_M-like) | Q4_K | Q6_K | `v_proj` and `down_proj` of the layers llama.cpp's `use_more_bits` picks: Q6_K |
+//! | `q4_k` (Q4_K_M-like) | Q4_K | Q6_K | `v_proj` / `in_proj_qkv` (llama.cpp's `attn_v` / `attn_qkv`) and `down_proj` of the layers llama.cpp's `use_more_bits` picks: Q6_K |
 //!
 //! The untied embedding takes the scheme's main type, as llama.cpp's `token_embd` does (the
-//! CPU backend gathers and dequantizes its rows). Where llama.cpp would use Q5_K (Q4_K_M's
-//! `attn_qkv`) strix keeps Q4_K: it has no Q5_K.
+//! CPU backend gathers and dequantizes its rows). Checked against `llama-quantize` (the
+//! llama.cpp build of 2026-11-29) on a random 0.8B checkpoint: the same type for every
+//! tensor, for all three schemes.
 //!
 //! Rows that are not a whole number of blocks fall back as llama.cpp's
 //! `convert_incompatible_tensor` does, within the formats strix has: Q4_K and Q6_K to Q8_0
@@ -29,7 +30,7 @@ use rayon::prelude::*;
 
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{Model, Progress, TensorSource};
 use crate::quant::{self, QuantType};
@@ -94,8 +95,6 @@ pub struct QuantizingSource<'a> {
     scheme: QuantScheme,
     tied: bool,
     num_layers: usize,
-    /// Index of each layer among the attention layers (llama.cpp counts `attn_v` tensors).
-    attention_index: Vec<Option<usize>>,
 }
 
 impl<'a> QuantizingSource<'a> {
@@ -104,25 +103,7 @@ impl<'a> QuantizingSource<'a> {
         config: &ModelConfig,
         scheme: QuantScheme,
     ) -> QuantizingSource<'a> {
-        let mut n = 0;
-        let attention_index = config
-            .layer_kinds
-            .iter()
-            .map(|k| match k {
-                LayerKind::Attention => {
-                    n += 1;
-                    Some(n - 1)
-                }
-                LayerKind::DeltaNet => None,
-            })
-            .collect();
-        QuantizingSource {
-            inner,
-            scheme,
-            tied: config.tie_word_embeddings,
-            num_layers: config.num_layers,
-            attention_index,
-        }
+        QuantizingSource { inner, scheme, tied: config.tie_word_embeddings, num_layers: config.num_layers }
     }
 
     /// The type for matrix `name` with rows of `cols`, before the fallback for odd rows.
@@ -134,22 +115,15 @@ impl<'a> QuantizingSource<'a> {
             QuantScheme::Q4_0 => QuantType::Q4_0,
             QuantScheme::Q4_K if output => QuantType::Q6_K,
             QuantScheme::Q4_K => {
-                let layer = layer_of(name);
-                let n_attn = self.attention_index.iter().flatten().count();
-                let more = match layer {
-                    Some(l) if name.ends_with("self_attn.v_proj.weight") => self
-                        .attention_index
-                        .get(l)
-                        .copied()
-                        .flatten()
-                        .is_some_and(|i| use_more_bits(i, n_attn)),
-                    Some(l) if name.ends_with("mlp.down_proj.weight") => use_more_bits(l, self.num_layers),
-                    _ => false,
-                };
-                if more {
-                    QuantType::Q6_K
-                } else {
-                    QuantType::Q4_K
+                // llama.cpp counts attn_v and attn_qkv tensors together (one per layer here:
+                // v_proj in attention layers, the DeltaNet in_proj_qkv in the others), and
+                // ffn_down by layer.
+                let more = name.ends_with("self_attn.v_proj.weight")
+                    || name.ends_with("linear_attn.in_proj_qkv.weight")
+                    || name.ends_with("mlp.down_proj.weight");
+                match layer_of(name) {
+                    Some(l) if more && use_more_bits(l, self.num_layers) => QuantType::Q6_K,
+                    _ => QuantType::Q4_K,
                 }
             }
         }
@@ -237,7 +211,6 @@ mod tests {
         // 24 layers: 0..3, 21..24, and 3 + 3k + 2 = 5, 8, 11, 14, 17, 20.
         let picked: Vec<usize> = (0..24).filter(|&i| use_more_bits(i, 24)).collect();
         assert_eq!(picked, [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]);
-        // 6 attention layers: n/8 = 0, 7n/8 = 5: 2, 5.
         let picked: Vec<usize> = (0..6).filter(|&i| use_more_bits(i, 6)).collect();
         assert_eq!(picked, [2, 5]);
     }

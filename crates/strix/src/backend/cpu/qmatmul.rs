@@ -17,13 +17,20 @@
 //! separate multiply and add (no FMA), block after block; then the eight lanes are summed
 //! pairwise (`(l0+l4 + l2+l6) + (l1+l5 + l3+l7)`). So the two kernel families give the same
 //! bits, and a (row, token) result never depends on which other rows or tokens share its
-//! tile: [`matmul`] is batch-invariant by construction and [`matmul_rows`] is the same call.
+//! tile: [`matmul_rows`] is batch-invariant by construction.
 //!
-//! **Tiling.** Decode (one token) streams each weight row once. With more tokens, a block of
-//! weight rows (a few tens of KiB, so it stays in L2) is taken against the tokens four at a
-//! time: each weight block is unpacked once per four tokens, and those four activation rows
-//! stay in L1. Measured against dequantizing tiles into the f32 `gemm` path, this int8 path
-//! was faster for prefill on every format (BENCHMARKS.md), so it serves both.
+//! **Tiling.** Decode (one token) streams each weight row once. With a few tokens (decode
+//! batches, short prompts), a block of weight rows (a few tens of KiB, so it stays in L2) is
+//! taken against the tokens four at a time: each weight block is unpacked once per four
+//! tokens, and those four activation rows stay in L1.
+//!
+//! **Prefill.** From [`GEMM_MIN_TOKENS`] tokens on, [`matmul`] instead dequantizes blocks of
+//! weight rows into an f32 tile and multiplies with the `gemm` crate, like the float path: on
+//! the 0.8B shapes this ran 1.3–1.7× faster than the int8 tiles for every format
+//! (`examples/qmatmul_bench.rs`). Its activations are not quantized, so a prompt's logits
+//! differ from a token-by-token decode of it by the activation rounding (as for the float
+//! path, where GEMV and gemm differ by summation order). [`matmul_rows`] (decode batches)
+//! always takes the int8 path, which is what keeps it batch-invariant.
 
 use rayon::prelude::*;
 
@@ -72,17 +79,128 @@ impl QuantRef<'_> {
     }
 }
 
-/// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`, with `x` quantized to 8 bits per block
-/// as the module describes; `out` is overwritten.
+/// From this many tokens on, [`matmul`] dequantizes weight tiles into the f32 `gemm` path.
+/// Measured on the 0.8B shapes (examples/qmatmul_bench.rs, Zen 4, 2 threads): dequantize +
+/// gemm ran prefill at 1.3–1.7× the int8 tiles for every format at 512 tokens.
+pub const GEMM_MIN_TOKENS: usize = 64;
+
+/// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`; `out` is overwritten. Up to
+/// [`GEMM_MIN_TOKENS`] tokens with `x` quantized to 8 bits per block as the module describes,
+/// beyond that with `x` in f32 against dequantized weight tiles.
 pub fn matmul(x: &[f32], tokens: usize, w: QuantRef<'_>, rows: usize, cols: usize, out: &mut [f32]) {
+    if tokens >= GEMM_MIN_TOKENS {
+        gemm_with(x, tokens, w, rows, cols, out)
+    } else {
+        matmul_with(Isa::detect(), x, tokens, w, rows, cols, out)
+    }
+}
+
+/// [`matmul`] for a decode batch: always the int8 kernels, where every (row, token) result is
+/// computed by the same sequence of operations whatever the batch, so row `t` is bitwise the
+/// result of multiplying it alone.
+pub fn matmul_rows(x: &[f32], tokens: usize, w: QuantRef<'_>, rows: usize, cols: usize, out: &mut [f32]) {
     matmul_with(Isa::detect(), x, tokens, w, rows, cols, out)
 }
 
-/// [`matmul`] for a decode batch. The same function: every (row, token) result is computed
-/// by the same sequence of operations whatever the batch, so row `t` is bitwise the result
-/// of multiplying it alone.
-pub fn matmul_rows(x: &[f32], tokens: usize, w: QuantRef<'_>, rows: usize, cols: usize, out: &mut [f32]) {
-    matmul_with(Isa::detect(), x, tokens, w, rows, cols, out)
+/// Weight rows dequantized per gemm call, and the widest column tile (a multiple of every
+/// block size), as in the float GEMM path: 128 × 4096 f32 = 2 MiB of scratch per thread.
+const GEMM_BLOCK_ROWS: usize = 128;
+const GEMM_MIN_BLOCK_ROWS: usize = 32;
+const GEMM_MAX_COLS: usize = 4096;
+
+/// Prefill: blocks of weight rows dequantized into a thread-local f32 tile and multiplied by
+/// the `gemm` crate; the unquantized activations are used as they are.
+pub(crate) fn gemm_with(
+    x: &[f32],
+    tokens: usize,
+    w: QuantRef<'_>,
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) {
+    use std::cell::RefCell;
+    thread_local! {
+        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    assert_eq!(x.len(), tokens * cols, "qmatmul: x is not [tokens, cols]");
+    assert_eq!(out.len(), tokens * rows, "qmatmul: out is not [tokens, rows]");
+    w.check(rows, cols, "qmatmul");
+    if out.is_empty() {
+        return;
+    }
+    if cols == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let (bw, bb) = w.block();
+    let row_bytes = w.row_bytes(cols);
+    let bytes = w.bytes();
+    // Equal column tiles of whole blocks, at most GEMM_MAX_COLS wide.
+    let nblocks = cols / bw;
+    let tiles = cols.div_ceil(GEMM_MAX_COLS);
+    let kb = nblocks.div_ceil(tiles);
+    let per_thread = rows.div_ceil(2 * rayon::current_num_threads());
+    let block = per_thread.next_multiple_of(8).clamp(GEMM_MIN_BLOCK_ROWS, GEMM_BLOCK_ROWS);
+    let out = OutPtr(out.as_mut_ptr());
+    for_each_block(rows, block, rows > block, |r0, r1| {
+        let n = r1 - r0;
+        SCRATCH.with(|s| {
+            // Nothing in here re-enters rayon, so this borrow is never taken twice.
+            let mut s = s.borrow_mut();
+            if s.len() < n * kb * bw {
+                s.resize(n * kb * bw, 0.0);
+            }
+            let mut b0 = 0;
+            while b0 < nblocks {
+                let nb = kb.min(nblocks - b0);
+                let k = nb * bw;
+                let tile = &mut s[..n * k];
+                for (j, dst) in tile.chunks_exact_mut(k).enumerate() {
+                    let at = (r0 + j) * row_bytes + b0 * bb;
+                    dequantize(w, &bytes[at..at + nb * bb], dst);
+                }
+                let c0 = b0 * bw;
+                // SAFETY: dst is the [tokens, n] window at column r0 of `out` (row stride
+                // `rows`), owned by this block alone; lhs is x[:, c0..c0 + k] (row stride
+                // `cols`); rhs is tileᵀ, [k, n] with column stride k. The first tile
+                // overwrites dst, later ones add.
+                unsafe {
+                    gemm::gemm(
+                        tokens,
+                        n,
+                        k,
+                        out.at(r0),
+                        1,
+                        rows as isize,
+                        b0 > 0,
+                        x.as_ptr().add(c0),
+                        1,
+                        cols as isize,
+                        tile.as_ptr(),
+                        k as isize,
+                        1,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                b0 += nb;
+            }
+        });
+    });
+}
+
+fn dequantize(w: QuantRef<'_>, bytes: &[u8], out: &mut [f32]) {
+    use crate::quant::blocks as b;
+    match w {
+        QuantRef::Q8_0(_) => b::dequantize_row_q8_0(bytes, out),
+        QuantRef::Q4_0(_) => b::dequantize_row_q4_0(bytes, out),
+        QuantRef::Q4_K(_) => b::dequantize_row_q4_k(bytes, out),
+        QuantRef::Q6_K(_) => b::dequantize_row_q6_k(bytes, out),
+    }
 }
 
 /// Row `r` of `W` dequantized into `out` (`out.len() == cols`); the embedding gather.
@@ -90,14 +208,7 @@ pub fn row_to_f32(w: QuantRef<'_>, cols: usize, r: usize, out: &mut [f32]) {
     assert_eq!(out.len(), cols, "row_to_f32: out length");
     let rb = w.row_bytes(cols);
     assert!((r + 1) * rb <= w.bytes().len(), "row_to_f32: row {r} out of range");
-    let row = &w.bytes()[r * rb..(r + 1) * rb];
-    use crate::quant::blocks as b;
-    match w {
-        QuantRef::Q8_0(_) => b::dequantize_row_q8_0(row, out),
-        QuantRef::Q4_0(_) => b::dequantize_row_q4_0(row, out),
-        QuantRef::Q4_K(_) => b::dequantize_row_q4_k(row, out),
-        QuantRef::Q6_K(_) => b::dequantize_row_q6_k(row, out),
-    }
+    dequantize(w, &w.bytes()[r * rb..(r + 1) * rb], out);
 }
 
 pub(crate) fn matmul_with(
@@ -220,6 +331,11 @@ impl OutPtr {
     unsafe fn write(self, i: usize, v: f32) {
         *self.0.add(i) = v;
     }
+
+    /// The output from element `i` on (a method, so closures capture the whole `Sync` value).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
 }
 
 /// Weight bytes per parallel work item for decode (as the float GEMV).
@@ -317,16 +433,14 @@ mod avx2 {
     //! Shared AVX2 pieces; every function needs AVX2, FMA and F16C.
     use std::arch::x86_64::*;
 
+    /// The f16 at `p` widened and broadcast to all lanes. Through a word broadcast rather
+    /// than a scalar insert: LLVM turns the latter into `vpinsrw` merging into whatever
+    /// register it picks — in the kernels, the accumulator — which chained every block on
+    /// the previous one (measured 3–6× slower).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn f16_to_f32(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
-        f16_to_f32(u16::from_le_bytes([*p, *p.add(1)]))
+    pub(super) unsafe fn f16_splat(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_set1_epi16(i16::from_le_bytes([*p, *p.add(1)])))
     }
 
     /// i32 lane l = Σ_{k<4} a[4l+k] · b[4l+k] for signed bytes `a`, `b` (GGML's
@@ -339,11 +453,11 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sb), _mm256_set1_epi16(1))
     }
 
-    /// acc + d · float(lanes), unfused.
+    /// acc + d · float(lanes), unfused; `d` is broadcast.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn accumulate(acc: __m256, d: f32, lanes: __m256i) -> __m256 {
-        _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)))
+    pub(super) fn accumulate(acc: __m256, d: __m256, lanes: __m256i) -> __m256 {
+        _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes)))
     }
 
     #[inline]
@@ -396,12 +510,13 @@ impl Format for Q8_0 {
         let wp = w.as_ptr();
         for b in 0..nb {
             let p = wp.add(b * Q8_0_BYTES);
-            let dw = avx2::f16_at(p);
+            let dw = avx2::f16_splat(p);
             let q = avx2::load(p.add(2));
             for (acc, x) in acc.iter_mut().zip(xs) {
                 // |lane| <= 4 · 128 · 127 < 2^24: exact in f32.
                 let lanes = avx2::dot_i8(q, avx2::load_i8(x.qs.as_ptr().add(32 * b)));
-                *acc = avx2::accumulate(*acc, dw * *x.d.get_unchecked(b), lanes);
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
+                *acc = avx2::accumulate(*acc, d, lanes);
             }
         }
         acc.map(|a| super::simd::avx2::hsum(a))
@@ -451,14 +566,15 @@ impl Format for Q4_0 {
         let eight = _mm256_set1_epi8(8);
         for b in 0..nb {
             let p = wp.add(b * Q4_0_BYTES);
-            let dw = avx2::f16_at(p);
+            let dw = avx2::f16_splat(p);
             // Bytes 0..16: low nibbles (weights 0..16); bytes 16..32: high nibbles.
             let packed = _mm_loadu_si128(p.add(2).cast());
             let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
             let q = _mm256_sub_epi8(_mm256_and_si256(both, low), eight);
             for (acc, x) in acc.iter_mut().zip(xs) {
                 let lanes = avx2::dot_i8(q, avx2::load_i8(x.qs.as_ptr().add(32 * b)));
-                *acc = avx2::accumulate(*acc, dw * *x.d.get_unchecked(b), lanes);
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
+                *acc = avx2::accumulate(*acc, d, lanes);
             }
         }
         acc.map(|a| super::simd::avx2::hsum(a))
@@ -532,8 +648,8 @@ impl Format for Q4K {
         let low = _mm256_set1_epi8(0x0f);
         for b in 0..nb {
             let p = wp.add(b * Q4_K_BYTES);
-            let d = avx2::f16_at(p);
-            let dmin = avx2::f16_at(p.add(2));
+            let d = avx2::f16_splat(p);
+            let dmin = _mm256_cvtss_f32(avx2::f16_splat(p.add(2)));
             let (sc, mn) = q4k_scales(std::slice::from_raw_parts(p.add(4), 12));
             let mut sumi = [_mm256_setzero_si256(); T];
             for g in 0..4 {
@@ -552,7 +668,7 @@ impl Format for Q4K {
             for t in 0..T {
                 let x = &xs[t];
                 let dx = *x.d.get_unchecked(b);
-                acc[t] = avx2::accumulate(acc[t], d * dx, sumi[t]);
+                acc[t] = avx2::accumulate(acc[t], _mm256_mul_ps(d, _mm256_set1_ps(dx)), sumi[t]);
                 let s = x.sums.get_unchecked(8 * b..8 * b + 8);
                 let mut summ = 0i32;
                 for j in 0..8 {
@@ -625,7 +741,7 @@ impl Format for Q6K {
         for b in 0..nb {
             let p = wp.add(b * Q6_K_BYTES);
             let sc = p.add(QK_K / 2 + QK_K / 4) as *const i8;
-            let d = avx2::f16_at(p.add(QK_K / 2 + QK_K / 4 + QK_K / 16));
+            let d = avx2::f16_splat(p.add(QK_K / 2 + QK_K / 4 + QK_K / 16));
             let mut sumi = [_mm256_setzero_si256(); T];
             for h in 0..2 {
                 let ql0 = avx2::load(p.add(64 * h));
@@ -666,7 +782,8 @@ impl Format for Q6K {
                 }
             }
             for t in 0..T {
-                acc[t] = avx2::accumulate(acc[t], d * *xs[t].d.get_unchecked(b), sumi[t]);
+                let dx = _mm256_set1_ps(*xs[t].d.get_unchecked(b));
+                acc[t] = avx2::accumulate(acc[t], _mm256_mul_ps(d, dx), sumi[t]);
             }
         }
         acc.map(|a| super::simd::avx2::hsum(a))
@@ -889,6 +1006,27 @@ mod tests {
                 matmul_with(Isa::Portable, &x, tokens, qref(ty, &w), rows, cols, &mut c);
                 assert!(a.iter().zip(&c).all(|(a, c)| a.to_bits() == c.to_bits()), "{ty}");
                 assert!(b.iter().zip(&c).all(|(a, c)| a.to_bits() == c.to_bits()), "{ty}");
+            }
+        }
+    }
+
+    /// The prefill path (dequantized tiles, f32 activations) against the f64 product of the
+    /// dequantized weights and the f32 activations: max |Δ| / max |ref| <= 1e-5, on shapes
+    /// with several column tiles and row blocks, around the path threshold.
+    #[test]
+    fn gemm_path_matches_f64() {
+        let mut rng = Rng(21);
+        for ty in TYPES {
+            for (rows, cols) in [(1usize, 256usize), (37, 768), (300, 2 * GEMM_MAX_COLS + 256)] {
+                let w = random_weights(&mut rng, ty, rows, cols);
+                for tokens in [GEMM_MIN_TOKENS, GEMM_MIN_TOKENS + 7] {
+                    let x = random_x(&mut rng, tokens * cols);
+                    let (want, _) = reference_f32_x(ty, &w, &x, tokens, rows, cols);
+                    let mut got = vec![f32::NAN; tokens * rows];
+                    matmul(&x, tokens, qref(ty, &w), rows, cols, &mut got);
+                    let e = rel_err(&got, &want);
+                    assert!(e <= 1e-5, "{ty} rows={rows} cols={cols} tokens={tokens}: {e:e}");
+                }
             }
         }
     }
