@@ -10,8 +10,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use strix::backend::Backend;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
+use strix::gguf::GgufFile;
 use strix::hub::{fetch_model, DEFAULT_MODEL};
-use strix::model::Model;
+use strix::model::{is_gguf_path, Model};
 use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 
@@ -23,8 +24,9 @@ pub const DEFAULT_CONTEXT: usize = 4096;
 
 #[derive(Args, Debug)]
 pub struct ModelArgs {
-    /// Model directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face repo
-    /// id such as Qwen/Qwen3.5-2B (downloaded to the Hugging Face cache on first use).
+    /// Model directory (config.json, *.safetensors, tokenizer.json), a llama.cpp `qwen35`
+    /// GGUF file, or a Hugging Face repo id such as Qwen/Qwen3.5-2B (downloaded to the
+    /// Hugging Face cache on first use).
     /// Default: Qwen/Qwen3.5-0.8B
     #[arg(short, long, value_name = "PATH")]
     pub model: Option<String>,
@@ -194,11 +196,11 @@ pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
         return Ok(fetch_model(DEFAULT_MODEL)?);
     };
     let path = Path::new(arg);
-    if path.is_dir() {
+    if path.is_dir() || is_gguf_path(path) {
         return Ok(path.to_path_buf());
     }
     if path.exists() {
-        bail!("--model {arg} is a file; give the model directory that holds config.json");
+        bail!("--model {arg} is neither a model directory (config.json, *.safetensors) nor a GGUF file");
     }
     if looks_like_repo_id(arg) {
         return fetch_model(arg)
@@ -229,15 +231,36 @@ pub fn with_progress<T>(message: &'static str, unit: &str, f: impl FnOnce(&dyn F
     out
 }
 
-/// Loads a model directory's weights onto `backend`, with a progress bar over the read of the
-/// files (`Model::load` reports bytes read).
-pub fn load_model<B: Backend>(dir: &Path, backend: B) -> Result<Model<B>> {
-    Ok(with_progress("loading", "bytes", |p| Model::load(dir, backend, Some(p)))?)
+/// Loads a model directory's weights (or a GGUF file's) onto `backend`, with a progress bar
+/// over the read of the files (`Model::load` reports bytes read; a GGUF load, layers).
+pub fn load_model<B: Backend>(path: &Path, backend: B) -> Result<Model<B>> {
+    if is_gguf_path(path) {
+        return Ok(with_progress("loading", "layers", |p| Model::load_path(path, backend, Some(p)))?);
+    }
+    Ok(with_progress("loading", "bytes", |p| Model::load(path, backend, Some(p)))?)
 }
 
-/// The tokenizer of a model directory; `None` when it ships none.
-pub fn load_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
-    Ok(Tokenizer::from_model_dir(dir)?)
+/// The directory holding the model's side files: the model directory itself, or the folder a
+/// GGUF file is in.
+fn side_dir(path: &Path) -> &Path {
+    if is_gguf_path(path) {
+        path.parent().unwrap_or(Path::new("."))
+    } else {
+        path
+    }
+}
+
+/// The tokenizer of a model directory; `None` when it ships none. For a GGUF file: the
+/// `tokenizer.json` beside it when there is one, else the one in its `tokenizer.ggml.*` metadata.
+pub fn load_tokenizer(path: &Path) -> Result<Option<Tokenizer>> {
+    if let Some(t) = Tokenizer::from_model_dir(side_dir(path))? {
+        return Ok(Some(t));
+    }
+    if is_gguf_path(path) {
+        let file = GgufFile::open(path)?;
+        return Ok(Some(Tokenizer::from_gguf(&file)?));
+    }
+    Ok(None)
 }
 
 /// The tokenizer, or an error saying why `what` needs one.
@@ -254,9 +277,27 @@ pub fn require_tokenizer<'a>(
     })
 }
 
-pub fn require_template(dir: &Path) -> Result<ChatTemplate> {
+/// The chat template: a model directory's, or for a GGUF file its `tokenizer.chat_template`
+/// (with the BOS/EOS token texts of its metadata), else the template files beside it.
+pub fn require_template(path: &Path) -> Result<ChatTemplate> {
+    if is_gguf_path(path) {
+        let file = GgufFile::open(path)?;
+        if file.metadata("tokenizer.chat_template").is_some() {
+            let token = |key: &str| -> Option<String> {
+                let id = file.get_u32(key).ok()? as usize;
+                file.get_str_array("tokenizer.ggml.tokens").ok()?.get(id).cloned()
+            };
+            let template = ChatTemplate::from_source(file.get_str("tokenizer.chat_template")?)
+                .with_context(|| format!("{}: tokenizer.chat_template", path.display()))?;
+            return Ok(template.with_special_tokens(
+                token("tokenizer.ggml.bos_token_id"),
+                token("tokenizer.ggml.eos_token_id"),
+            ));
+        }
+    }
+    let dir = side_dir(path);
     ChatTemplate::from_model_dir(dir)?.ok_or_else(|| {
-        anyhow!("{} has no chat template (chat_template.jinja or tokenizer_config.json)", dir.display())
+        anyhow!("{} has no chat template (chat_template.jinja or tokenizer_config.json)", path.display())
     })
 }
 

@@ -8,6 +8,7 @@ mod device;
 mod logits;
 mod perplexity;
 mod quant_flag;
+mod quantize;
 mod run;
 mod serve;
 
@@ -21,8 +22,9 @@ NVIDIA GPU (--device auto|cpu|cuda|cuda:N; auto, the default, takes the first CU
 is usable).
 
 A model is a Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
-chat_template.jinja) or a Hugging Face repo id such as Qwen/Qwen3.5-2B, downloaded to the
-Hugging Face cache on first use. With no --model, run and chat use Qwen/Qwen3.5-0.8B.";
+chat_template.jinja), a llama.cpp `qwen35` GGUF file (tokenizer and chat template from its
+metadata unless a tokenizer.json is beside it), or a Hugging Face repo id such as
+Qwen/Qwen3.5-2B, downloaded to the Hugging Face cache on first use. With no --model, run and chat use Qwen/Qwen3.5-0.8B.";
 
 const EXAMPLES: &str = "Examples:
   strix run \"The capital of France is\"
@@ -30,6 +32,8 @@ const EXAMPLES: &str = "Examples:
   strix run --model ./Qwen3.5-2B --temperature 0 --max-tokens 32 --json \"1, 2, 3,\"
   strix chat --model ./Qwen3.5-2B --system \"You are terse.\"
   strix logits --model ./Qwen3.5-2B --prompt-ids 1,2,3 --out logits.safetensors
+  strix quantize --model ./Qwen3.5-2B --quant q8_0 --out Qwen3.5-2B-Q8_0.gguf
+  strix run --model Qwen3.5-2B-Q8_0.gguf --temperature 0 \"Hello\"
   strix bench --preset qwen3.5-0.8b --prompt-len 512 --gen 32
   strix bench --device cuda --preset qwen3.5-9b
   strix perplexity --model ./Qwen3.5-2B --file wiki.test.raw --ctx 512 --quant q4_k";
@@ -55,6 +59,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Perplexity of a text file (llama.cpp's definition), or KL divergence against a base run
     Perplexity(perplexity::PerplexityArgs),
+    /// Write a model directory as a llama.cpp GGUF file with quantized matrices
+    Quantize(quantize::QuantizeArgs),
 }
 
 fn main() {
@@ -66,6 +72,7 @@ fn main() {
         Command::Bench(args) => bench::bench(args),
         Command::Serve(args) => serve::serve(args),
         Command::Perplexity(args) => perplexity::perplexity(args),
+        Command::Quantize(args) => quantize::quantize(args),
     };
     if let Err(e) = result {
         // One line, so scripts and logs keep the whole message together.

@@ -119,7 +119,7 @@ impl ModelConfig {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }
 
-    fn validate(&self, path: &Path) -> Result<()> {
+    pub(crate) fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
         for (name, v) in [
             ("vocab_size", self.vocab_size),

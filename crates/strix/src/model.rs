@@ -29,6 +29,21 @@ impl TensorSource for Checkpoint {
     }
 }
 
+/// Whether `path` names a GGUF file rather than a model directory: a file whose name ends in
+/// `.gguf` or whose first bytes are GGUF's magic.
+pub fn is_gguf_path(path: &Path) -> bool {
+    if !path.is_file() {
+        return false;
+    }
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        return true;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok_and(|_| magic == crate::gguf::GGUF_MAGIC)
+}
+
 pub struct DeltaNetWeights<B: Backend> {
     in_proj_qkv: B::Weight,
     in_proj_z: B::Weight,
@@ -104,6 +119,17 @@ impl<B: Backend> Model<B> {
         let ckpt = Checkpoint::open_dir(dir)?;
         ckpt.prefetch(progress);
         Model::from_source(config, &ckpt, backend, None)
+    }
+
+    /// Loads a model directory ([`Model::load`]) or a llama.cpp `qwen35` GGUF file (a path that
+    /// [`is_gguf_path`] accepts). For a GGUF file `progress` counts layers, not bytes.
+    pub fn load_path(path: &Path, backend: B, progress: Option<Progress>) -> Result<Model<B>> {
+        if is_gguf_path(path) {
+            let gguf = crate::gguf::Qwen35Gguf::open(path)?;
+            Model::from_source(gguf.config().clone(), &gguf, backend, progress)
+        } else {
+            Model::load(path, backend, progress)
+        }
     }
 
     /// Builds the model from any tensor source, uploading each weight through the backend.

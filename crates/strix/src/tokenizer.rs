@@ -49,6 +49,18 @@ impl Tokenizer {
         Self::from_file(&path).map(Some)
     }
 
+    /// The tokenizer a GGUF file carries in its `tokenizer.ggml.*` metadata, rebuilt as the
+    /// `tokenizer.json` Hugging Face ships for it: byte-level BPE (`tokenizer.ggml.model` =
+    /// `gpt2`) with the vocabulary, merges and token types of the file and the pre-tokenizer
+    /// that `tokenizer.ggml.pre` names (`qwen35`, `qwen2`). Tokens typed CONTROL or
+    /// USER_DEFINED become added tokens (CONTROL ones special); UNUSED ones (the converter's
+    /// `[PAD…]` fillers up to the embedding size) are left out. Errors name the file and key.
+    pub fn from_gguf(file: &crate::gguf::GgufFile) -> Result<Self> {
+        let json = gguf_tokenizer_json(file)?;
+        Self::from_bytes(json.to_string().as_bytes())
+            .map_err(|e| Error::Tokenizer(format!("{}: {}", file.path().display(), tokenizer_message(e))))
+    }
+
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`,
     /// `<think>`...) become their own ids, as in the chat template's output.
     /// `add_special_tokens` asks the post-processor for the tokens it adds around a
@@ -99,6 +111,109 @@ impl Tokenizer {
     pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder {
         StreamDecoder::new(self.clone(), skip_special_tokens)
     }
+}
+
+/// The pre-tokenizer split of Qwen3.5's `tokenizer.json` (llama.cpp: `LLAMA_VOCAB_PRE_TYPE_QWEN35`).
+const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The pre-tokenizer split of Qwen2/Qwen3's `tokenizer.json` (llama.cpp: `qwen2`).
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The `tokenizer.ggml.pre` name llama.cpp gives a `tokenizer.json` pre-tokenizer split.
+pub fn gguf_pre_tokenizer_name(pattern: &str) -> Option<&'static str> {
+    match pattern {
+        QWEN35_PATTERN => Some("qwen35"),
+        QWEN2_PATTERN => Some("qwen2"),
+        _ => None,
+    }
+}
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_NORMAL: i32 = 1;
+const TOKEN_CONTROL: i32 = 3;
+const TOKEN_USER_DEFINED: i32 = 4;
+const TOKEN_UNUSED: i32 = 5;
+
+fn gguf_tokenizer_json(file: &crate::gguf::GgufFile) -> Result<serde_json::Value> {
+    use serde_json::{json, Map, Value};
+    let path = file.path().display();
+    let bad = |m: String| Error::Tokenizer(format!("{path}: {m}"));
+    let model = file.get_str("tokenizer.ggml.model").map_err(|e| bad(e.to_string()))?;
+    if model != "gpt2" {
+        return Err(bad(format!(
+            "tokenizer.ggml.model is `{model}`: only byte-level BPE (`gpt2`) tokenizers are supported"
+        )));
+    }
+    let pre = file.get_str("tokenizer.ggml.pre").map_err(|e| bad(e.to_string()))?;
+    let (pattern, ignore_merges) = match pre {
+        "qwen35" => (QWEN35_PATTERN, true),
+        "qwen2" => (QWEN2_PATTERN, false),
+        other => {
+            return Err(bad(format!(
+                "tokenizer.ggml.pre is `{other}`: strix knows the pre-tokenizers `qwen35` and `qwen2`"
+            )))
+        }
+    };
+    let tokens = file.get_str_array("tokenizer.ggml.tokens").map_err(|e| bad(e.to_string()))?;
+    let types: Vec<i32> = if file.metadata("tokenizer.ggml.token_type").is_some() {
+        let t = file.get_i32_array("tokenizer.ggml.token_type").map_err(|e| bad(e.to_string()))?;
+        if t.len() != tokens.len() {
+            return Err(bad(format!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                t.len(),
+                tokens.len()
+            )));
+        }
+        t.to_vec()
+    } else {
+        vec![TOKEN_NORMAL; tokens.len()]
+    };
+    let merges = file.get_str_array("tokenizer.ggml.merges").map_err(|e| bad(e.to_string()))?;
+
+    let mut vocab = Map::new();
+    let mut added = Vec::new();
+    for (id, (tok, &ty)) in tokens.iter().zip(&types).enumerate() {
+        match ty {
+            TOKEN_UNUSED => {}
+            TOKEN_CONTROL | TOKEN_USER_DEFINED => added.push(json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": ty == TOKEN_CONTROL,
+            })),
+            _ => {
+                if vocab.insert(tok.clone(), Value::from(id)).is_some() {
+                    return Err(bad(format!("tokenizer.ggml.tokens has `{tok}` twice")));
+                }
+            }
+        }
+    }
+    let merges = merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| match m.split_once(' ') {
+            Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => Ok(json!([a, b])),
+            _ => {
+                Err(bad(format!("tokenizer.ggml.merges[{i}] is `{m}`, not two tokens separated by a space")))
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let byte_level = |prefix: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": prefix, "use_regex": prefix});
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+            byte_level(false),
+        ]},
+        "post_processor": byte_level(false),
+        "decoder": byte_level(true),
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
+        },
+    }))
 }
 
 fn tokenizer_message(e: Error) -> String {

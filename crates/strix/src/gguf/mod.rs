@@ -13,8 +13,11 @@
 //! the file size. A bad file is an [`Error::Checkpoint`] naming the file and the fault, never
 //! a panic; past `open`, tensor accesses cannot go out of bounds.
 
+pub mod q5_0;
+pub mod qwen35;
 mod writer;
 
+pub use qwen35::Qwen35Gguf;
 pub use writer::GgufWriter;
 
 use std::collections::HashMap;

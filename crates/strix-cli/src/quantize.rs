@@ -1,0 +1,83 @@
+//! `strix quantize`: a Hugging Face Qwen3.5 checkpoint written as a llama.cpp `qwen35` GGUF,
+//! its matrices encoded with strix's GGML-exact quantizers (what llama.cpp's converter plus
+//! `llama-quantize --pure` would make of it; see `strix::gguf::qwen35::write_gguf`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use strix::checkpoint::Checkpoint;
+use strix::config::ModelConfig;
+use strix::gguf::qwen35::{tokenizer_metadata, write_gguf};
+use strix::quant::QuantType;
+
+use crate::common;
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    /// Model directory (config.json, *.safetensors; tokenizer.json and the chat template go
+    /// into the file's metadata when present)
+    #[arg(short, long, value_name = "DIR")]
+    pub model: PathBuf,
+
+    /// Type of the matrices: q8_0, q4_0, q4_k or q6_k (or bf16, f16, f32). Rows that are not
+    /// whole blocks fall back as llama-quantize's do (Q4_K → Q5_0, Q6_K → Q8_0, else F16);
+    /// norms, conv1d and vectors stay f32
+    #[arg(short, long, value_name = "TYPE")]
+    pub quant: String,
+
+    /// The GGUF file to write
+    #[arg(short, long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// The types `--quant` accepts.
+pub fn parse_quant(name: &str) -> Result<QuantType> {
+    use QuantType::*;
+    match QuantType::from_name(name) {
+        Some(t @ (Q8_0 | Q4_0 | Q4_K | Q6_K | BF16 | F16 | F32)) => Ok(t),
+        _ => bail!("--quant {name}: expected q8_0, q4_0, q4_k, q6_k, bf16, f16 or f32"),
+    }
+}
+
+pub fn quantize(args: QuantizeArgs) -> Result<()> {
+    let ty = parse_quant(&args.quant)?;
+    if !args.model.is_dir() {
+        bail!("--model {}: give the Hugging Face model directory to quantize", args.model.display());
+    }
+    let config = ModelConfig::from_model_dir(&args.model)?;
+    let ckpt = Checkpoint::open_dir(&args.model)?;
+    let metadata = if args.model.join("tokenizer.json").is_file() {
+        tokenizer_metadata(&args.model, config.vocab_size)?
+    } else {
+        eprintln!(
+            "strix: warning: {} has no tokenizer.json; the GGUF will carry no tokenizer",
+            args.model.display()
+        );
+        Vec::new()
+    };
+    let name = args
+        .model
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    let report = common::with_progress("quantizing", "tensors", |p| {
+        write_gguf(&config, &ckpt, ty, metadata, &name, &args.out, Some(p))
+    })
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for (_, t) in &report.tensors {
+        *counts.entry(t.name()).or_default() += 1;
+    }
+    let size = std::fs::metadata(&args.out).map(|m| m.len()).unwrap_or(0);
+    let counts: Vec<String> = counts.iter().map(|(t, n)| format!("{n} {t}")).collect();
+    eprintln!(
+        "strix quantize: wrote {} ({:.2} MiB; tensors: {})",
+        args.out.display(),
+        size as f64 / (1u64 << 20) as f64,
+        counts.join(", ")
+    );
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! The `strix` binary on GGUF files: `--model FILE.gguf` (tokenizer and chat template from the
+//! file's metadata), `strix quantize`, and their errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn strix(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strix"))
+        .args(args)
+        .env("STRIX_DEVICE", "cpu")
+        .output()
+        .expect("run strix")
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = strix(args);
+    assert!(out.status.success(), "strix {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+fn greedy(model: &str, extra: &[&str]) -> (Value, Value) {
+    let mut args = vec!["run", "--model", model, "--temperature", "0", "--max-tokens", "12", "--json"];
+    args.extend_from_slice(extra);
+    args.push("Hello world, how are you?");
+    let v = json(&args);
+    (v["prompt_ids"].clone(), v["ids"].clone())
+}
+
+/// A GGUF copy of a model directory, alone in a folder (so no tokenizer.json is beside it).
+fn alone(src: &Path, dir: &Path) -> String {
+    let dst = dir.join(src.file_name().unwrap());
+    std::fs::copy(src, &dst).unwrap();
+    dst.to_string_lossy().into_owned()
+}
+
+#[test]
+fn gguf_models_run_with_the_tokenizer_and_template_of_their_metadata() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("models/causal-bf16-gdn3x");
+    let file = alone(&fixtures().join("gguf-models/causal-bf16-gdn3x.bf16.gguf"), tmp.path());
+    let dir = dir.to_string_lossy().into_owned();
+    assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
+    assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
+}
+
+/// `strix quantize` writes a file strix runs; for Q8_0 it holds what llama-quantize makes of
+/// the same model (the committed file), so both give the same tokens.
+#[test]
+fn quantize_writes_a_runnable_gguf() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("q8.gguf");
+    let dir = fixtures().join("models/causal-bf16-gdn3x");
+    let run = strix(&[
+        "quantize",
+        "--model",
+        dir.to_str().unwrap(),
+        "--quant",
+        "q8_0",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("Q8_0"));
+    let theirs = fixtures().join("gguf-models/causal-bf16-gdn3x.q8_0.gguf");
+    assert_eq!(greedy(out.to_str().unwrap(), &[]), greedy(theirs.to_str().unwrap(), &[]));
+}
+
+#[test]
+fn bad_arguments_are_one_clean_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("models/causal-bf16-gdn3x");
+    let out = tmp.path().join("x.gguf");
+    for (args, needle) in [
+        (
+            vec![
+                "quantize",
+                "--model",
+                dir.to_str().unwrap(),
+                "--quant",
+                "q5_1",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            "q5_1",
+        ),
+        (
+            vec![
+                "quantize",
+                "--model",
+                tmp.path().to_str().unwrap(),
+                "--quant",
+                "q8_0",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            "config.json",
+        ),
+        (
+            vec!["run", "--model", dir.join("config.json").to_str().unwrap(), "hi"],
+            "neither a model directory",
+        ),
+    ] {
+        let o = strix(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && !err.contains("panicked"), "{args:?}: {err}");
+        assert!(err.starts_with("error: ") && err.contains(needle), "{args:?}: {err}");
+    }
+}

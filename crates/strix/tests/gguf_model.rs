@@ -1,0 +1,477 @@
+//! Qwen3.5 GGUF files as llama.cpp makes them (`tests/fixtures/gguf-models/`, written by
+//! `scripts/make_gguf_model_fixtures.py` with llama.cpp's converter and `llama-quantize`) and
+//! as `strix quantize` writes them, run on the CPU.
+//!
+//! Tolerances (max |Δ| / max |reference|): a float GGUF against the safetensors checkpoint it
+//! was converted from ≤ 1e-4 (the CPU path's bound; the errors reached are printed: the only
+//! loss is the `ssm_a = −exp(A_log)` round trip); quantized files against their float run
+//! within the bounds in [`QUANT_BOUNDS`], measured and printed.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{argmax, cases, rel_err};
+use strix::backend::cpu::CpuBackend;
+use strix::backend::ValueHeadOrder;
+use strix::checkpoint::Checkpoint;
+use strix::config::ModelConfig;
+use strix::gguf::qwen35::{self, storage_type, tokenizer_metadata, write_gguf};
+use strix::gguf::{GgufFile, GgufValue, GgufWriter, Qwen35Gguf};
+use strix::model::{Logits, Model, TensorSource};
+use strix::quant::QuantType;
+use strix::tensor::{Bytes, HostTensor};
+use strix::tokenizer::Tokenizer;
+
+const TOLERANCE: f32 = 1e-4;
+
+/// For each llama-quantize output of `causal-bf16-gdn3x`, against the bf16 file: the largest
+/// logits error allowed and the smallest share of positions whose top-1 token must agree.
+/// Measured (strix and transformers agree on these files to 1.5e-6, see
+/// `quantized_ggufs_match_transformers_on_their_weights`): Q8_0 8.3e-2 and 99/100, Q4_0 0.67
+/// and 65/100, Q4_K_M (Q5_0/Q8_0 rows here: 64-wide rows are not whole Q4_K blocks) 0.75 and
+/// 76/100. The tiny random model amplifies weight noise: per-matrix Q8_0 errors are 0.4%.
+const QUANT_BOUNDS: [(&str, f32, f32); 3] = [("q8_0", 0.12, 0.95), ("q4_0", 1.0, 0.5), ("q4_k_m", 1.0, 0.6)];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn model_dir(name: &str) -> PathBuf {
+    root().join("models").join(name)
+}
+
+fn gguf(name: &str) -> PathBuf {
+    root().join("gguf-models").join(name)
+}
+
+fn load(path: &Path) -> Model<CpuBackend> {
+    Model::load_path(path, CpuBackend::new(), None).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Logits of every prompt position for each golden prompt of `dir`, and ten greedy ids after it.
+fn run_cases(model: &Model<CpuBackend>, dir: &Path) -> Vec<(Vec<f32>, Vec<u32>)> {
+    let vocab = model.config.vocab_size;
+    cases(dir)
+        .into_iter()
+        .map(|case| {
+            let mut session = model.new_session(1024);
+            let mut logits = model.forward(&mut session, &case.ids, Logits::All).unwrap();
+            let mut next = argmax(&logits[(case.len - 1) * vocab..]);
+            let mut greedy = Vec::new();
+            for _ in 0..10 {
+                greedy.push(next);
+                let step = model.forward(&mut session, &[next], Logits::Last).unwrap();
+                next = argmax(&step);
+                logits.extend(step);
+            }
+            (logits, greedy)
+        })
+        .collect()
+}
+
+/// A float GGUF made by llama.cpp's converter gives the logits of the checkpoint it came from,
+/// prompt and ten decode steps, for v heads = 3x and 2x k heads (the converter's value-head
+/// reordering, loaded as llama.cpp's tiled order).
+#[test]
+fn float_gguf_logits_equal_safetensors() {
+    for (fixture, file) in [
+        ("causal-bf16-gdn3x", "causal-bf16-gdn3x.bf16.gguf"),
+        ("causal-f32-tied-gdn2x", "causal-f32-tied-gdn2x.f32.gguf"),
+    ] {
+        let dir = model_dir(fixture);
+        let st = load(&dir);
+        let gg = load(&gguf(file));
+        assert_eq!(gg.config.linear_value_head_order, ValueHeadOrder::Tiled);
+        assert_ne!(gg.config.linear_num_v_heads, gg.config.linear_num_k_heads);
+        let mut worst = 0f32;
+        for ((a, ga), (b, gb)) in run_cases(&gg, &dir).iter().zip(run_cases(&st, &dir).iter()) {
+            assert_eq!(ga, gb, "{file}: greedy ids");
+            worst = worst.max(rel_err(a, b));
+        }
+        println!("{file}: logits vs safetensors, worst rel err {worst:.2e}");
+        assert!(worst <= TOLERANCE, "{file}: rel err {worst:.2e} > {TOLERANCE:e}");
+    }
+}
+
+/// The model's shape read from GGUF metadata is the one config.json gives.
+#[test]
+fn config_from_metadata_matches_config_json() {
+    for (fixture, file) in [
+        ("causal-bf16-gdn3x", "causal-bf16-gdn3x.bf16.gguf"),
+        ("causal-f32-tied-gdn2x", "causal-f32-tied-gdn2x.f32.gguf"),
+    ] {
+        let want = ModelConfig::from_model_dir(&model_dir(fixture)).unwrap();
+        let got = Qwen35Gguf::open(gguf(file)).unwrap().config().clone();
+        let mut want = want;
+        want.linear_value_head_order = ValueHeadOrder::Tiled;
+        assert_eq!(got, want, "{file}");
+    }
+}
+
+/// Each llama-quantize output gives the logits transformers computes from its weights as
+/// stored (dequantized by the `gguf` package and mapped back in the fixture script): strix
+/// reads every block, fallback type and permuted head of the file right, to the f32 tolerance.
+#[test]
+fn quantized_ggufs_match_transformers_on_their_weights() {
+    let bytes = std::fs::read(gguf("goldens.safetensors")).unwrap();
+    let goldens = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut files = 0;
+    for name in goldens.names() {
+        let Some(stem) = name.strip_suffix(".ids") else { continue };
+        let ids = common::ids(&goldens, name);
+        let want = common::f32s(&goldens, &format!("{stem}.logits"));
+        let model = load(&gguf(&format!("{stem}.gguf")));
+        let got = model.forward(&mut model.new_session(1024), &ids, Logits::All).unwrap();
+        let e = rel_err(&got, &want);
+        println!("{stem}: logits vs transformers on the dequantized weights, rel err {e:.2e}");
+        assert!(e <= TOLERANCE, "{stem}: rel err {e:.2e} > {TOLERANCE:e}");
+        files += 1;
+    }
+    assert_eq!(files, 4, "goldens for the four quantized files");
+}
+
+/// llama-quantize's Q8_0, Q4_0 and Q4_K_M files load (packed blocks, Q5_0 fallback rows decoded)
+/// and run close to the bf16 file; where the float run's top-1 margin exceeds twice the error,
+/// the quantized run picks the same token.
+#[test]
+fn quantized_ggufs_run_close_to_float() {
+    let dir = model_dir("causal-bf16-gdn3x");
+    let float = load(&gguf("causal-bf16-gdn3x.bf16.gguf"));
+    let vocab = float.config.vocab_size;
+    let reference: Vec<Vec<f32>> = cases(&dir)
+        .iter()
+        .map(|c| float.forward(&mut float.new_session(1024), &c.ids, Logits::All).unwrap())
+        .collect();
+    for (quant, bound, min_agree) in QUANT_BOUNDS {
+        let file = gguf(&format!("causal-bf16-gdn3x.{quant}.gguf"));
+        let model = load(&file);
+        let (mut worst, mut checked, mut agree, mut positions) = (0f32, 0usize, 0usize, 0usize);
+        for (case, want) in cases(&dir).iter().zip(&reference) {
+            let got = model.forward(&mut model.new_session(1024), &case.ids, Logits::All).unwrap();
+            let e = rel_err(&got, want);
+            worst = worst.max(e);
+            for (g, w) in got.chunks(vocab).zip(want.chunks(vocab)) {
+                let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                positions += 1;
+                agree += usize::from(argmax(g) == argmax(w));
+                let mut sorted = w.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if sorted[0] - sorted[1] > 2.0 * diff {
+                    assert_eq!(argmax(g), argmax(w), "{quant}: top-1 with a safe margin");
+                    checked += 1;
+                }
+            }
+        }
+        println!(
+            "{quant}: logits vs bf16 GGUF, worst rel err {worst:.3e}; top-1 equal at {agree} of {positions} \
+             positions, required at the {checked} with a safe margin"
+        );
+        assert!(worst <= bound, "{quant}: rel err {worst:.3e} > {bound}");
+        assert!(agree as f32 >= min_agree * positions as f32, "{quant}: top-1 agrees at {agree}/{positions}");
+        // Q8_0 moves the logits little enough that many positions keep a safe margin.
+        assert!(quant != "q8_0" || checked > 0, "{quant}: no position had a margin to check top-1 against");
+    }
+}
+
+fn corpus() -> Vec<String> {
+    let text = std::fs::read_to_string(root().join("tokenizer/corpus.json")).unwrap();
+    let items: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    let mut out: Vec<String> = items.iter().map(|v| v["text"].as_str().unwrap().to_string()).collect();
+    out.push("<|im_start|>user\nHi <think>\n</think> <tool_call>x</tool_call><|im_end|>\n".into());
+    out
+}
+
+/// The tokenizer rebuilt from `tokenizer.ggml.*` encodes and decodes like the fixture's
+/// tokenizer.json, on the 60-string corpus plus special tokens.
+#[test]
+fn tokenizer_from_metadata_matches_tokenizer_json() {
+    for (fixture, file) in [
+        ("causal-bf16-gdn3x", "causal-bf16-gdn3x.bf16.gguf"),
+        ("causal-f32-tied-gdn2x", "causal-f32-tied-gdn2x.q8_0.gguf"),
+    ] {
+        let want = Tokenizer::from_file(model_dir(fixture).join("tokenizer.json")).unwrap();
+        let got = Tokenizer::from_gguf(&GgufFile::open(gguf(file)).unwrap()).unwrap();
+        assert_eq!(got.vocab_size(), want.vocab_size());
+        for text in corpus() {
+            let ids = want.encode(&text, false).unwrap();
+            assert_eq!(got.encode(&text, false).unwrap(), ids, "{file}: {text:?}");
+            for skip in [false, true] {
+                assert_eq!(got.decode(&ids, skip).unwrap(), want.decode(&ids, skip).unwrap(), "{text:?}");
+            }
+        }
+    }
+}
+
+/// The same GGUF with its metadata and tensors rewritten by `edit`.
+fn rewrite(
+    src: &Path,
+    out: &Path,
+    edit_meta: impl Fn(&str, &GgufValue) -> Option<GgufValue>,
+    edit_tensor: impl Fn(&str, QuantType, Vec<u8>) -> Option<(QuantType, Vec<u8>)>,
+) {
+    let f = GgufFile::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in f.metadata_entries() {
+        if let Some(v) = edit_meta(k, v) {
+            w.add_metadata(k, v).unwrap();
+        }
+    }
+    for t in f.tensors() {
+        let bytes = f.tensor_bytes(&t.name).unwrap().to_vec();
+        if let Some((ty, bytes)) = edit_tensor(&t.name, t.ty, bytes) {
+            w.add_tensor(&t.name, &t.dims, ty, bytes).unwrap();
+        }
+    }
+    w.write(out).unwrap();
+}
+
+/// Writes a broken copy of a fixture at the given path.
+type MakeFile<'a> = dyn Fn(&Path) + 'a;
+
+fn load_err(path: &Path) -> String {
+    match Model::load_path(path, CpuBackend::new(), None) {
+        Ok(_) => panic!("{} loaded", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn broken_files_are_errors_naming_the_problem() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = gguf("causal-bf16-gdn3x.bf16.gguf");
+    let keep_meta = |_: &str, v: &GgufValue| Some(v.clone());
+    let keep_tensor = |_: &str, ty: QuantType, b: Vec<u8>| Some((ty, b));
+    let cases: Vec<(&str, Box<MakeFile>, &[&str])> = vec![
+        (
+            "missing tensor",
+            Box::new(|p: &Path| {
+                rewrite(&src, p, keep_meta, |n, ty, b| (n != "blk.2.ssm_a").then_some((ty, b)))
+            }),
+            &["missing tensor `blk.2.ssm_a`", "model.layers.2.linear_attn.A_log"],
+        ),
+        (
+            "wrong architecture",
+            Box::new(|p: &Path| {
+                rewrite(
+                    &src,
+                    p,
+                    |k, v| Some(if k == "general.architecture" { "llama".into() } else { v.clone() }),
+                    keep_tensor,
+                )
+            }),
+            &["general.architecture is `llama`", "qwen35"],
+        ),
+        (
+            "missing key",
+            Box::new(|p: &Path| {
+                rewrite(&src, p, |k, v| (k != "qwen35.embedding_length").then(|| v.clone()), keep_tensor)
+            }),
+            &["qwen35.embedding_length", "missing"],
+        ),
+        (
+            "mistyped key",
+            Box::new(|p: &Path| {
+                rewrite(
+                    &src,
+                    p,
+                    |k, v| Some(if k == "qwen35.block_count" { "four".into() } else { v.clone() }),
+                    keep_tensor,
+                )
+            }),
+            &["qwen35.block_count", "string"],
+        ),
+        (
+            "inconsistent ssm sizes",
+            Box::new(|p: &Path| {
+                rewrite(
+                    &src,
+                    p,
+                    |k, v| Some(if k == "qwen35.ssm.inner_size" { GgufValue::U32(71) } else { v.clone() }),
+                    keep_tensor,
+                )
+            }),
+            &["qwen35.ssm.inner_size (71)", "time_step_rank"],
+        ),
+        (
+            "mis-shaped tensor",
+            // Key heads of 16 channels instead of 8: the stored matrices are too small.
+            Box::new(|p: &Path| {
+                rewrite(
+                    &src,
+                    p,
+                    |k, v| Some(if k == "qwen35.ssm.state_size" { GgufValue::U32(16) } else { v.clone() }),
+                    keep_tensor,
+                )
+            }),
+            &["tensor `blk.0.ssm_conv1d.weight`", "[104, 4]", "expected shape [136, 4]"],
+        ),
+        (
+            "positive ssm_a",
+            Box::new(|p: &Path| {
+                rewrite(&src, p, keep_meta, |n, ty, b| {
+                    Some((ty, if n == "blk.0.ssm_a" { 0.5f32.to_le_bytes().repeat(6) } else { b }))
+                })
+            }),
+            &["blk.0.ssm_a", "must be negative"],
+        ),
+        (
+            "unsupported type",
+            Box::new(|p: &Path| {
+                rewrite(&src, p, keep_meta, |n, ty, b| {
+                    // 64x64 BF16 (8192 bytes) as Q4_1: 64 rows of 2 blocks of 20 bytes.
+                    Some(if n == "blk.0.ffn_up.weight" {
+                        (QuantType::Q4_1, b[..64 * 40].to_vec())
+                    } else {
+                        (ty, b)
+                    })
+                })
+            }),
+            &["blk.0.ffn_up.weight", "Q4_1"],
+        ),
+    ];
+    for (what, make, needles) in cases {
+        let path = tmp.path().join(format!("{}.gguf", what.replace(' ', "-")));
+        make(&path);
+        let e = load_err(&path);
+        assert!(e.contains(&path.display().to_string()), "{what}: error does not name the file: {e}");
+        for n in needles {
+            assert!(e.contains(n), "{what}: `{n}` not in: {e}");
+        }
+        println!("{what}: {e}");
+    }
+}
+
+/// The checkpoint's matrices quantized the way `strix quantize` stores them (no value-head
+/// reordering): the weights quantize-on-load gives the model.
+struct QuantizedOnLoad<'a> {
+    ckpt: &'a Checkpoint,
+    ty: QuantType,
+}
+
+impl TensorSource for QuantizedOnLoad<'_> {
+    fn contains(&self, name: &str) -> bool {
+        self.ckpt.contains(name)
+    }
+    fn tensor(&self, name: &str, shape: &[usize]) -> strix::Result<HostTensor> {
+        let t = self.ckpt.tensor(name, shape)?;
+        if shape.len() != 2 || name.ends_with("conv1d.weight") {
+            return Ok(t);
+        }
+        let ty = storage_type(self.ty, shape[1]);
+        let bytes = qwen35::encode(ty, &t.to_f32_vec())?;
+        let mut out = vec![0f32; t.numel()];
+        if ty == QuantType::Q5_0 {
+            strix::gguf::q5_0::dequantize_row_q5_0(&bytes, &mut out)?;
+        } else {
+            strix::quant::dequantize_row(ty, &bytes, &mut out)?;
+        }
+        let raw: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(HostTensor {
+            name: name.into(),
+            dtype: strix::tensor::DType::F32,
+            shape: shape.to_vec(),
+            bytes: Bytes::owned(&raw),
+        })
+    }
+}
+
+fn write_strix_gguf(fixture: &str, ty: QuantType, out: &Path) {
+    let dir = model_dir(fixture);
+    let config = ModelConfig::from_model_dir(&dir).unwrap();
+    let ckpt = Checkpoint::open_dir(&dir).unwrap();
+    let meta = tokenizer_metadata(&dir, config.vocab_size).unwrap();
+    write_gguf(&config, &ckpt, ty, meta, fixture, out, None).unwrap();
+}
+
+/// `strix quantize` output read back by strix: every matrix dequantizes to exactly the values
+/// quantize-on-load gives, and the logits agree (to the A_log round trip).
+#[test]
+fn strix_quantized_gguf_round_trips() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = "causal-bf16-sharded"; // v heads = k heads: no reordering, blocks identical
+    let dir = model_dir(fixture);
+    let config = ModelConfig::from_model_dir(&dir).unwrap();
+    let ckpt = Checkpoint::open_dir(&dir).unwrap();
+    for ty in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_K] {
+        let path = tmp.path().join(format!("{}.gguf", ty.name()));
+        write_strix_gguf(fixture, ty, &path);
+        let g = Qwen35Gguf::open(&path).unwrap();
+        let onload = QuantizedOnLoad { ckpt: &ckpt, ty };
+        let c = &config;
+        let (h, q_dim) = (c.hidden_size, c.num_heads * c.head_dim);
+        for (name, shape) in [
+            ("model.embed_tokens.weight", [c.vocab_size, h]),
+            ("model.layers.0.linear_attn.in_proj_qkv.weight", [c.conv_dim(), h]),
+            ("model.layers.2.self_attn.o_proj.weight", [h, q_dim]),
+            ("model.layers.5.mlp.down_proj.weight", [h, c.intermediate_size]),
+        ] {
+            let a = g.tensor(name, &shape).unwrap().to_f32_vec();
+            let b = onload.tensor(name, &shape).unwrap().to_f32_vec();
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{ty}: {name} differs");
+        }
+        let from_gguf = load(&path);
+        let on_load = Model::from_source(config.clone(), &onload, CpuBackend::new(), None).unwrap();
+        let mut worst = 0f32;
+        for ((a, ga), (b, gb)) in run_cases(&from_gguf, &dir).iter().zip(run_cases(&on_load, &dir).iter()) {
+            assert_eq!(ga, gb, "{ty}: greedy ids");
+            worst = worst.max(rel_err(a, b));
+        }
+        println!("{ty}: strix GGUF vs quantize-on-load, worst rel err {worst:.2e}");
+        assert!(worst <= 1e-5, "{ty}: {worst:.2e}");
+    }
+}
+
+/// A strix-written float GGUF of the v = 3x and 2x k fixtures (value heads re-tiled,
+/// −exp(A_log), 1 + w norms) gives the checkpoint's logits, and its bf16 tensors are the bytes
+/// llama.cpp's converter writes.
+#[test]
+fn strix_float_gguf_is_the_converters() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (fixture, ty, theirs) in [
+        ("causal-bf16-gdn3x", QuantType::BF16, "causal-bf16-gdn3x.bf16.gguf"),
+        ("causal-f32-tied-gdn2x", QuantType::F32, "causal-f32-tied-gdn2x.f32.gguf"),
+    ] {
+        let path = tmp.path().join(format!("{fixture}.gguf"));
+        write_strix_gguf(fixture, ty, &path);
+        let ours = GgufFile::open(&path).unwrap();
+        let theirs = GgufFile::open(gguf(theirs)).unwrap();
+        let mut names: Vec<&str> = theirs.tensors().iter().map(|t| t.name.as_str()).collect();
+        names.sort();
+        let mut our_names: Vec<&str> = ours.tensors().iter().map(|t| t.name.as_str()).collect();
+        our_names.sort();
+        assert_eq!(our_names, names, "{fixture}: tensor names");
+        for t in theirs.tensors() {
+            let o = ours.tensor_info(&t.name).unwrap();
+            assert_eq!((o.ty, &o.dims), (t.ty, &t.dims), "{fixture}: {}", t.name);
+            let (a, b) = (ours.tensor_f32(&t.name).unwrap(), theirs.tensor_f32(&t.name).unwrap());
+            // exp in f32 (strix) and in torch may differ in the last bit.
+            let e = rel_err(&a, &b);
+            let bound = if t.name.ends_with("ssm_a") { 1e-6 } else { 0.0 };
+            assert!(e <= bound, "{fixture}: {} differs by {e:.2e}", t.name);
+        }
+        for key in [
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.pre",
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.padding_token_id",
+            "tokenizer.chat_template",
+            "qwen35.ssm.inner_size",
+            "qwen35.attention.recurrent_layers",
+            "qwen35.rope.dimension_count",
+        ] {
+            assert_eq!(ours.metadata(key), theirs.metadata(key), "{fixture}: {key}");
+        }
+        let dir = model_dir(fixture);
+        let st = load(&dir);
+        let gg = load(&path);
+        let mut worst = 0f32;
+        for ((a, _), (b, _)) in run_cases(&gg, &dir).iter().zip(run_cases(&st, &dir).iter()) {
+            worst = worst.max(rel_err(a, b));
+        }
+        println!("{fixture}: strix-written {ty} GGUF vs safetensors, worst rel err {worst:.2e}");
+        assert!(worst <= TOLERANCE);
+    }
+}
