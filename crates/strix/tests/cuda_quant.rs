@@ -23,7 +23,7 @@
 
 mod common;
 
-use common::{argmax, fixtures, rel_err};
+use common::{argmax, fixtures, rel_err, Dequantized};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, GemmPath, PathCounts, QUANT_GEMV_MAX_TOKENS};
@@ -348,23 +348,6 @@ impl TensorSource for Quantized<'_> {
         let mut bytes = vec![0u8; shape[0] * self.dtype.row_bytes(shape[1]).unwrap()];
         quantize_row(self.dtype.quant_type(), &vals, &mut bytes)?;
         Ok(HostTensor { name: t.name, dtype: self.dtype, shape: t.shape, bytes: Bytes::owned(&bytes) })
-    }
-}
-
-/// The weights of `inner` with packed blocks decoded to f32: the CPU reference computes on
-/// exactly the values the GPU holds, with f32 activations (the CPU's own packed kernels round
-/// activations to 8 bits by a different rule than the GPU's, so comparing two approximations
-/// would measure both).
-struct Dequantized<'a> {
-    inner: &'a dyn TensorSource,
-}
-
-impl TensorSource for Dequantized<'_> {
-    fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name)
-    }
-    fn tensor(&self, name: &str, shape: &[usize]) -> strix::Result<HostTensor> {
-        Ok(self.inner.tensor(name, shape)?.dequantized())
     }
 }
 
