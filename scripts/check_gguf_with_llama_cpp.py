@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -102,7 +103,7 @@ def check(strix: str, llama_bin: Path, model_dir: Path, quant: str, text: Path, 
     # An f32 KV cache, so that with f32 weights llama.cpp computes in f32 throughout.
     log = run([str(llama_bin / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
                "-b", str(ctx), "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", str(kld), "-t", "2"])
-    del log
+    printed = [float(x) for x in re.findall(r"Final estimate: PPL = ([0-9.]+)", log)]
     n_ctx, n_vocab, tokens, scale, minlp, codes, first = read_kld_base(kld)
     worst, agree, total, nll, llama_nll = 0.0, 0, 0, [], []
     for c in range(tokens.shape[0]):
@@ -123,8 +124,8 @@ def check(strix: str, llama_bin: Path, model_dir: Path, quant: str, text: Path, 
             nll.append(-lp[nxt])
             llama_nll.append(-theirs[nxt])
     strix_ppl = float(np.exp(np.mean(nll)))
-    # llama.cpp's perplexity from its own saved log-probabilities (what it prints, to 16 bits).
-    llama_ppl = float(np.exp(np.mean(llama_nll)))
+    # llama.cpp's perplexity as it prints it, else from its saved (16-bit) log-probabilities.
+    llama_ppl = printed[0] if printed else float(np.exp(np.mean(llama_nll)))
     return {"file": gguf.name, "llama_ppl": llama_ppl, "strix_ppl": strix_ppl, "max_dlogp": worst,
             "top1": f"{agree}/{total}", "step": float(scale.max()),
             "same_tensors_as_llama_quantize": same_tensors(gguf, llama_made(model_dir, quant, tmp, llama_bin))}
