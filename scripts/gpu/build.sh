@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, here (where Rust is), the stripped x86-64 binaries the GPU suite runs on a CUDA
-# machine that has no Rust toolchain: the CUDA test binary, the decode benchmark, `strix` and
-# the CLI's test binary (whose `device_*` tests run the prebuilt `strix` on the GPU).
+# machine that has no Rust toolchain: the CUDA test binaries (bf16 and packed weights), the
+# decode and packed-GEMV benchmarks, `strix` and the CLI's test binary (whose `device_*` tests run the prebuilt `strix` on the GPU).
 # They land in .gpu/ (git-ignored); copy that folder and scripts/gpu/run.sh to the GPU host.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,11 +16,13 @@ for l in sys.stdin:
         print(m["executable"])' "$2"
 }
 tests=$(test_binary strix cuda)
+quant_tests=$(test_binary strix cuda_quant)
 cli_tests=$(test_binary strix-cli cli)
-cargo build --release -p strix --example cuda_decode_bench
+cargo build --release -p strix --example cuda_decode_bench --example cuda_quant_bench
 cargo build --release -p strix-cli
 cp "$tests" .gpu/cuda-tests
+cp "$quant_tests" .gpu/cuda-quant-tests
 cp "$cli_tests" .gpu/cli-tests
-cp target/release/examples/cuda_decode_bench target/release/strix .gpu/
-strip .gpu/cuda-tests .gpu/cli-tests .gpu/cuda_decode_bench .gpu/strix
+cp target/release/examples/cuda_decode_bench target/release/examples/cuda_quant_bench target/release/strix .gpu/
+strip .gpu/cuda-tests .gpu/cuda-quant-tests .gpu/cli-tests .gpu/cuda_decode_bench .gpu/cuda_quant_bench .gpu/strix
 du -sh .gpu

@@ -5,7 +5,8 @@
 # fixtures), and `strix bench --device cuda` on the 0.8B and 9B shapes (JSON in
 # LOGDIR/bench-0.8b.json, bench-9b.json; tables in the .log beside them).
 # Usage: scripts/gpu/run.sh LOGDIR  — full logs go to LOGDIR, a summary to stdout.
-# SANITIZE=SECONDS also runs compute-sanitizer memcheck over the op tests.
+# SANITIZE=SECONDS also runs compute-sanitizer memcheck over the op tests; SKIP_DECODE_BENCH=1
+# skips the per-op decode benchmark; QUANTS="q8_0 q4_0 q4_k" adds 9B decode with quantized weights.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 logs=${1:?usage: scripts/gpu/run.sh LOGDIR}
@@ -15,10 +16,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/en
 status=0
 echo "== tests"
 ./.gpu/cuda-tests --test-threads=1 --nocapture > "$logs/tests.log" 2>&1 || status=1
-grep -E "^test |test result|panicked|skipped" "$logs/tests.log"
-echo "== decode benchmark"
-timeout 300 ./.gpu/cuda_decode_bench ${BENCH_ARGS:-} > "$logs/bench.log" 2>&1 || status=1
-tail -25 "$logs/bench.log"
+STRIX_FIXTURES=tests/fixtures/models ./.gpu/cuda-quant-tests --test-threads=1 --nocapture >> "$logs/tests.log" 2>&1 ||
+  status=1
+grep -E "^test .*(FAILED|ok)$|test result|panicked|skipped" "$logs/tests.log"
+if [ -z "${SKIP_DECODE_BENCH:-}" ]; then
+  echo "== decode benchmark"
+  timeout 300 ./.gpu/cuda_decode_bench ${BENCH_ARGS:-} > "$logs/bench.log" 2>&1 || status=1
+  tail -25 "$logs/bench.log"
+fi
+echo "== packed-weight GEMV benchmark"
+timeout 200 ./.gpu/cuda_quant_bench > "$logs/quant-bench.log" 2>&1 || status=1
+tail -30 "$logs/quant-bench.log"
 echo "== strix --device cuda (CLI device tests against the fixtures' goldens)"
 STRIX_BIN=./.gpu/strix STRIX_FIXTURES=tests/fixtures/models timeout 300 ./.gpu/cli-tests --test-threads=1 \
   --nocapture device_ > "$logs/cli-tests.log" 2>&1 || status=1
@@ -37,6 +45,14 @@ for preset in 0.8b 9b; do
   # The table (from its title line on), or the tail of the log when the run failed.
   grep -q '^strix bench$' "$logs/bench-$preset.log" && sed -n '/^strix bench$/,$p' "$logs/bench-$preset.log" ||
     tail -15 "$logs/bench-$preset.log"
+done
+# QUANTS="q8_0 q4_0 q4_k": 9B batch-1 decode (and batch 16) with the weights quantized on load.
+for q in ${QUANTS:-}; do
+  echo "== strix bench --device cuda --preset qwen3.5-9b --quant $q"
+  timeout 240 ./.gpu/strix bench --device cuda --preset qwen3.5-9b --quant "$q" --prompt-lens none \
+    --contexts 128 --batches 16 --verbose > "$logs/bench-9b-$q.json" 2> "$logs/bench-9b-$q.log" || status=1
+  grep -q '^strix bench$' "$logs/bench-9b-$q.log" && sed -n '/^strix bench$/,$p' "$logs/bench-9b-$q.log" ||
+    tail -15 "$logs/bench-9b-$q.log"
 done
 if [ -n "${SANITIZE:-}" ]; then
   echo "== memcheck"

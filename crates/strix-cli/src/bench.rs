@@ -17,7 +17,6 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
-use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use strix::checkpoint::Checkpoint;
 use strix::config::ModelConfig;
@@ -84,6 +83,9 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub device: DeviceArgs,
+
+    #[command(flatten)]
+    pub quant: crate::quant_flag::QuantArgs,
 
     /// Prompt tokens to prefill (headline measurement)
     #[arg(short = 'p', long, value_name = "N", default_value_t = 512)]
@@ -267,14 +269,24 @@ fn bench_with<B: DeviceInfo>(
     let (model, name, source_kind, dtype) = match source {
         Source::Preset(name) => {
             let weights = SyntheticWeights::new(config.clone(), SEED);
-            let model = common::with_progress("synthesising", "layers", |p| {
-                Model::from_source(config, &weights, backend, Some(p))
-            })?;
-            (model, name.clone(), "synthetic", "bf16".to_string())
+            let model = match args.quant.quant {
+                None => common::with_progress("synthesising", "layers", |p| {
+                    Model::from_source(config, &weights, backend, Some(p))
+                })?,
+                Some(scheme) => common::with_progress("synthesising", "layers", |p| {
+                    let src = strix::quant::on_load::QuantizingSource::new(&weights, &config, scheme);
+                    Model::from_source(config.clone(), &src, backend, Some(p))
+                })?,
+            };
+            let dtype = args.quant.quant.map_or("bf16".to_string(), |q| q.name().to_string());
+            (model, name.clone(), "synthetic", dtype)
         }
         Source::Dir(dir) => {
-            let model = common::load_model(dir, backend)?;
-            let dtype = checkpoint_dtype(dir, &model.config);
+            let model = crate::quant_flag::load_model(dir, backend, args.quant.quant)?;
+            let dtype = match args.quant.quant {
+                Some(q) => q.name().to_string(),
+                None => checkpoint_dtype(dir, &model.config),
+            };
             (model, dir.display().to_string(), "checkpoint", dtype)
         }
     };
@@ -480,12 +492,14 @@ fn run_once<B: DeviceInfo>(
 ) -> Result<(f64, f64)> {
     let mut session = model.new_session(prompt.len() + gen);
     let start = Instant::now();
-    let mut logits = model.forward(&mut session, prompt, Logits::Last)?;
+    let logits = model.forward(&mut session, prompt, Logits::Last)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let start = Instant::now();
+    // Greedy steps as `strix run --temperature 0` takes them: the token is picked on the
+    // device and only its id comes back.
+    let mut next = argmax(&logits);
     for _ in 0..gen {
-        let next = argmax(&logits);
-        logits = model.forward(&mut session, &[next], Logits::Last)?;
+        next = model.decode_batch_greedy(&mut [&mut session], &[next])?[0];
     }
     let decode_seconds = start.elapsed().as_secs_f64();
     peak.sample(model.backend());
@@ -516,8 +530,7 @@ fn prefill_runs<B: DeviceInfo>(
 
 /// Aggregate decode speeds of `batch` sequences, each prefilled (untimed) with `context`
 /// pseudo-random tokens of its own, then stepped greedily together: `repeats` timed runs of
-/// `gen` steps after [`WARM_STEPS`] untimed ones. Batch 1 takes the one-sequence path
-/// (`Model::forward`); larger batches `Model::decode_batch`.
+/// `gen` steps after [`WARM_STEPS`] untimed ones, through `Model::decode_batch_greedy`.
 fn decode_runs<B: DeviceInfo>(
     model: &Model<B>,
     batch: usize,
@@ -535,16 +548,8 @@ fn decode_runs<B: DeviceInfo>(
         next.push(argmax(&model.forward(session, &prompt, Logits::Last)?));
     }
     let mut refs: Vec<&mut Session<B>> = sessions.iter_mut().collect();
-    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> {
-        if let [session] = refs.as_mut_slice() {
-            Ok(vec![argmax(&model.forward(session, tokens, Logits::Last)?)])
-        } else {
-            // The batch's logits are [batch, vocab] on the host; picking in parallel keeps the
-            // host's share of a step small next to the device's.
-            let logits = model.decode_batch(&mut refs, tokens)?;
-            Ok(logits.par_chunks(vocab).map(argmax).collect())
-        }
-    };
+    // Greedy steps, each token picked on the device (only ids come back).
+    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> { Ok(model.decode_batch_greedy(&mut refs, tokens)?) };
     for _ in 0..WARM_STEPS {
         next = step(&next)?;
     }

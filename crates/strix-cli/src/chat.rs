@@ -100,7 +100,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let template = common::require_template(&dir)?;
     let opened = device::open(args.model.device.device, args.verbose)?;
     with_backend!(opened, backend => {
-        let model = common::load_model(&dir, backend)?;
+        let model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
         chat_with(&model, &args, &dir, &tokenizer, &template)
     })
 }

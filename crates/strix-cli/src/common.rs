@@ -37,6 +37,9 @@ pub struct ModelArgs {
 
     #[command(flatten)]
     pub device: DeviceArgs,
+
+    #[command(flatten)]
+    pub quant: crate::quant_flag::QuantArgs,
 }
 
 /// Sampling flags, with llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95,

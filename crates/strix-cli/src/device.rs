@@ -210,6 +210,7 @@ impl DeviceInfo for CudaBackend {
         let c = CudaBackend::path_counts(self);
         let fields = [
             ("gemv", c.gemv),
+            ("gemv_fused", c.gemv_fused),
             ("gemm_cublas", c.gemm_cublas),
             ("gemm_cublas_split", c.gemm_cublas_split),
             ("gemm_fallback", c.gemm_fallback),
@@ -220,6 +221,10 @@ impl DeviceInfo for CudaBackend {
             ("attention", c.attention),
             ("attention_multi_split", c.attention_multi_split),
             ("batch_rows", c.batch_rows),
+            ("graph_replays", c.graph_replays),
+            ("graph_captures", c.graph_captures),
+            ("steps_eager", c.steps_eager),
+            ("graph_failures", c.graph_failures),
             ("modules_compiled", c.modules_compiled),
             ("modules_cached", c.modules_cached),
         ];

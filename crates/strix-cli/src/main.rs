@@ -6,6 +6,8 @@ mod chat;
 mod common;
 mod device;
 mod logits;
+mod perplexity;
+mod quant_flag;
 mod quantize;
 mod run;
 mod serve;
@@ -33,7 +35,8 @@ const EXAMPLES: &str = "Examples:
   strix quantize --model ./Qwen3.5-2B --quant q8_0 --out Qwen3.5-2B-Q8_0.gguf
   strix run --model Qwen3.5-2B-Q8_0.gguf --temperature 0 \"Hello\"
   strix bench --preset qwen3.5-0.8b --prompt-len 512 --gen 32
-  strix bench --device cuda --preset qwen3.5-9b";
+  strix bench --device cuda --preset qwen3.5-9b
+  strix perplexity --model ./Qwen3.5-2B --file wiki.test.raw --ctx 512 --quant q4_k";
 
 #[derive(Parser)]
 #[command(name = "strix", version, about = ABOUT, long_about = LONG_ABOUT, after_help = EXAMPLES)]
@@ -54,6 +57,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve the OpenAI API over HTTP, with continuous batching
     Serve(serve::ServeArgs),
+    /// Perplexity of a text file (llama.cpp's definition), or KL divergence against a base run
+    Perplexity(perplexity::PerplexityArgs),
     /// Write a model directory as a llama.cpp GGUF file with quantized matrices
     Quantize(quantize::QuantizeArgs),
 }
@@ -66,6 +71,7 @@ fn main() {
         Command::Logits(args) => logits::logits(args),
         Command::Bench(args) => bench::bench(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Perplexity(args) => perplexity::perplexity(args),
         Command::Quantize(args) => quantize::quantize(args),
     };
     if let Err(e) = result {

@@ -95,7 +95,7 @@ pub fn run(args: RunArgs) -> Result<()> {
 
     let opened = device::open(args.model.device.device, args.verbose)?;
     with_backend!(opened, backend => {
-        let model = common::load_model(&dir, backend)?;
+        let model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
         run_with(&model, &args, tokenizer.as_ref(), &prompt_ids, &sampling)
     })
 }

@@ -68,7 +68,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     let dir = common::resolve_model(args.model.model.as_deref())?;
     let opened = device::open(args.model.device.device, false)?;
-    with_backend!(opened, backend => serve_with(&args, &dir, common::load_model(&dir, backend)?))
+    with_backend!(opened, backend => serve_with(&args, &dir, crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?))
 }
 
 /// Starts the server on whichever backend the model was loaded on and waits for it to stop.

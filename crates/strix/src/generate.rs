@@ -108,6 +108,9 @@ pub fn generate<B: Backend>(
     let mut logits = model.forward(session, prompt, Logits::Last)?;
     timings.prefill_seconds = start.elapsed().as_secs_f64();
 
+    // Plain greedy decoding needs no logits on the host: the device picks the token.
+    let on_device = params.sampling.is_greedy() && !params.sampling.penalises();
+    let mut picked: Option<u32> = None;
     let mut ids = Vec::new();
     let mut text = String::new();
     let decode_start = Instant::now();
@@ -115,7 +118,10 @@ pub fn generate<B: Backend>(
         if ids.len() >= params.max_tokens {
             break FinishReason::Length;
         }
-        let token = sampler.sample(&mut logits, &history, &ids);
+        let token = match picked.take() {
+            Some(token) => token,
+            None => sampler.sample(&mut logits, &history, &ids),
+        };
         ids.push(token);
         if !params.ignore_eos && model.config.eos_token_ids.contains(&token) {
             break FinishReason::Eos;
@@ -135,7 +141,11 @@ pub fn generate<B: Backend>(
         if session.remaining() == 0 {
             break FinishReason::Context;
         }
-        logits = model.forward(session, &[token], Logits::Last)?;
+        if on_device {
+            picked = Some(model.decode_batch_greedy(&mut [&mut *session], &[token])?[0]);
+        } else {
+            logits = model.forward(session, &[token], Logits::Last)?;
+        }
         timings.decode_tokens += 1;
     };
     timings.decode_seconds = decode_start.elapsed().as_secs_f64();

@@ -15,6 +15,7 @@ pub mod generate;
 pub mod gguf;
 pub mod hub;
 pub mod model;
+pub mod perplexity;
 pub mod quant;
 pub mod sampling;
 pub mod session;

@@ -324,6 +324,11 @@ impl<B: Backend> Model<B> {
                 session.max_context()
             )));
         }
+        if ids.len() == 1 && want == Logits::Last {
+            // One token: the decode-step path, which a backend may record and replay.
+            let mut one = [session];
+            return self.decode_batch(&mut one, ids);
+        }
         let mut logits = Vec::with_capacity(match want {
             Logits::Last => vocab,
             Logits::All => ids.len() * vocab,
@@ -342,6 +347,28 @@ impl<B: Backend> Model<B> {
     /// and row `i` is bitwise what `forward(sessions[i], &[tokens[i]], Logits::Last)` returns:
     /// a sequence's tokens never depend on what else is in the batch.
     pub fn decode_batch(&self, sessions: &mut [&mut Session<B>], tokens: &[u32]) -> Result<Vec<f32>> {
+        let vocab = self.config.vocab_size;
+        let mut logits = Vec::new();
+        self.decode_step(sessions, tokens, &mut |b, out| logits = b.download(out, 0, tokens.len() * vocab))?;
+        Ok(logits)
+    }
+
+    /// [`Model::decode_batch`] that returns each row's greedy token (the argmax of its logits,
+    /// ties to the lowest id) instead of the logits, so that only token ids leave the device.
+    pub fn decode_batch_greedy(&self, sessions: &mut [&mut Session<B>], tokens: &[u32]) -> Result<Vec<u32>> {
+        let vocab = self.config.vocab_size;
+        let mut ids = Vec::new();
+        self.decode_step(sessions, tokens, &mut |b, out| ids = b.argmax_rows(out, tokens.len(), vocab))?;
+        Ok(ids)
+    }
+
+    /// One decode step for a batch; `read` gets the `[batch, vocab]` logits on the device.
+    fn decode_step(
+        &self,
+        sessions: &mut [&mut Session<B>],
+        tokens: &[u32],
+        read: &mut dyn FnMut(&B, &B::Buf),
+    ) -> Result<()> {
         let c = &self.config;
         let b = &self.backend;
         if tokens.is_empty() || tokens.len() != sessions.len() {
@@ -368,14 +395,27 @@ impl<B: Backend> Model<B> {
         for (s, &p) in sessions.iter_mut().zip(&positions) {
             s.reserve(b, p + 1, attention_shape(c).kv_dim());
         }
-        let mut scratch = Scratch::new(b, c, n);
-        self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
+        // The sequences and their buffers, in batch order, name the step for a recording.
+        let key = sessions
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, s| (h ^ s.buffers_id()).wrapping_mul(0x0000_0100_0000_01b3));
+        b.decode_step(
+            key,
+            tokens,
+            &positions,
+            &mut || {
+                let mut scratch = Scratch::new(b, c, n);
+                self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
+                let mut logits = b.scratch(n * c.vocab_size);
+                b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
+                logits
+            },
+            &mut |out| read(b, out),
+        );
         for (s, &t) in sessions.iter_mut().zip(tokens) {
             s.advance(&[t]);
         }
-        let mut logits = b.scratch(n * c.vocab_size);
-        b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
-        Ok(b.download(&logits, 0, n * c.vocab_size))
+        Ok(())
     }
 
     /// One pass of at most [`MAX_TOKENS_PER_PASS`] tokens through every layer.
@@ -435,8 +475,13 @@ impl<B: Backend> Model<B> {
             b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
 
             // SwiGLU MLP.
-            seqs.matmul(b, &s.x, t, &layer.gate_proj, &mut s.mlp_gate);
-            seqs.matmul(b, &s.x, t, &layer.up_proj, &mut s.mlp_up);
+            seqs.matmul_many(
+                b,
+                &s.x,
+                t,
+                &[&layer.gate_proj, &layer.up_proj],
+                &mut [&mut s.mlp_gate, &mut s.mlp_up],
+            );
             b.swiglu(&s.mlp_gate, &s.mlp_up, t * c.intermediate_size, &mut s.mlp_act);
             seqs.matmul(b, &s.mlp_act, t, &layer.down_proj, &mut s.y);
 
@@ -457,10 +502,13 @@ impl<B: Backend> Model<B> {
     ) {
         let b = &self.backend;
         let d = deltanet_shape(&self.config);
-        seqs.matmul(b, &s.x, t, &m.in_proj_qkv, &mut s.qkv);
-        seqs.matmul(b, &s.x, t, &m.in_proj_z, &mut s.z);
-        seqs.matmul(b, &s.x, t, &m.in_proj_b, &mut s.beta_in);
-        seqs.matmul(b, &s.x, t, &m.in_proj_a, &mut s.decay_in);
+        seqs.matmul_many(
+            b,
+            &s.x,
+            t,
+            &[&m.in_proj_qkv, &m.in_proj_z, &m.in_proj_b, &m.in_proj_a],
+            &mut [&mut s.qkv, &mut s.z, &mut s.beta_in, &mut s.decay_in],
+        );
         match seqs {
             Sequences::One(session) => {
                 let LayerState::DeltaNet { conv, recurrent } = session.layer_mut(l) else {
@@ -521,9 +569,13 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let a = attention_shape(&self.config);
         let t = positions.len();
-        seqs.matmul(b, &s.x, t, &m.q_proj, &mut s.q_and_gate);
-        seqs.matmul(b, &s.x, t, &m.k_proj, &mut s.k);
-        seqs.matmul(b, &s.x, t, &m.v_proj, &mut s.v);
+        seqs.matmul_many(
+            b,
+            &s.x,
+            t,
+            &[&m.q_proj, &m.k_proj, &m.v_proj],
+            &mut [&mut s.q_and_gate, &mut s.k, &mut s.v],
+        );
         b.attention_prologue(
             &a,
             &s.q_and_gate,
@@ -566,6 +618,11 @@ enum Sequences<'s, 'a, B: Backend> {
 }
 
 impl<B: Backend> Sequences<'_, '_, B> {
+    /// The projections of one input, which a backend may fuse (row-invariantly for a batch).
+    fn matmul_many(&self, b: &B, x: &B::Buf, t: usize, ws: &[&B::Weight], outs: &mut [&mut B::Buf]) {
+        b.matmul_many(x, t, ws, outs, matches!(self, Sequences::Batch(_)));
+    }
+
     /// A batch multiplies row by row with the one-token kernel, so each sequence's numbers do
     /// not depend on the batch it is in.
     fn matmul(&self, b: &B, x: &B::Buf, t: usize, w: &B::Weight, out: &mut B::Buf) {

@@ -115,7 +115,8 @@ impl SamplingParams {
         self.temperature == 0.0 || self.top_k == 1
     }
 
-    fn penalises(&self) -> bool {
+    /// Whether any repetition, presence or frequency penalty is on.
+    pub fn penalises(&self) -> bool {
         self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 }

@@ -5,7 +5,12 @@
 //! leaves the session in the same state (to f32 rounding), which is what makes multi-turn
 //! chat and streaming decode cheap.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::backend::Backend;
+
+/// Source of session ids: unique for the life of the process.
+static NEXT_SESSION_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The state one decoder layer carries between calls.
 pub enum LayerState<B: Backend> {
@@ -19,11 +24,24 @@ pub struct Session<B: Backend> {
     layers: Vec<LayerState<B>>,
     tokens: Vec<u32>,
     max_context: usize,
+    /// Unique per session and bumped whenever a state buffer is reallocated: equal ids mean
+    /// the same buffers, which is what a recorded decode step relies on.
+    buffers_id: u64,
 }
 
 impl<B: Backend> Session<B> {
     pub(crate) fn new(layers: Vec<LayerState<B>>, max_context: usize) -> Session<B> {
-        Session { layers, tokens: Vec::new(), max_context }
+        Session {
+            layers,
+            tokens: Vec::new(),
+            max_context,
+            buffers_id: NEXT_SESSION_ID.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Names this session's state buffers as they are now (see [`Backend::decode_step`]).
+    pub(crate) fn buffers_id(&self) -> u64 {
+        self.buffers_id
     }
 
     /// Tokens processed so far (the position of the next token).
@@ -59,6 +77,7 @@ impl<B: Backend> Session<B> {
                     backend.resize(k, grown * kv_dim);
                     backend.resize(v, grown * kv_dim);
                     *capacity = grown;
+                    self.buffers_id = NEXT_SESSION_ID.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }

@@ -472,11 +472,11 @@ fn kernels_load_from_the_cache_the_second_time() {
     let Some(first) = gpu() else { return };
     let c = first.path_counts();
     println!("first backend: {c}");
-    assert_eq!(c.modules_compiled + c.modules_cached, 4);
+    assert_eq!(c.modules_compiled + c.modules_cached, 5);
     let second = CudaBackend::new(0).unwrap();
     let c = second.path_counts();
     println!("second backend: {c}");
-    assert_eq!((c.modules_compiled, c.modules_cached), (0, 4));
+    assert_eq!((c.modules_compiled, c.modules_cached), (0, 5));
 }
 
 // --- whole models ---------------------------------------------------------------------------
@@ -732,7 +732,8 @@ fn fixtures_against(path: GemmPath, round_activations: bool, tol: f32) -> (f32, 
         }
         let counts = gpu.backend().path_counts();
         println!("{name}: {counts}");
-        assert!(counts.gemv > 0 && counts.gdn_recurrent > 0 && counts.gdn_chunked > 0, "{counts}");
+        // Decode steps run as decode batches of one, recorded and replayed after their first.
+        assert!(counts.batch_rows > 0 && counts.graph_replays > 0 && counts.gdn_chunked > 0, "{counts}");
         match path {
             GemmPath::CublasSplit => assert!(counts.gemm_cublas_split > 0, "{counts}"),
             GemmPath::Auto if gpu.backend().has_cublas() => assert!(counts.gemm_cublas > 0, "{counts}"),
@@ -1052,4 +1053,201 @@ fn sessions_that_do_not_fit_in_device_memory_are_errors() {
     let mut session = model.try_new_session(4096).unwrap();
     let logits = model.forward(&mut session, &[1, 2, 3], Logits::Last).unwrap();
     assert!(logits.iter().all(|x| x.is_finite()));
+}
+
+// --- recorded decode steps (CUDA graphs) -------------------------------------------------------
+
+/// Greedy decode of `steps` tokens after `prompt`; the logits of every step.
+fn greedy_decode(model: &Model<CudaBackend>, prompt: &[u32], steps: usize, context: usize) -> Vec<Vec<f32>> {
+    let mut s = model.try_new_session(context).unwrap();
+    let mut logits = model.forward(&mut s, prompt, Logits::Last).unwrap();
+    let mut all = Vec::new();
+    for _ in 0..steps {
+        let next = argmax(&logits);
+        logits = model.forward(&mut s, &[next], Logits::Last).unwrap();
+        all.push(logits.clone());
+    }
+    all
+}
+
+/// Decode steps replayed from graphs give bitwise the logits of steps run op by op, over enough
+/// steps that attention crosses several of its 64-key ranges (a recording launches every range a
+/// row can have and the kernels skip the empty ones), and the counters prove the replays ran.
+#[test]
+fn recorded_decode_steps_equal_eager_steps_bitwise() {
+    if gpu().is_none() {
+        return;
+    }
+    let c = small_real_heads();
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
+    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let mut rng = Rng(14);
+    let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
+    let g = model.backend();
+
+    g.set_graphs(false);
+    g.reset_path_counts();
+    let eager = greedy_decode(&model, &prompt, 150, 256);
+    assert_eq!((g.path_counts().graph_replays, g.path_counts().steps_eager), (0, 150));
+
+    g.set_graphs(true);
+    g.reset_path_counts();
+    let replayed = greedy_decode(&model, &prompt, 150, 256);
+    let counts = g.path_counts();
+    println!("graphs: {counts}");
+    assert_eq!(counts.graph_failures, 0, "{:?}", g.last_graph_failure());
+    // The first step of the session runs op by op, the second is recorded, the rest replay.
+    assert_eq!((counts.steps_eager, counts.graph_captures, counts.graph_replays), (1, 1, 148));
+    for (step, (a, b)) in replayed.iter().zip(&eager).enumerate() {
+        assert_eq!(a, b, "step {step}: a replayed step differs from the eager one");
+    }
+
+    // A session whose KV caches grow (no up-front reservation) changes its buffers: the
+    // recording is redone, never replayed over stale buffers.
+    g.reset_path_counts();
+    let mut s = model.new_session(1024);
+    let mut logits = model.forward(&mut s, &prompt, Logits::Last).unwrap();
+    let mut grown = Vec::new();
+    for _ in 0..300 {
+        logits = model.forward(&mut s, &[argmax(&logits)], Logits::Last).unwrap();
+        grown.push(logits.clone());
+    }
+    g.set_graphs(false);
+    let mut s = model.new_session(1024);
+    let mut logits = model.forward(&mut s, &prompt, Logits::Last).unwrap();
+    for (step, want) in grown.iter().enumerate() {
+        logits = model.forward(&mut s, &[argmax(&logits)], Logits::Last).unwrap();
+        assert_eq!(&logits, want, "growing session, step {step}");
+    }
+    println!("growing caches: {}", g.path_counts());
+    assert!(g.path_counts().graph_captures >= 2, "{}", g.path_counts());
+}
+
+/// Recorded decode batches: several sequences at different positions, replayed, bitwise equal
+/// to each sequence decoded alone op by op; and the batch's recording is not reused when the
+/// batch changes.
+#[test]
+fn recorded_decode_batches_equal_single_decodes_bitwise() {
+    if gpu().is_none() {
+        return;
+    }
+    let c = small_real_heads();
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
+    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let mut rng = Rng(16);
+    let prompts: Vec<Vec<u32>> = [3usize, 90, 1, 40, 17]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(c.vocab_size) as u32).collect())
+        .collect();
+    let mut batch: Vec<_> = prompts.iter().map(|_| model.try_new_session(256).unwrap()).collect();
+    let mut alone: Vec<_> = prompts.iter().map(|_| model.try_new_session(256).unwrap()).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        model.forward(&mut batch[i], p, Logits::Last).unwrap();
+        model.forward(&mut alone[i], p, Logits::Last).unwrap();
+    }
+    let g = model.backend();
+    let mut tokens: Vec<u32> = (0..prompts.len()).map(|_| rng.below(c.vocab_size) as u32).collect();
+    for step in 0..40 {
+        // The last sequence leaves the batch half way: a different batch, a different recording.
+        let n = if step < 20 { prompts.len() } else { prompts.len() - 1 };
+        g.set_graphs(true);
+        let logits =
+            model.decode_batch(&mut batch[..n].iter_mut().collect::<Vec<_>>(), &tokens[..n]).unwrap();
+        g.set_graphs(false);
+        for (i, s) in alone[..n].iter_mut().enumerate() {
+            let one = model.forward(s, &[tokens[i]], Logits::Last).unwrap();
+            assert_eq!(
+                &logits[i * c.vocab_size..(i + 1) * c.vocab_size],
+                &one[..],
+                "step {step}, sequence {i}"
+            );
+            tokens[i] = argmax(&one);
+        }
+    }
+    let counts = g.path_counts();
+    println!("recorded batches: {counts}");
+    assert_eq!(counts.graph_failures, 0, "{:?}", g.last_graph_failure());
+    // Each batch: seen once, recorded once, then replayed for its 18 remaining steps.
+    assert_eq!((counts.graph_captures, counts.graph_replays), (2, 36));
+}
+
+/// Fused projections (one GEMV launch over several weights of one input) against each weight's
+/// own GEMV, on awkward row counts; each token of a batch bitwise what it gives alone.
+#[test]
+fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(17);
+    for (cols, rows) in [(64usize, vec![1usize, 33, 7]), (1024, vec![6144, 2048, 16, 16]), (256, vec![3, 5])]
+    {
+        let ws: Vec<_> = rows
+            .iter()
+            .map(|&r| g.weight(&tensor(DType::BF16, r, cols, &rng.vec(r * cols, 0.1)), r, cols).unwrap())
+            .collect();
+        let wr: Vec<_> = ws.iter().collect();
+        for batch in [1usize, 3, 17] {
+            let x = g.upload(&rng.vec(batch * cols, 1.0));
+            let mut fused: Vec<_> = rows.iter().map(|&r| poison(&g, batch * r)).collect();
+            g.matmul_many(&x, batch, &wr, &mut fused.iter_mut().collect::<Vec<_>>(), true);
+            for (j, w) in ws.iter().enumerate() {
+                let mut alone = poison(&g, batch * rows[j]);
+                g.matmul_rows(&x, batch, w, &mut alone);
+                check(
+                    &format!("fused cols {cols} seg {j} batch {batch}"),
+                    &down(&g, &fused[j]),
+                    &down(&g, &alone),
+                    F32_TOL,
+                );
+            }
+            // Token t of the batch, alone.
+            let xs = down(&g, &x);
+            for t in [0, batch - 1] {
+                let x1 = g.upload(&xs[t * cols..(t + 1) * cols]);
+                let mut one: Vec<_> = rows.iter().map(|&r| poison(&g, r)).collect();
+                g.matmul_many(&x1, 1, &wr, &mut one.iter_mut().collect::<Vec<_>>(), true);
+                for (j, &r) in rows.iter().enumerate() {
+                    assert_eq!(
+                        down(&g, &one[j]),
+                        down(&g, &fused[j])[t * r..(t + 1) * r],
+                        "seg {j} token {t}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(g.path_counts().gemv_fused > 0, "{}", g.path_counts());
+}
+
+/// The device's greedy pick is the host sampler's: NaN as −∞, ties to the lowest index, 0 for
+/// a row where nothing beats −∞; and a greedy decode batch picks the argmax of its logits.
+#[test]
+fn argmax_on_the_device_matches_the_host() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(18);
+    for (rows, cols) in [(1usize, 1usize), (3, 1000), (2, 248_320), (5, 33)] {
+        let mut x = rng.vec(rows * cols, 4.0);
+        if cols > 10 {
+            x[3] = f32::NAN;
+            x[cols + 7] = 100.0; // a tie in row 1: the lower index wins
+            x[cols + 9] = 100.0;
+        }
+        let want = cpu.argmax_rows(&x, rows, cols);
+        assert_eq!(g.argmax_rows(&g.upload(&x), rows, cols), want, "{rows}x{cols}");
+    }
+    let odd = [f32::NAN, f32::NEG_INFINITY, f32::NAN];
+    assert_eq!(g.argmax_rows(&g.upload(&odd), 1, 3), vec![0]);
+
+    let c = small_real_heads();
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
+    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let (mut a, mut b) = (model.try_new_session(64).unwrap(), model.try_new_session(64).unwrap());
+    let mut logits = model.forward(&mut a, &[1, 2, 3], Logits::Last).unwrap();
+    model.forward(&mut b, &[1, 2, 3], Logits::Last).unwrap();
+    let mut next = argmax(&logits);
+    for step in 0..20 {
+        let picked = model.decode_batch_greedy(&mut [&mut b], &[next]).unwrap()[0];
+        logits = model.forward(&mut a, &[next], Logits::Last).unwrap();
+        next = argmax(&logits);
+        assert_eq!(picked, next, "step {step}");
+    }
 }

@@ -126,6 +126,49 @@ pub trait Backend: Send + Sync {
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
 
+    // --- decode steps -------------------------------------------------------------------------
+
+    /// Runs one decode step: `step` issues the step's ops for rows fed `ids` at `positions` and
+    /// returns the buffer holding the step's output, which `read` then reads back.
+    ///
+    /// A backend may record the ops `step` issues and, on a later call with the same `key`,
+    /// replay the recording instead of calling `step` (CUDA graphs). The caller guarantees
+    /// that one key always names the same sequences with the same state buffers, so that a
+    /// step differs from a recorded one only in `ids` and `positions`; a recording backend
+    /// makes its ops read those two from device memory it refills before each replay, and
+    /// must give bitwise the results of running `step`.
+    fn decode_step(
+        &self,
+        key: u64,
+        ids: &[u32],
+        positions: &[usize],
+        step: &mut dyn FnMut() -> Self::Buf,
+        read: &mut dyn FnMut(&Self::Buf),
+    ) {
+        let _ = (key, ids, positions);
+        let out = step();
+        read(&out);
+    }
+
+    /// The index of the largest value of each `[cols]` row of `x`: NaN counts as −∞, ties go
+    /// to the lowest index, a row where nothing beats −∞ gives 0 (the sampler's greedy pick).
+    fn argmax_rows(&self, x: &Self::Buf, rows: usize, cols: usize) -> Vec<u32> {
+        let v = self.download(x, 0, rows * cols);
+        v.chunks(cols.max(1))
+            .take(rows)
+            .map(|row| {
+                let (mut best, mut best_value) = (0, f32::NEG_INFINITY);
+                for (i, &l) in row.iter().enumerate() {
+                    if l > best_value {
+                        best = i;
+                        best_value = l;
+                    }
+                }
+                best as u32
+            })
+            .collect()
+    }
+
     // --- dense ops ----------------------------------------------------------------------------
 
     /// `out[t] = table[ids[t]]` widened to f32; `out` is `[ids.len(), dim]`.
@@ -136,6 +179,26 @@ pub trait Backend: Send + Sync {
     /// gives for row `t` of `x` alone (`tokens = 1`), whatever the batch size, so a sequence's
     /// tokens never depend on what else is in the batch.
     fn matmul_rows(&self, x: &Self::Buf, tokens: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// `outs[j] = x · ws[j]ᵀ` for weights that read the same `x` (the projections of one
+    /// normed input), which a backend may run as one pass. `decode_batch` says which contract
+    /// each product keeps: [`Backend::matmul_rows`]'s (rows independent of the batch) or
+    /// [`Backend::matmul`]'s.
+    fn matmul_many(
+        &self,
+        x: &Self::Buf,
+        tokens: usize,
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Self::Buf],
+        decode_batch: bool,
+    ) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            if decode_batch {
+                self.matmul_rows(x, tokens, w, out);
+            } else {
+                self.matmul(x, tokens, w, out);
+            }
+        }
+    }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.

@@ -6,6 +6,7 @@
 //! F32/F16/BF16. [`dequantize_row`] and [`quantize_row`] dispatch on the type.
 
 pub mod blocks;
+pub mod on_load;
 
 use crate::error::{Error, Result};
 

@@ -350,7 +350,7 @@ impl Problem<'_> {
 
 /// Calls `f(r0, r1)` for consecutive blocks of `block` rows covering `0..rows`, on the rayon
 /// pool when `parallel`.
-fn for_each_block(rows: usize, block: usize, parallel: bool, f: impl Fn(usize, usize) + Sync) {
+pub(super) fn for_each_block(rows: usize, block: usize, parallel: bool, f: impl Fn(usize, usize) + Sync) {
     let n = rows.div_ceil(block);
     let bounds = |b: usize| (b * block, ((b + 1) * block).min(rows));
     if parallel && n > 1 {

@@ -1,9 +1,11 @@
-//! The CPU backend: f32 arithmetic on all cores (rayon), SIMD kernels in [`matmul`] and
-//! [`simd`], weights read in place from the memory-mapped checkpoint in their stored dtype.
+//! The CPU backend: f32 arithmetic on all cores (rayon), SIMD kernels in [`matmul`] (float
+//! weights), [`qmatmul`] (GGML block formats, integer dot products) and [`simd`], weights read
+//! in place from the memory-mapped checkpoint in their stored dtype, packed blocks included.
 
 pub mod attention;
 pub mod deltanet;
 pub mod matmul;
+pub mod qmatmul;
 pub mod simd;
 
 use rayon::prelude::*;
@@ -12,6 +14,7 @@ use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
 use crate::tensor::{Bytes, DType, HostTensor};
 use matmul::WeightRef;
+use qmatmul::QuantRef;
 
 /// Runs every op on the host CPU.
 #[derive(Clone, Copy, Debug, Default)]
@@ -23,7 +26,8 @@ impl CpuBackend {
     }
 }
 
-/// A `[rows, cols]` matrix kept in its checkpoint dtype (a view into the mapped file).
+/// A `[rows, cols]` matrix kept in its checkpoint dtype (a view into the mapped file), float
+/// or packed GGML blocks.
 pub struct CpuWeight {
     dtype: DType,
     rows: usize,
@@ -32,26 +36,31 @@ pub struct CpuWeight {
 }
 
 impl CpuWeight {
-    pub fn view(&self) -> WeightRef<'_> {
+    /// The matrix as the matmul kernels take it.
+    pub fn kernel_view(&self) -> KernelRef<'_> {
         let b = self.bytes.as_slice();
-        // SAFETY: `CpuBackend::weight` checked the length and `Bytes::aligned` the alignment
-        // for the element type; safetensors data is little-endian, as are the hosts we build for.
-        unsafe {
-            match self.dtype {
-                DType::BF16 => {
-                    WeightRef::Bf16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2))
-                }
-                DType::F16 => {
-                    WeightRef::F16(std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2))
-                }
-                DType::F32 => {
-                    WeightRef::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4))
-                }
-                DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
-                    unreachable!("CpuBackend::weight dequantizes block formats")
-                }
-            }
+        match self.dtype {
+            DType::Q8_0 => KernelRef::Quant(QuantRef::Q8_0(b)),
+            DType::Q4_0 => KernelRef::Quant(QuantRef::Q4_0(b)),
+            DType::Q4_K => KernelRef::Quant(QuantRef::Q4_K(b)),
+            DType::Q6_K => KernelRef::Quant(QuantRef::Q6_K(b)),
+            // SAFETY: `CpuBackend::weight` checked the length and `Bytes::aligned` the
+            // alignment for the element type; safetensors data is little-endian, as are the
+            // hosts we build for.
+            DType::BF16 => KernelRef::Float(WeightRef::Bf16(unsafe {
+                std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)
+            })),
+            DType::F16 => KernelRef::Float(WeightRef::F16(unsafe {
+                std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)
+            })),
+            DType::F32 => KernelRef::Float(WeightRef::F32(unsafe {
+                std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4)
+            })),
         }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     pub fn rows(&self) -> usize {
@@ -61,6 +70,13 @@ impl CpuWeight {
     pub fn cols(&self) -> usize {
         self.cols
     }
+}
+
+/// A weight matrix for the matmul kernels: float elements or packed blocks.
+#[derive(Clone, Copy)]
+pub enum KernelRef<'a> {
+    Float(WeightRef<'a>),
+    Quant(QuantRef<'a>),
 }
 
 #[cfg(not(target_endian = "little"))]
@@ -94,7 +110,6 @@ impl Backend for CpuBackend {
 
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CpuWeight> {
         t.check_matrix(rows, cols)?;
-        let t = t.dequantized();
         Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.align()) })
     }
 
@@ -120,26 +135,27 @@ impl Backend for CpuBackend {
 
     fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
         assert_eq!(table.cols, dim);
-        let view = table.view();
-        out[..ids.len() * dim]
-            .par_chunks_mut(dim)
-            .zip(ids.par_iter())
-            .for_each(|(row, &id)| matmul::row_to_f32(view, dim, id as usize, row));
+        let view = table.kernel_view();
+        out[..ids.len() * dim].par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(row, &id)| match view {
+            KernelRef::Float(w) => matmul::row_to_f32(w, dim, id as usize, row),
+            KernelRef::Quant(w) => qmatmul::row_to_f32(w, dim, id as usize, row),
+        });
     }
 
     fn matmul(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
-        matmul::matmul(&x[..tokens * w.cols], tokens, w.view(), w.rows, w.cols, &mut out[..tokens * w.rows]);
+        let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
+        match w.kernel_view() {
+            KernelRef::Float(v) => matmul::matmul(x, tokens, v, w.rows, w.cols, out),
+            KernelRef::Quant(v) => qmatmul::matmul(x, tokens, v, w.rows, w.cols, out),
+        }
     }
 
     fn matmul_rows(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
-        matmul::matmul_rows(
-            &x[..tokens * w.cols],
-            tokens,
-            w.view(),
-            w.rows,
-            w.cols,
-            &mut out[..tokens * w.rows],
-        );
+        let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
+        match w.kernel_view() {
+            KernelRef::Float(v) => matmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
+            KernelRef::Quant(v) => qmatmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
+        }
     }
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {

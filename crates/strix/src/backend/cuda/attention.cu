@@ -3,11 +3,12 @@
 
 // One block per (head, token), heads 0..nh-1 being query heads and nh..nh+nkv-1 key heads;
 // blockDim.x = head_dim rounded up to a warp; dynamic shared memory head_dim floats.
-extern "C" __global__ void attention_prologue(const float* __restrict__ q_and_gate, float* __restrict__ k,
-                                              const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-                                              const float* __restrict__ inv_freq, float* __restrict__ q,
-                                              float* __restrict__ gate, const u32* __restrict__ positions,
+extern "C" __global__ void attention_prologue(const float* q_and_gate, float* k,
+                                              const float* q_norm, const float* k_norm,
+                                              const float* inv_freq, float* q,
+                                              float* gate, const u32* positions,
                                               int nh, int nkv, int hd, int rot, float eps) {
+    pdl_enter();
     extern __shared__ float head[];
     __shared__ float scratch[32];
     const int hh = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
@@ -65,9 +66,9 @@ __device__ __forceinline__ int att_splits(int visible) {
 
 // Keys [j_begin, j_end) of one head for one query row; writes the range's (m, l, acc[hd]) to
 // `part` (hd + 2 floats: m, l, then acc). An empty range writes l = 0.
-__device__ __forceinline__ void attend_range(const float* __restrict__ qh, const float* __restrict__ k_cache,
-                                             const float* __restrict__ v_cache, int kv_dim, int hd, int j_begin,
-                                             int j_end, float scale, float* __restrict__ part, float* warp_acc,
+__device__ __forceinline__ void attend_range(const float* qh, const float* k_cache,
+                                             const float* v_cache, int kv_dim, int hd, int j_begin,
+                                             int j_end, float scale, float* part, float* warp_acc,
                                              float* warp_m, float* warp_l) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     float qv[ATT_EPL], acc[ATT_EPL];
@@ -159,8 +160,9 @@ __device__ __forceinline__ void att_range(int visible, int s, int* begin, int* e
 // One sequence: query t (at position pos0 + t) sees cache rows 0..=pos0 + t.
 // grid (heads, tokens, splits), block ATT_WARPS * 32; partial [tokens, heads, splits, hd + 2].
 extern "C" __global__ void __launch_bounds__(256) attention_partial_seq(
-    const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-    float* __restrict__ partial, int nh, int nkv, int hd, int pos0, float scale) {
+    const float* q, const float* k_cache, const float* v_cache,
+    float* partial, int nh, int nkv, int hd, int pos0, float scale) {
+    pdl_enter();
     extern __shared__ float warp_acc[];
     __shared__ float warp_m[ATT_MAX_WARPS];
     __shared__ float warp_l[ATT_MAX_WARPS];
@@ -175,9 +177,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_partial_seq(
 
 // A decode batch: row i is the token of sequence i at positions[i], over its own caches.
 extern "C" __global__ void __launch_bounds__(256) attention_partial_batch(
-    const float* __restrict__ q, const unsigned long long* __restrict__ k_caches,
-    const unsigned long long* __restrict__ v_caches, const u32* __restrict__ positions, float* __restrict__ partial,
+    const float* q, const unsigned long long* k_caches,
+    const unsigned long long* v_caches, const u32* positions, float* partial,
     int nh, int nkv, int hd, float scale) {
+    pdl_enter();
     extern __shared__ float warp_acc[];
     __shared__ float warp_m[ATT_MAX_WARPS];
     __shared__ float warp_l[ATT_MAX_WARPS];
@@ -194,8 +197,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_partial_batch(
 
 // Merges the splits of every (row, head) in split order and applies the sigmoid gate.
 // grid (heads, rows), block head_dim rounded up to a warp.
-extern "C" __global__ void attention_combine(const float* __restrict__ partial, const float* __restrict__ gate,
-                                             float* __restrict__ out, int nh, int hd, int splits) {
+extern "C" __global__ void attention_combine(const float* partial, const float* gate,
+                                             float* out, int nh, int hd, int splits) {
+    pdl_enter();
     const int h = blockIdx.x, r = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;
     const float* p = partial + ((i64)r * nh + h) * splits * (hd + 2);
@@ -216,10 +220,11 @@ extern "C" __global__ void attention_combine(const float* __restrict__ partial, 
 }
 
 // Writes row i of k and v ([batch, kv_dim]) into sequence i's caches at row positions[i].
-extern "C" __global__ void kv_scatter(const float* __restrict__ k, const float* __restrict__ v,
-                                      const unsigned long long* __restrict__ k_caches,
-                                      const unsigned long long* __restrict__ v_caches,
-                                      const u32* __restrict__ positions, int kv_dim) {
+extern "C" __global__ void kv_scatter(const float* k, const float* v,
+                                      const unsigned long long* k_caches,
+                                      const unsigned long long* v_caches,
+                                      const u32* positions, int kv_dim) {
+    pdl_enter();
     const int i = blockIdx.x;
     float* kc = reinterpret_cast<float*>(k_caches[i]) + (i64)positions[i] * kv_dim;
     float* vc = reinterpret_cast<float*>(v_caches[i]) + (i64)positions[i] * kv_dim;

@@ -29,6 +29,18 @@ fn splits(visible: usize) -> usize {
     visible.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
 }
 
+/// The positions of a call's rows on the device: the recorded step's when capturing (each
+/// replay writes its own there), else uploaded (the buffer lives as long as the guard).
+fn positions_on_device(dev: &Device, positions: &[usize]) -> (Option<CudaBuf>, u64) {
+    if let Some((_, step_positions, rows)) = dev.step_inputs() {
+        assert_eq!(rows, positions.len(), "attention: a recorded step of {rows} rows");
+        return (None, step_positions);
+    }
+    let pos: Vec<u32> = positions.iter().map(|&p| u32::try_from(p).expect("position beyond u32")).collect();
+    let (buf, ptr) = dev.upload_u32(&pos).unwrap_or_else(|e| panic!("{e}"));
+    (Some(buf), ptr)
+}
+
 pub(super) struct Kernels {
     prologue: CudaFunction,
     partial_seq: CudaFunction,
@@ -80,9 +92,7 @@ impl Kernels {
         assert!(q.len() >= tokens * nh * hd && gate.len() >= tokens * nh * hd, "attention_prologue: q/gate");
         assert!(q_norm.len() >= hd && k_norm.len() >= hd, "attention_prologue: norm weights");
         let threads = hd.div_ceil(32) * 32;
-        let pos: Vec<u32> =
-            positions.iter().map(|&p| u32::try_from(p).expect("position beyond u32")).collect();
-        let (_pos_dev, pos_ptr) = dev.upload_u32(&pos).unwrap_or_else(|e| panic!("{e}"));
+        let (_pos_dev, pos_ptr) = positions_on_device(dev, positions);
         dev.launch(
             "attention_prologue",
             &self.prologue,
@@ -140,6 +150,8 @@ impl Kernels {
         if tokens == 0 {
             return 0;
         }
+        // `pos0` becomes launch arguments: only the decode-batch form can be recorded.
+        assert!(!dev.is_capturing(), "attention: the one-sequence form cannot be recorded");
         dev.copy_dtod(k_cache.at(pos0 * kv), k.ptr(), tokens * kv * 4);
         dev.copy_dtod(v_cache.at(pos0 * kv), v.ptr(), tokens * kv * 4);
         let n_splits = splits(pos0 + tokens);
@@ -218,7 +230,6 @@ impl Kernels {
         if n == 0 {
             return;
         }
-        let mut pos = Vec::with_capacity(n);
         let mut ptrs = Vec::with_capacity(2 * n);
         for (i, &p) in positions.iter().enumerate() {
             let need = (p + 1) * kv;
@@ -228,11 +239,10 @@ impl Kernels {
                 k_caches[i].len() / kv.max(1),
                 p + 1
             );
-            pos.push(u32::try_from(p).expect("position beyond u32"));
             ptrs.push(k_caches[i].ptr());
         }
         ptrs.extend(v_caches.iter().map(|c| c.ptr()));
-        let (_pos_dev, pos_ptr) = dev.upload_u32(&pos).unwrap_or_else(|e| panic!("{e}"));
+        let (_pos_dev, pos_ptr) = positions_on_device(dev, positions);
         let (_ptrs_dev, k_ptrs) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let v_ptrs = k_ptrs + (n * 8) as u64;
         dev.launch(
@@ -243,7 +253,13 @@ impl Kernels {
             0,
             kernel_args![k.ptr(), v.ptr(), k_ptrs, v_ptrs, pos_ptr, kv as i32],
         );
-        let n_splits = positions.iter().map(|&p| splits(p + 1)).max().unwrap_or(1);
+        // A recorded step is replayed at later positions: it launches every split a row can
+        // have (the ranges depend on the row's length only, so the numbers are the same).
+        let n_splits = if dev.is_capturing() {
+            MAX_SPLITS
+        } else {
+            positions.iter().map(|&p| splits(p + 1)).max().unwrap_or(1)
+        };
         let partial = dev.alloc(n * nh * n_splits * (hd + 2)).unwrap_or_else(|e| panic!("{e}"));
         let scale = 1.0 / (hd as f32).sqrt();
         dev.launch(

@@ -187,12 +187,13 @@ mod tests {
             println!("skipped: NVRTC is not installed");
             return;
         }
-        use crate::backend::cuda::{attention, deltanet, elementwise, matmul};
+        use crate::backend::cuda::{attention, deltanet, elementwise, matmul, quant};
         for (name, src) in [
             ("elementwise", elementwise::SOURCE),
             ("matmul", matmul::SOURCE),
             ("deltanet", deltanet::SOURCE),
             ("attention", attention::SOURCE),
+            ("quant", quant::SOURCE),
         ] {
             let cubin = compile(name, &full_source(name, src), &options("sm_90")).unwrap();
             assert!(cubin.starts_with(b"\x7fELF"), "{name}: not an ELF cubin");

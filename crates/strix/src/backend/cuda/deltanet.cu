@@ -8,8 +8,8 @@
 // Conv, sequential in time, for channel c of one sequence: qkv [T, C] in place, state [C, K-1].
 // The last K-1 raw inputs ride along in registers, so no token reads a value another thread has
 // overwritten.
-__device__ __forceinline__ void conv_seq(float* __restrict__ qkv, const float* __restrict__ weight,
-                                         float* __restrict__ state, int T, int C, int K, int c) {
+__device__ __forceinline__ void conv_seq(float* qkv, const float* weight,
+                                         float* state, int T, int C, int K, int c) {
     const int hist = K - 1;
     float win[CONV_MAX_HIST];
     float w[CONV_MAX_HIST + 1];
@@ -40,16 +40,18 @@ __device__ __forceinline__ void conv_seq(float* __restrict__ qkv, const float* _
 }
 
 // Short runs (decode): one thread per channel. grid ceil(C / block).
-extern "C" __global__ void conv1d_silu_seq(float* __restrict__ qkv, const float* __restrict__ weight,
-                                           float* __restrict__ state, int T, int C, int K) {
+extern "C" __global__ void conv1d_silu_seq(float* qkv, const float* weight,
+                                           float* state, int T, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_seq(qkv, weight, state, T, C, K, c);
 }
 
 // A decode batch: row i of qkv [B, C] is one token of sequence i, whose state is states[i].
 // grid (ceil(C / block), B).
-extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float* __restrict__ weight,
-                                            const unsigned long long* __restrict__ states, int C, int K) {
+extern "C" __global__ void conv1d_silu_rows(float* qkv, const float* weight,
+                                            const unsigned long long* states, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int i = blockIdx.y;
     if (c < C) conv_seq(qkv + (i64)i * C, weight, reinterpret_cast<float*>(states[i]), 1, C, K, c);
@@ -57,9 +59,10 @@ extern "C" __global__ void conv1d_silu_rows(float* __restrict__ qkv, const float
 
 // Conv for long runs: every (token, channel) in parallel, reading a copy of the raw inputs.
 // grid (ceil(C / block), T).
-extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float* __restrict__ qkv,
-                                           const float* __restrict__ weight, const float* __restrict__ state,
+extern "C" __global__ void conv1d_silu_par(const float* raw, float* qkv,
+                                           const float* weight, const float* state,
                                            int T, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t = blockIdx.y;
     if (c >= C) return;
@@ -75,8 +78,9 @@ extern "C" __global__ void conv1d_silu_par(const float* __restrict__ raw, float*
 
 // The new conv state after a long run: the last K-1 inputs (older state where T < K-1). One
 // thread per channel reads everything before writing, since slots move within a channel.
-extern "C" __global__ void conv1d_state_update(const float* __restrict__ raw, float* __restrict__ state,
+extern "C" __global__ void conv1d_state_update(const float* raw, float* state,
                                                int T, int C, int K) {
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int hist = K - 1;
@@ -111,10 +115,10 @@ __device__ __forceinline__ float parts_sum(float v) {
 }
 
 template <int DK, bool EXACT>
-__device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* __restrict__ a,
-                                                   const float* __restrict__ b, const float* __restrict__ a_log,
-                                                   const float* __restrict__ dt_bias, float* __restrict__ state,
-                                                   float* __restrict__ out, int T, int nk, int nv, int dk, int dv,
+__device__ __forceinline__ void gdn_recurrent_body(const float* qkv, const float* a,
+                                                   const float* b, const float* a_log,
+                                                   const float* dt_bias, float* state,
+                                                   float* out, int T, int nk, int nv, int dk, int dv,
                                                    float q_scale, int kh_div) {
     constexpr int ROWS = DK / GDN_PARTS;
     __shared__ float qs[DK];
@@ -191,18 +195,20 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ qkv
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_dk128(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, float* state,
+    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
 
 // A decode batch: blockIdx.z is the sequence, whose row of qkv, a, b and out is its token and
 // whose state is states[z]; one token each, the arithmetic of the kernels above.
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_dk128(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
-    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, const unsigned long long* states,
+    float* out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
     gdn_recurrent_body<128, true>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
@@ -211,9 +217,10 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_generic(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const unsigned long long* __restrict__ states,
-    float* __restrict__ out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, const unsigned long long* states,
+    float* out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     const int i = blockIdx.z;
     const i64 conv_dim = 2 * nk * dk + nv * dv;
     gdn_recurrent_body<256, false>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
@@ -222,9 +229,10 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_generic(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, float* state,
+    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
 }
 
@@ -241,9 +249,10 @@ extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent
 #define DVB 32
 
 extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
-    const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
-    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    const float* qkv, const float* a, const float* b,
+    const float* a_log, const float* dt_bias, float* state,
+    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
+    pdl_enter();
     extern __shared__ float sm[];
     const int ldk = dk + 1;  // padded rows: threads walking different rows hit different banks
     const int lda = CH + 1;

@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
@@ -89,6 +90,47 @@ pub(super) struct Device {
     cache: Arc<BufCache>,
     /// Page-locked staging for large downloads, grown on demand.
     staging: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// A second stream, for allocations while `stream` is being captured (an allocation on
+    /// the capturing stream would become a node of the graph).
+    side: Arc<CudaStream>,
+    /// Set while `stream` is captured into a graph.
+    capturing: AtomicBool,
+    /// Kernels of recorded decode steps are launched with programmatic dependent launch
+    /// (sm_90 and newer, unless STRIX_CUDA_PDL=0)...
+    pdl: bool,
+    /// ...when the operation before on the stream is a kernel of ours. Outside recorded steps
+    /// (copies, cuBLAS) launches keep plain stream order: a kernel launched this way right
+    /// after a copy read stale data on an H200 (the prefill's cache writes).
+    prev_kernel: AtomicBool,
+    /// The current decode step's token ids and positions, where recorded steps read them.
+    step: StepInputs,
+}
+
+/// Rows a recorded decode step can carry: the step-input buffer holds this many token ids and
+/// as many positions.
+pub(super) const MAX_STEP_ROWS: usize = 1024;
+
+/// `[ids; MAX_STEP_ROWS]` then `[positions; MAX_STEP_ROWS]` (u32) on the device at a fixed
+/// address, refilled from pinned host memory before each step, and the rows of this step.
+struct StepInputs {
+    _buf: CudaSlice<u32>,
+    ptr: u64,
+    host: Mutex<PinnedHostSlice<u32>>,
+    rows: AtomicUsize,
+}
+
+/// The buffers a captured graph's kernels use on every replay; back to the free list on drop.
+pub(super) struct Captured {
+    buffers: Vec<CudaSlice<f32>>,
+    cache: Arc<BufCache>,
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        for b in self.buffers.drain(..) {
+            self.cache.put_free(b);
+        }
+    }
 }
 
 /// Downloads of at least this many floats go through the pinned staging buffer.
@@ -98,6 +140,9 @@ const PINNED_MIN_FLOATS: usize = 16 << 10;
 #[derive(Default)]
 pub(super) struct BufCache {
     free: Mutex<HashMap<usize, Vec<CudaSlice<f32>>>>,
+    /// While a graph is being captured, the buffers dropped meanwhile: the graph's kernels
+    /// keep using their addresses on every replay, so they belong to the recording.
+    captured: Mutex<Option<Vec<CudaSlice<f32>>>>,
 }
 
 impl BufCache {
@@ -111,6 +156,17 @@ impl BufCache {
     }
 
     fn put(&self, data: CudaSlice<f32>) {
+        if let Ok(mut captured) = self.captured.lock() {
+            if let Some(kept) = captured.as_mut() {
+                kept.push(data);
+                return;
+            }
+        }
+        self.put_free(data);
+    }
+
+    /// Returns a buffer to the free list (or the pool), bypassing a capture in progress.
+    pub(super) fn put_free(&self, data: CudaSlice<f32>) {
         let bytes = data.len() * 4;
         if bytes > Self::MAX_BUF_BYTES {
             return;
@@ -177,6 +233,13 @@ impl Device {
             }
         }
         let name = ctx.name().map_err(cuda_error)?;
+        let side = ctx.new_stream().map_err(cuda_error)?;
+        // SAFETY: written (step inputs) before any kernel reads them.
+        let step_buf = unsafe { stream.alloc::<u32>(2 * MAX_STEP_ROWS) }.map_err(cuda_error)?;
+        let step_ptr = step_buf.device_ptr(&stream).0;
+        // SAFETY: as above; host-written before each copy.
+        let step_host =
+            unsafe { ctx.alloc_pinned_with_flags::<u32>(2 * MAX_STEP_ROWS, 0) }.map_err(cuda_error)?;
         Ok(Device {
             ctx,
             stream,
@@ -188,6 +251,16 @@ impl Device {
             driver_version,
             cache: Arc::default(),
             staging: Mutex::new(None),
+            side,
+            capturing: AtomicBool::new(false),
+            pdl: cc.0 >= 9 && std::env::var("STRIX_CUDA_PDL").map_or(true, |v| v != "0"),
+            prev_kernel: AtomicBool::new(false),
+            step: StepInputs {
+                _buf: step_buf,
+                ptr: step_ptr,
+                host: Mutex::new(step_host),
+                rows: AtomicUsize::new(0),
+            },
         })
     }
 
@@ -208,10 +281,20 @@ impl Device {
     /// `len` elements of uninitialised device memory (at least one element is allocated, so
     /// every buffer has a valid pointer).
     fn alloc_raw<T: DeviceRepr>(&self, len: usize) -> Result<(CudaSlice<T>, u64)> {
-        // SAFETY: the contents are uninitialised; every caller writes before anything reads.
-        let data = unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(|e| {
-            cuda_error(format!("allocating {} bytes: {e}", len.max(1) * std::mem::size_of::<T>()))
-        })?;
+        let what = |e| cuda_error(format!("allocating {} bytes: {e}", len.max(1) * std::mem::size_of::<T>()));
+        let data = if self.is_capturing() {
+            // Allocated on the side stream and waited for, then owned by `stream` (which frees
+            // it, stream-ordered, when it is dropped).
+            // SAFETY: as below; the pointer is leaked from one slice into the other.
+            unsafe {
+                let side = self.side.alloc::<T>(len.max(1)).map_err(what)?;
+                self.side.synchronize().map_err(what)?;
+                self.stream.upgrade_device_ptr::<T>(side.leak(), len.max(1))
+            }
+        } else {
+            // SAFETY: the contents are uninitialised; every caller writes before anything reads.
+            unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(what)?
+        };
         // With event tracking off the guard returned beside the pointer records nothing.
         let ptr = data.device_ptr(&self.stream).0;
         Ok((data, ptr))
@@ -245,30 +328,136 @@ impl Device {
         Ok(buf)
     }
 
-    pub fn upload_u32(&self, data: &[u32]) -> Result<(CudaSlice<u32>, u64)> {
-        let (slice, ptr) = self.alloc_raw::<u32>(data.len())?;
-        self.copy_htod(ptr, data)?;
-        Ok((slice, ptr))
+    pub fn upload_u32(&self, data: &[u32]) -> Result<(CudaBuf, u64)> {
+        self.upload_words(data)
     }
 
     /// Device pointers (or any u64s) for a kernel to read.
-    pub fn upload_u64(&self, data: &[u64]) -> Result<(CudaSlice<u64>, u64)> {
-        let (slice, ptr) = self.alloc_raw::<u64>(data.len())?;
-        self.copy_htod(ptr, data)?;
-        Ok((slice, ptr))
+    pub fn upload_u64(&self, data: &[u64]) -> Result<(CudaBuf, u64)> {
+        self.upload_words(data)
     }
 
-    /// A `[rows, cols]` weight in bf16: bf16 tensors are copied as they are, f16 and f32 ones
-    /// rounded to nearest even on the host (all cores) first.
+    /// Small constant data for a kernel (ids, positions, pointers), in a buffer of whole
+    /// floats. While capturing, the data is copied at once and synchronously rather than
+    /// recorded (the stream was drained before the capture began, and the recording keeps the
+    /// buffer), so a recorded step holds kernels only.
+    fn upload_words<T: Copy>(&self, data: &[T]) -> Result<(CudaBuf, u64)> {
+        let bytes = std::mem::size_of_val(data);
+        let buf = self.alloc(bytes.div_ceil(4))?;
+        let ptr = buf.ptr;
+        if !self.is_capturing() {
+            self.copy_htod(ptr, data)?;
+        } else if bytes > 0 {
+            // SAFETY: `ptr` is a live allocation of at least `bytes` that no queued work uses.
+            unsafe { result::memcpy_htod_sync(ptr, data) }
+                .map_err(|e| cuda_error(format!("upload of {bytes} bytes while capturing: {e}")))?;
+        }
+        Ok((buf, ptr))
+    }
+
+    // --- recorded decode steps ----------------------------------------------------------------
+
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::Relaxed)
+    }
+
+    /// Device addresses of the step's token ids and positions and its row count, while a
+    /// step is being captured: ops read these instead of uploading host values, so a replay
+    /// sees the values of the step it replays.
+    pub fn step_inputs(&self) -> Option<(u64, u64, usize)> {
+        self.is_capturing().then(|| {
+            (
+                self.step.ptr,
+                self.step.ptr + (MAX_STEP_ROWS * 4) as u64,
+                self.step.rows.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// The token ids of an embedding gather on the device: a recorded step's (where each
+    /// replay's are written), else uploaded (the buffer lives as long as the guard).
+    pub fn ids_on_device(&self, ids: &[u32]) -> (Option<CudaBuf>, u64) {
+        if let Some((step_ids, _, rows)) = self.step_inputs() {
+            assert_eq!(rows, ids.len(), "embed: a recorded step of {rows} rows");
+            return (None, step_ids);
+        }
+        let (buf, ptr) = self.upload_u32(ids).unwrap_or_else(|e| panic!("{e}"));
+        (Some(buf), ptr)
+    }
+
+    /// Queues the copy of a step's ids and positions into the step-input buffer.
+    pub fn write_step_inputs(&self, ids: &[u32], positions: &[usize]) -> Result<()> {
+        let n = ids.len();
+        if n > MAX_STEP_ROWS || positions.len() != n {
+            return Err(cuda_error(format!("a recorded step carries at most {MAX_STEP_ROWS} rows, not {n}")));
+        }
+        let mut host = self.step.host.lock().map_err(|_| cuda_error("step input lock poisoned"))?;
+        // Waits for nothing: the previous step's download synchronised the stream, so its copy
+        // out of this buffer is done.
+        let h = host.as_mut_slice().map_err(cuda_error)?;
+        h[..n].copy_from_slice(ids);
+        for (d, &p) in h[MAX_STEP_ROWS..MAX_STEP_ROWS + n].iter_mut().zip(positions) {
+            *d = u32::try_from(p).map_err(|_| cuda_error(format!("position {p} beyond u32")))?;
+        }
+        let what = |e| cuda_error(format!("step inputs: {e}"));
+        // SAFETY: both ranges lie inside the 2 * MAX_STEP_ROWS words of the buffers.
+        unsafe {
+            let src = host.as_slice().map_err(what)?;
+            result::memcpy_htod_async(self.step.ptr, &src[..n], self.stream.cu_stream()).map_err(what)?;
+            result::memcpy_htod_async(
+                self.step.ptr + (MAX_STEP_ROWS * 4) as u64,
+                &src[MAX_STEP_ROWS..MAX_STEP_ROWS + n],
+                self.stream.cu_stream(),
+            )
+            .map_err(what)?;
+        }
+        self.step.rows.store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Starts capturing the stream into a graph, once the stream has drained (uploads made
+    /// while capturing are synchronous copies into buffers the drained stream no longer uses).
+    /// Relaxed mode: those copies and the side-stream allocations are not stream work.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.synchronize()?;
+        *self.cache.captured.lock().map_err(|_| cuda_error("capture lock poisoned"))? = Some(Vec::new());
+        self.capturing.store(true, Ordering::Relaxed);
+        self.prev_kernel.store(false, Ordering::Relaxed);
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| cuda_error(format!("beginning a graph capture: {e}")))
+    }
+
+    /// Ends a capture: the instantiated graph (an error when the capture failed) and what it
+    /// must keep alive.
+    pub fn end_capture(&self) -> (Result<cudarc::driver::CudaGraph>, Captured) {
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| cuda_error(format!("ending a graph capture: {e}")))
+            .and_then(|g| g.ok_or_else(|| cuda_error("the graph capture recorded nothing")));
+        self.capturing.store(false, Ordering::Relaxed);
+        let buffers = self.cache.captured.lock().ok().and_then(|mut c| c.take()).unwrap_or_default();
+        (graph, Captured { buffers, cache: self.cache.clone() })
+    }
+
+    /// A `[rows, cols]` weight: the GGML block formats stay packed (regrouped for the kernels
+    /// by [`super::quant::repack`], the same bytes); bf16 tensors are copied as they are, f16
+    /// and f32 ones rounded to bf16 (nearest even) on the host (all cores) first.
     pub fn upload_weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CudaWeight> {
         t.check_matrix(rows, cols)?;
-        let t = &t.dequantized();
+        if t.dtype.is_quantized() {
+            let packed = super::quant::repack(t.dtype, t.bytes.as_slice(), rows, cols);
+            let (data, ptr) = self.alloc_raw::<u16>(packed.len().div_ceil(2))?;
+            self.copy_htod(ptr, &packed)?;
+            return Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: t.dtype });
+        }
         let n = rows * cols;
         let (data, ptr) = self.alloc_raw::<u16>(n)?;
         let bytes = t.bytes.as_slice();
         match t.dtype {
             DType::BF16 => self.copy_htod(ptr, bytes)?,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => unreachable!("dequantized above"),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => unreachable!("uploaded packed above"),
             DType::F16 | DType::F32 => {
                 let mut bf = vec![0u16; n];
                 let f16 = t.dtype == DType::F16;
@@ -288,12 +477,13 @@ impl Device {
                 self.copy_htod(ptr, &bf)?;
             }
         }
-        Ok(CudaWeight { _data: data, ptr, rows, cols })
+        Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: DType::BF16 })
     }
 
     /// Queues a copy from host memory. The source may be dropped on return: from pageable
     /// memory the driver stages the bytes before `cuMemcpyHtoDAsync` returns.
     pub fn copy_htod<T>(&self, dst: u64, src: &[T]) -> Result<()> {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if src.is_empty() {
             return Ok(());
         }
@@ -328,6 +518,7 @@ impl Device {
 
     /// Copies to host memory and waits for it (and for everything queued before it).
     pub fn copy_dtoh<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if !dst.is_empty() {
             // SAFETY: `src` points at least `size_of_val(dst)` readable device bytes.
             unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
@@ -337,6 +528,7 @@ impl Device {
     }
 
     pub fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if bytes == 0 {
             return;
         }
@@ -346,6 +538,7 @@ impl Device {
     }
 
     pub fn memset_zero(&self, dst: u64, bytes: usize) {
+        self.prev_kernel.store(false, Ordering::Relaxed);
         if bytes == 0 {
             return;
         }
@@ -371,8 +564,34 @@ impl Device {
         // SAFETY: `f` is a loaded kernel of this context; the launchers pass argument lists
         // that match the kernel signatures beside them and pointers into live allocations
         // sized for the launch (each launcher asserts the lengths first).
-        unsafe { result::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args) }
-            .unwrap_or_else(|e| panic!("cuda: launching {what} (grid {grid:?}, block {block:?}): {e}"));
+        let pdl = self.pdl && self.is_capturing() && self.prev_kernel.swap(true, Ordering::Relaxed);
+        self.prev_kernel.store(true, Ordering::Relaxed);
+        let r = unsafe {
+            if pdl {
+                // Every kernel waits for its predecessor (`pdl_enter` in prelude.cu) before
+                // touching activations, so it may be scheduled while that one still runs.
+                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = sys::CUlaunchConfig {
+                    gridDimX: grid.0,
+                    gridDimY: grid.1,
+                    gridDimZ: grid.2,
+                    blockDimX: block.0,
+                    blockDimY: block.1,
+                    blockDimZ: block.2,
+                    sharedMemBytes: smem,
+                    hStream: self.stream.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
+                    .result()
+            } else {
+                result::launch_kernel(f.cu_function(), grid, block, smem, self.stream.cu_stream(), args)
+            }
+        };
+        r.unwrap_or_else(|e| panic!("cuda: launching {what} (grid {grid:?}, block {block:?}): {e}"));
     }
 
     /// Blocks for a grid-stride loop over `n` elements with `threads` per block: enough to
@@ -428,12 +647,14 @@ impl CudaBuf {
     }
 }
 
-/// A `[rows, cols]` bf16 matrix in device memory.
+/// A `[rows, cols]` matrix in device memory: bf16, or packed GGML blocks (`dtype`) in the
+/// layout `quant.cu` describes.
 pub struct CudaWeight {
     _data: CudaSlice<u16>,
     ptr: u64,
     rows: usize,
     cols: usize,
+    dtype: DType,
 }
 
 impl CudaWeight {
@@ -449,8 +670,19 @@ impl CudaWeight {
         self.ptr
     }
 
-    /// Bytes on the device (2 per element).
+    /// `DType::BF16`, or the block format the weight is packed in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes on the device (2 per element in bf16; the blocks' bytes when packed).
     pub fn bytes(&self) -> usize {
-        self.rows * self.cols * 2
+        self.rows * self.dtype.row_bytes(self.cols).unwrap_or(self.cols * 2)
+    }
+
+    /// Uninitialised bf16 scratch of `[rows, cols]` (a dequantized band of a packed weight).
+    pub(super) fn scratch_bf16(dev: &Device, rows: usize, cols: usize) -> Result<CudaWeight> {
+        let (data, ptr) = dev.alloc_raw::<u16>(rows * cols)?;
+        Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: DType::BF16 })
     }
 }

@@ -17,6 +17,7 @@ pub(super) struct Kernels {
     swiglu: CudaFunction,
     f32_to_bf16: CudaFunction,
     f32_to_bf16_split: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
 /// Threads of a block that reduces over one row of `dim`: about four elements each, so a
@@ -38,6 +39,7 @@ impl Kernels {
             gated_rms_norm_rows: f("gated_rms_norm_rows")?,
             add_inplace: f("add_inplace")?,
             swiglu: f("swiglu")?,
+            argmax_rows: f("argmax_rows")?,
             f32_to_bf16: f("f32_to_bf16_copy")?,
             f32_to_bf16_split: f("f32_to_bf16_split")?,
         })
@@ -52,7 +54,7 @@ impl Kernels {
         if ids.is_empty() {
             return;
         }
-        let (_ids_dev, ids_ptr) = dev.upload_u32(ids).unwrap_or_else(|e| panic!("{e}"));
+        let (_ids_dev, ids_ptr) = dev.ids_on_device(ids);
         let threads = 256usize;
         let grid_x = dim.div_ceil(threads).min(64) as u32;
         dev.launch(
@@ -147,6 +149,27 @@ impl Kernels {
             0,
             kernel_args![gate.ptr(), up.ptr(), out.ptr(), len as i64],
         );
+    }
+
+    /// The index of the largest value of each `[cols]` row of `x` (the greedy token), only the
+    /// indices crossing to the host.
+    pub fn argmax_rows(&self, dev: &Device, x: &CudaBuf, rows: usize, cols: usize) -> Vec<u32> {
+        assert!(x.len() >= rows * cols && cols <= i32::MAX as usize, "argmax_rows: x too short");
+        if rows == 0 {
+            return Vec::new();
+        }
+        let idx = dev.alloc(rows).unwrap_or_else(|e| panic!("{e}"));
+        dev.launch(
+            "argmax_rows",
+            &self.argmax_rows,
+            (rows as u32, 1, 1),
+            (1024, 1, 1),
+            0,
+            kernel_args![x.ptr(), idx.ptr(), cols as i32],
+        );
+        let mut out = vec![0u32; rows];
+        dev.copy_dtoh(&mut out, idx.ptr()).unwrap_or_else(|e| panic!("{e}"));
+        out
     }
 
     /// `len` floats at `src` rounded to bf16 at `dst`.

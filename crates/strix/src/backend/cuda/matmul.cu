@@ -16,7 +16,7 @@ __device__ __forceinline__ v4u ld_stream(const v4u* p) {
     return r;
 }
 
-__device__ __forceinline__ float dot8(v4u w, const float* __restrict__ x) {
+__device__ __forceinline__ float dot8(v4u w, const float* x) {
     const v4f a = *reinterpret_cast<const v4f*>(x);
     const v4f b = *reinterpret_cast<const v4f*>(x + 4);
     float s = bf16_lo(w.x) * a.x;
@@ -39,16 +39,19 @@ __device__ __forceinline__ float dot8(v4u w, const float* __restrict__ x) {
 #define GEMV_WARPS 8
 
 template <int NT, int S>
-__device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                               float* __restrict__ out, int rows, int cols, int tokens) {
+__device__ __forceinline__ void gemv_rows_body(const bf16_t* w, const float* x,
+                                               float* out, int rows, int cols, int tokens, int blk) {
     __shared__ float partial[GEMV_WARPS][NT];
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int part = warp % S;
-    const i64 row = (i64)blockIdx.x * (GEMV_WARPS / S) + warp / S;
+    const i64 row = (i64)blk * (GEMV_WARPS / S) + warp / S;
     const bool live = row < rows;
     float acc0[NT], acc1[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.f;
+    // The weights never depend on the previous kernel: the first loads go out before the wait.
+    bool waited = false;
     if (live) {
         const bf16_t* wr = w + row * cols;
         if ((cols & 7) == 0) {
@@ -62,6 +65,10 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
                     const int i = base + 32 * S * u;
                     if (i < n) v[u] = ld_stream(w4 + i);
                     else v[u] = v4u{0u, 0u, 0u, 0u};
+                }
+                if (!waited) {
+                    pdl_wait();
+                    waited = true;
                 }
 #pragma unroll
                 for (int u = 0; u < GEMV_UNROLL; u++) {
@@ -79,6 +86,8 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
                 }
             }
         } else {
+            pdl_wait();
+            waited = true;
             for (int c = part * 32 + lane; c < cols; c += 32 * S) {
                 const float wv = bf16_to_f32(wr[c]);
 #pragma unroll
@@ -87,6 +96,7 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
             }
         }
     }
+    if (!waited) pdl_wait();
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         const float acc = warp_sum(acc0[t] + acc1[t]);
@@ -110,19 +120,19 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* __restrict__ w, con
 // One token: grid ceil(rows / (GEMV_WARPS / S)), block GEMV_WARPS * 32.
 #define GEMV_ONE(S)                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemv_bf16_s##S(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,   \
+        gemv_bf16_s##S(const bf16_t* w, const float* x, float* out,   \
                        int rows, int cols) {                                                                 \
-        gemv_rows_body<1, S>(w, x, out, rows, cols, 1);                                                      \
+        gemv_rows_body<1, S>(w, x, out, rows, cols, 1, blockIdx.x);                                          \
     }
 // A decode batch, batch-invariant: grid (ceil(rows / (GEMV_WARPS / S)), ceil(tokens / GEMV_NT)).
 #define GEMV_NT 4
 #define GEMV_ROWS(S)                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemv_bf16_rows_s##S(const bf16_t* __restrict__ w, const float* __restrict__ x,                       \
-                            float* __restrict__ out, int rows, int cols, int tokens) {                       \
+        gemv_bf16_rows_s##S(const bf16_t* w, const float* x,                       \
+                            float* out, int rows, int cols, int tokens) {                       \
         const int t0 = blockIdx.y * GEMV_NT;                                                                 \
         gemv_rows_body<GEMV_NT, S>(w, x + (i64)t0 * cols, out + (i64)t0 * rows, rows, cols,                  \
-                                   imin(GEMV_NT, tokens - t0));                                              \
+                                   imin(GEMV_NT, tokens - t0), blockIdx.x);                                  \
     }
 GEMV_ONE(1)
 GEMV_ONE(2)
@@ -133,9 +143,48 @@ GEMV_ROWS(2)
 GEMV_ROWS(4)
 GEMV_ROWS(8)
 
+// Several weights that read the same x (a layer's input projections) in one launch: segment j
+// owns blocks [block_end[j-1], block_end[j]) along x; unused segments end at the total. Each
+// segment's rows are computed exactly as gemv_rows_body computes them, for any batch.
+#define GEMV_MAX_SEGS 4
+struct GemvSegs {
+    unsigned long long w[GEMV_MAX_SEGS];
+    unsigned long long out[GEMV_MAX_SEGS];
+    int rows[GEMV_MAX_SEGS];
+    int block_end[GEMV_MAX_SEGS];
+};
+template <int NT, int S>
+__device__ __forceinline__ void gemv_multi_body(const GemvSegs& segs, const float* x, int cols,
+                                                int tokens) {
+    int seg = 0;
+    while (seg < GEMV_MAX_SEGS - 1 && (int)blockIdx.x >= segs.block_end[seg]) seg++;
+    const int blk = blockIdx.x - (seg ? segs.block_end[seg - 1] : 0);
+    const int t0 = blockIdx.y * NT;
+    const int rows = segs.rows[seg];
+    gemv_rows_body<NT, S>(reinterpret_cast<const bf16_t*>(segs.w[seg]), x + (i64)t0 * cols,
+                          reinterpret_cast<float*>(segs.out[seg]) + (i64)t0 * rows, rows, cols,
+                          imin(NT, tokens - t0), blk);
+}
+// grid (total blocks, ceil(tokens / NT)); NT = 1 for one token, GEMV_NT for a batch (a token's
+// arithmetic is the same either way).
+#define GEMV_MULTI(S)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemv_multi_s##S(GemvSegs segs, const float* x, int cols, int tokens) {                  \
+        gemv_multi_body<1, S>(segs, x, cols, tokens);                                                        \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemv_multi_rows_s##S(GemvSegs segs, const float* x, int cols, int tokens) {             \
+        gemv_multi_body<GEMV_NT, S>(segs, x, cols, tokens);                                                  \
+    }
+GEMV_MULTI(1)
+GEMV_MULTI(2)
+GEMV_MULTI(4)
+GEMV_MULTI(8)
+
 // grid (ceil(rows / 16), ceil(tokens / 16)), block (16, 16).
-extern "C" __global__ void gemm_bf16_tiled(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                           float* __restrict__ out, int tokens, int rows, int cols) {
+extern "C" __global__ void gemm_bf16_tiled(const bf16_t* w, const float* x,
+                                           float* out, int tokens, int rows, int cols) {
+    pdl_enter();
     __shared__ float xs[16][17];
     __shared__ float ws[16][17];
     const int tx = threadIdx.x, ty = threadIdx.y;

@@ -23,6 +23,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 use super::device::{cuda_error, kernel_args, no_panic, CudaBuf, CudaWeight, Device};
 use super::elementwise;
 use crate::error::Result;
+use crate::tensor::DType;
 
 pub(super) const SOURCE: &str = include_str!("matmul.cu");
 
@@ -73,8 +74,24 @@ pub(super) struct Kernels {
     gemv: [CudaFunction; 4],
     /// `gemv_bf16_rows_s{1,2,4,8}`.
     gemv_rows: [CudaFunction; 4],
+    /// `gemv_multi_s{1,2,4,8}` (one token) and `gemv_multi_rows_s{1,2,4,8}` (a batch).
+    gemv_multi: [CudaFunction; 4],
+    gemv_multi_rows: [CudaFunction; 4],
     gemm_tiled: CudaFunction,
     sm_count: usize,
+}
+
+/// `GEMV_MAX_SEGS`: weights one fused GEMV launch takes.
+pub(super) const MAX_SEGMENTS: usize = 4;
+
+/// `GemvSegs` of `matmul.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvSegs {
+    w: [u64; MAX_SEGMENTS],
+    out: [u64; MAX_SEGMENTS],
+    rows: [i32; MAX_SEGMENTS],
+    block_end: [i32; MAX_SEGMENTS],
 }
 
 /// `GEMV_NT` of `gemv_bf16_rows`: tokens per block of the batch-invariant GEMV.
@@ -109,6 +126,8 @@ impl Kernels {
         Ok(Kernels {
             gemv: by_split("gemv_bf16_s")?,
             gemv_rows: by_split("gemv_bf16_rows_s")?,
+            gemv_multi: by_split("gemv_multi_s")?,
+            gemv_multi_rows: by_split("gemv_multi_rows_s")?,
             gemm_tiled: f("gemm_bf16_tiled")?,
             sm_count: dev.sm_count as usize,
         })
@@ -138,6 +157,19 @@ impl Kernels {
             dev.memset_zero(out.ptr(), tokens * rows * 4);
             return;
         }
+        if tokens == 1 {
+            // The one-token kernel: a token's arithmetic is the same in both (see matmul.cu).
+            let (f, blocks) = self.gemv_for(&self.gemv, rows);
+            dev.launch(
+                "gemv_bf16",
+                f,
+                (blocks, 1, 1),
+                (GEMV_WARPS * 32, 1, 1),
+                0,
+                kernel_args![w.ptr(), x.ptr(), out.ptr(), rows as i32, cols as i32],
+            );
+            return;
+        }
         let (f, blocks) = self.gemv_for(&self.gemv_rows, rows);
         dev.launch(
             "gemv_bf16_rows",
@@ -147,6 +179,83 @@ impl Kernels {
             0,
             kernel_args![w.ptr(), x.ptr(), out.ptr(), rows as i32, cols as i32, tokens as i32],
         );
+    }
+
+    /// `outs[j] = x · ws[j]ᵀ` for up to [`MAX_SEGMENTS`] bf16 weights of the same width in one
+    /// launch, for a decode batch: every token's rows computed by one arithmetic whatever the
+    /// batch. The caller checks the weights fit ([`Kernels::can_fuse`]).
+    pub fn matmul_many_rows(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaBuf],
+    ) {
+        assert!(Kernels::can_fuse(ws) && ws.len() == outs.len(), "matmul_many_rows: weights do not fuse");
+        let cols = ws[0].cols();
+        assert!(
+            x.len() >= tokens * cols,
+            "matmul_many_rows: x holds {} floats, not [{tokens}, {cols}]",
+            x.len()
+        );
+        assert!(tokens <= 65535 * GEMV_NT, "matmul_many_rows: batch of {tokens}");
+        if tokens == 0 {
+            return;
+        }
+        let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
+        let log2 = gemv_split_log2(total_rows, self.sm_count);
+        let rows_per_block = GEMV_WARPS as usize >> log2;
+        let mut segs = GemvSegs {
+            w: [0; MAX_SEGMENTS],
+            out: [0; MAX_SEGMENTS],
+            rows: [0; MAX_SEGMENTS],
+            block_end: [0; MAX_SEGMENTS],
+        };
+        let mut end = 0usize;
+        for (j, (w, out)) in ws.iter().zip(outs.iter()).enumerate() {
+            assert!(
+                out.len() >= tokens * w.rows(),
+                "matmul_many_rows: out {j} holds {} floats, not [{tokens}, {}]",
+                out.len(),
+                w.rows()
+            );
+            end += w.rows().div_ceil(rows_per_block);
+            segs.w[j] = w.ptr();
+            segs.out[j] = out.ptr();
+            segs.rows[j] = w.rows() as i32;
+            segs.block_end[j] = end as i32;
+        }
+        // Unused segments end where the last one does, so no block looks past it.
+        for j in ws.len()..MAX_SEGMENTS {
+            segs.block_end[j] = end as i32;
+        }
+        let (table, nt, name) = if tokens == 1 {
+            (&self.gemv_multi, 1, "gemv_multi")
+        } else {
+            (&self.gemv_multi_rows, GEMV_NT, "gemv_multi_rows")
+        };
+        dev.launch(
+            name,
+            &table[log2],
+            (end as u32, tokens.div_ceil(nt) as u32, 1),
+            (GEMV_WARPS * 32, 1, 1),
+            0,
+            kernel_args![segs, x.ptr(), cols as i32, tokens as i32],
+        );
+    }
+
+    /// Whether [`Kernels::matmul_many_rows`] takes these weights: 2 to [`MAX_SEGMENTS`] bf16
+    /// ones (packed formats run their own GEMVs), all of one width (a multiple of 8, so rows stream in 16-byte loads), none empty.
+    pub fn can_fuse(ws: &[&CudaWeight]) -> bool {
+        let cols = ws.first().map_or(0, |w| w.cols());
+        (2..=MAX_SEGMENTS).contains(&ws.len())
+            && cols > 0
+            && cols.is_multiple_of(8)
+            && cols <= i32::MAX as usize
+            && ws.iter().all(|w| {
+                w.dtype() == DType::BF16 && w.cols() == cols && w.rows() > 0 && w.rows() <= i32::MAX as usize
+            })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -216,9 +325,7 @@ impl Kernels {
 }
 
 /// `out[tokens, rows] = bf16(x) · Wᵀ` through `cublasGemmEx` (with `split`, `bf16(x) · Wᵀ +
-/// bf16(x − bf16(x)) · Wᵀ`). cuBLAS is column-major: there the row-major `W [rows, cols]` is a
-/// `cols × rows` matrix used transposed, `x` a `cols × tokens` one, and `out` the
-/// `rows × tokens` result.
+/// bf16(x − bf16(x)) · Wᵀ`).
 #[allow(clippy::too_many_arguments)]
 fn cublas_gemm(
     dev: &Device,
@@ -230,7 +337,29 @@ fn cublas_gemm(
     out: &mut CudaBuf,
     split: bool,
 ) {
-    let (rows, cols) = (w.rows(), w.cols());
+    cublas_gemm_at(dev, ew, blas, x, tokens, w.ptr(), w.rows(), w.cols(), out.ptr(), w.rows(), split);
+}
+
+/// [`cublas_gemm`] on a bf16 `[rows, cols]` matrix at `w`, writing `out[t * ldc + r]` (a band
+/// of columns of a wider output: the quantized path multiplies by one dequantized band of
+/// weight rows at a time). cuBLAS is column-major: there the row-major `W [rows, cols]` is a
+/// `cols × rows` matrix used transposed, `x` a `cols × tokens` one, and `out` the
+/// `rows × tokens` result with leading dimension `ldc`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn cublas_gemm_at(
+    dev: &Device,
+    ew: &elementwise::Kernels,
+    blas: &Blas,
+    x: &CudaBuf,
+    tokens: usize,
+    w: u64,
+    rows: usize,
+    cols: usize,
+    out: u64,
+    ldc: usize,
+    split: bool,
+) {
+    assert!(ldc >= rows && ldc <= i32::MAX as usize);
     let n = tokens * cols;
     // Freed (stream-ordered) when it goes out of scope, after the GEMMs in stream order.
     let (_xb, hi) = dev.alloc_u16(if split { 2 * n } else { n }).unwrap_or_else(|e| panic!("{e}"));
@@ -244,8 +373,9 @@ fn cublas_gemm(
     for &(xb, beta) in halves {
         let alpha = 1.0f32;
         // SAFETY: the handle is bound to the backend's stream; the pointers are live device
-        // allocations of the sizes asserted in `matmul` (`xb` holds tokens * cols bf16); alpha
-        // and beta are host f32s, as the default pointer mode expects.
+        // allocations of the sizes asserted by the callers (`xb` holds tokens * cols bf16, `w`
+        // rows * cols bf16, `out` (tokens - 1) * ldc + rows floats); alpha and beta are host
+        // f32s, as the default pointer mode expects.
         let r = unsafe {
             blas_result::gemm_ex(
                 *blas.handle.handle(),
@@ -255,16 +385,16 @@ fn cublas_gemm(
                 tokens as i32,
                 cols as i32,
                 &alpha as *const f32 as *const c_void,
-                w.ptr() as *const c_void,
+                w as *const c_void,
                 blas_sys::cudaDataType::CUDA_R_16BF,
                 cols as i32,
                 xb as *const c_void,
                 blas_sys::cudaDataType::CUDA_R_16BF,
                 cols as i32,
                 &beta as *const f32 as *const c_void,
-                out.ptr() as *mut c_void,
+                out as *mut c_void,
                 blas_sys::cudaDataType::CUDA_R_32F,
-                rows as i32,
+                ldc as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

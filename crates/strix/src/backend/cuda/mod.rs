@@ -1,5 +1,5 @@
-//! The CUDA backend: every [`Backend`] op on an NVIDIA GPU, weights in bf16, activations and
-//! states in `f32` device buffers, accumulation in f32, all work queued on one stream.
+//! The CUDA backend: every [`Backend`] op on an NVIDIA GPU, weights in bf16 or packed GGML
+//! blocks (Q8_0, Q4_0, Q4_K, Q6_K), activations and states in `f32` device buffers, accumulation in f32, all work queued on one stream.
 //!
 //! - `device.rs` opens the GPU (a clean error, never a panic, when there is no driver or
 //!   device: cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so the crate builds and runs
@@ -7,7 +7,7 @@
 //! - `compile.rs` turns the `.cu` sources kept beside their launchers into cubins with NVRTC,
 //!   for the device's architecture, cached on disk;
 //! - `elementwise.rs`, `matmul.rs`, `deltanet.rs` and `attention.rs` launch the kernels of
-//!   their `.cu` files.
+//!   their `.cu` files; `quant.rs` the matmuls and embedding gather on packed weights.
 //!
 //! The KV caches are the trait's `f32` buffers; a bf16 cache needs a cache type of its own in
 //! the trait.
@@ -29,9 +29,12 @@ mod compile;
 mod deltanet;
 mod device;
 mod elementwise;
+mod graph;
 mod matmul;
+mod quant;
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Mutex;
 
 use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
@@ -39,6 +42,7 @@ use crate::tensor::HostTensor;
 
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::GemmPath;
+pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 
 use device::{cuda_error, Device};
 
@@ -47,6 +51,8 @@ use device::{cuda_error, Device};
 pub struct PathCounts {
     /// One-token matmuls on the bf16 GEMV kernel.
     pub gemv: u64,
+    /// Decode-batch projections of one input fused into one GEMV launch.
+    pub gemv_fused: u64,
     /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
     pub gemm_cublas: u64,
     /// Multi-token matmuls on cuBLAS with split (hi + lo bf16) activations.
@@ -65,19 +71,38 @@ pub struct PathCounts {
     pub attention_multi_split: u64,
     /// Decode-batch calls (`*_rows` ops: matmul, conv, delta rule, attention).
     pub batch_rows: u64,
+    /// Decode steps replayed from a recorded CUDA graph.
+    pub graph_replays: u64,
+    /// Decode steps recorded into a CUDA graph (then replayed).
+    pub graph_captures: u64,
+    /// Decode steps launched op by op (the first sight of a batch, or graphs switched off).
+    pub steps_eager: u64,
+    /// Captures that failed (the step then ran op by op).
+    pub graph_failures: u64,
     /// Kernel modules compiled by NVRTC when this backend was made.
     pub modules_compiled: u64,
     /// Kernel modules loaded from the cache (memory or disk) instead.
     pub modules_cached: u64,
+    /// One-token matmuls on a packed-weight (Q8_0/Q4_0/Q4_K/Q6_K) GEMV.
+    pub gemv_quant: u64,
+    /// Several-token matmuls (decode batches, short prompts) on the batched packed GEMV.
+    pub gemv_quant_rows: u64,
+    /// Matmuls on packed weights dequantized to bf16 for a GEMM (the GEMM is counted too).
+    pub gemm_dequant: u64,
+    /// Embedding gathers from a packed table.
+    pub embed_quant: u64,
 }
 
 impl std::fmt::Display for PathCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "gemv {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
-             gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | modules compiled {} cached {}",
+            "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
+             gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | \
+             decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
+             packed gemv {} rows {} dequant-gemm {} embed {}",
             self.gemv,
+            self.gemv_fused,
             self.gemm_cublas,
             self.gemm_cublas_split,
             self.gemm_fallback,
@@ -88,8 +113,16 @@ impl std::fmt::Display for PathCounts {
             self.attention,
             self.attention_multi_split,
             self.batch_rows,
+            self.graph_replays,
+            self.graph_captures,
+            self.steps_eager,
+            self.graph_failures,
             self.modules_compiled,
-            self.modules_cached
+            self.modules_cached,
+            self.gemv_quant,
+            self.gemv_quant_rows,
+            self.gemm_dequant,
+            self.embed_quant
         )
     }
 }
@@ -97,6 +130,7 @@ impl std::fmt::Display for PathCounts {
 #[derive(Default)]
 struct Counters {
     gemv: AtomicU64,
+    gemv_fused: AtomicU64,
     gemm_cublas: AtomicU64,
     gemm_cublas_split: AtomicU64,
     gemm_fallback: AtomicU64,
@@ -107,8 +141,16 @@ struct Counters {
     attention: AtomicU64,
     attention_multi_split: AtomicU64,
     batch_rows: AtomicU64,
+    graph_replays: AtomicU64,
+    graph_captures: AtomicU64,
+    steps_eager: AtomicU64,
+    graph_failures: AtomicU64,
     modules_compiled: AtomicU64,
     modules_cached: AtomicU64,
+    gemv_quant: AtomicU64,
+    gemv_quant_rows: AtomicU64,
+    gemm_dequant: AtomicU64,
+    embed_quant: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -120,11 +162,14 @@ pub struct CudaBackend {
     dev: Device,
     ew: elementwise::Kernels,
     mm: matmul::Kernels,
+    q: quant::Kernels,
     dn: deltanet::Kernels,
     at: attention::Kernels,
     blas: Option<matmul::Blas>,
     gemm_path: AtomicU8,
     counters: Counters,
+    graphs: Mutex<graph::Recordings>,
+    use_graphs: AtomicBool,
 }
 
 impl CudaBackend {
@@ -146,8 +191,23 @@ impl CudaBackend {
         let mm = matmul::Kernels::load(&module("matmul", matmul::SOURCE)?, &dev)?;
         let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
+        let q = quant::Kernels::load(&module("quant", quant::SOURCE)?, &dev)?;
         let blas = matmul::Blas::open(&dev)?;
-        Ok(CudaBackend { dev, ew, mm, dn, at, blas, gemm_path: AtomicU8::new(0), counters })
+        // STRIX_CUDA_GRAPHS=0 runs every decode step op by op (for profiling and comparison).
+        let use_graphs = std::env::var("STRIX_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Ok(CudaBackend {
+            dev,
+            ew,
+            mm,
+            q,
+            dn,
+            at,
+            blas,
+            gemm_path: AtomicU8::new(0),
+            counters,
+            graphs: Mutex::default(),
+            use_graphs: AtomicBool::new(use_graphs),
+        })
     }
 
     /// The GPU's name as the driver reports it ("NVIDIA H200").
@@ -163,6 +223,24 @@ impl CudaBackend {
     /// Whether cuBLAS loaded (multi-token matmuls run on tensor cores).
     pub fn has_cublas(&self) -> bool {
         self.blas.is_some()
+    }
+
+    /// Whether decode steps are recorded as CUDA graphs and replayed (the default; tests
+    /// compare both ways).
+    pub fn set_graphs(&self, on: bool) {
+        self.use_graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// Drops every recorded decode step (their buffers go back to the free list).
+    pub fn clear_graphs(&self) {
+        if let Ok(mut g) = self.graphs.lock() {
+            g.clear();
+        }
+    }
+
+    /// Why the last failed decode-step capture failed (see [`PathCounts::graph_failures`]).
+    pub fn last_graph_failure(&self) -> Option<String> {
+        self.graphs.lock().ok().and_then(|g| g.last_failure().map(str::to_string))
     }
 
     /// Chooses the kernel for matmuls of more than one token (tests force each one).
@@ -190,6 +268,7 @@ impl CudaBackend {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PathCounts {
             gemv: g(&c.gemv),
+            gemv_fused: g(&c.gemv_fused),
             gemm_cublas: g(&c.gemm_cublas),
             gemm_cublas_split: g(&c.gemm_cublas_split),
             gemm_fallback: g(&c.gemm_fallback),
@@ -200,8 +279,16 @@ impl CudaBackend {
             attention: g(&c.attention),
             attention_multi_split: g(&c.attention_multi_split),
             batch_rows: g(&c.batch_rows),
+            graph_replays: g(&c.graph_replays),
+            graph_captures: g(&c.graph_captures),
+            steps_eager: g(&c.steps_eager),
+            graph_failures: g(&c.graph_failures),
             modules_compiled: g(&c.modules_compiled),
             modules_cached: g(&c.modules_cached),
+            gemv_quant: g(&c.gemv_quant),
+            gemv_quant_rows: g(&c.gemv_quant_rows),
+            gemm_dequant: g(&c.gemm_dequant),
+            embed_quant: g(&c.embed_quant),
         }
     }
 
@@ -210,6 +297,7 @@ impl CudaBackend {
         let c = &self.counters;
         for a in [
             &c.gemv,
+            &c.gemv_fused,
             &c.gemm_cublas,
             &c.gemm_cublas_split,
             &c.gemm_fallback,
@@ -220,6 +308,14 @@ impl CudaBackend {
             &c.attention,
             &c.attention_multi_split,
             &c.batch_rows,
+            &c.graph_replays,
+            &c.graph_captures,
+            &c.steps_eager,
+            &c.graph_failures,
+            &c.gemv_quant,
+            &c.gemv_quant_rows,
+            &c.gemm_dequant,
+            &c.embed_quant,
         ] {
             a.store(0, Ordering::Relaxed);
         }
@@ -342,15 +438,85 @@ impl Backend for CudaBackend {
         w.bytes()
     }
 
+    fn decode_step(
+        &self,
+        key: u64,
+        ids: &[u32],
+        positions: &[usize],
+        step: &mut dyn FnMut() -> CudaBuf,
+        read: &mut dyn FnMut(&CudaBuf),
+    ) {
+        self.dev.bind();
+        let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
+            bump(&self.counters.steps_eager);
+            read(&step());
+        };
+        if !self.use_graphs.load(Ordering::Relaxed) || ids.len() > device::MAX_STEP_ROWS {
+            return eager(step);
+        }
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        match graphs.plan(key) {
+            graph::Plan::Eager => {
+                drop(graphs);
+                eager(step)
+            }
+            graph::Plan::Replay => {
+                or_panic(self.dev.write_step_inputs(ids, positions));
+                let out = or_panic(graphs.replay(key));
+                bump(&self.counters.graph_replays);
+                read(out)
+            }
+            graph::Plan::Record => {
+                or_panic(self.dev.write_step_inputs(ids, positions));
+                match graph::Recording::capture(&self.dev, step) {
+                    Ok(recording) => {
+                        bump(&self.counters.graph_captures);
+                        let out = or_panic(graphs.insert_and_replay(key, recording));
+                        read(out)
+                    }
+                    Err(e) => {
+                        // Nothing ran: a capture only records. Run the step op by op, and
+                        // never try this key again.
+                        bump(&self.counters.graph_failures);
+                        graphs.mark_failed(key, e.to_string());
+                        drop(graphs);
+                        eager(step)
+                    }
+                }
+            }
+        }
+    }
+
+    fn argmax_rows(&self, x: &CudaBuf, rows: usize, cols: usize) -> Vec<u32> {
+        self.dev.bind();
+        self.ew.argmax_rows(&self.dev, x, rows, cols)
+    }
+
     fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
         self.dev.bind();
+        if table.dtype().is_quantized() {
+            self.q.embed(&self.dev, table, ids, dim, out);
+            bump(&self.counters.embed_quant);
+            return;
+        }
         self.ew.embed(&self.dev, table, ids, dim, out);
     }
 
     fn matmul(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
         self.dev.bind();
-        let ran =
-            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out);
+        let ran = if w.dtype().is_quantized() {
+            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
+            match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out) {
+                quant::QRan::Gemv => return bump(&self.counters.gemv_quant),
+                quant::QRan::GemvRows => return bump(&self.counters.gemv_quant_rows),
+                quant::QRan::Dequant(ran) => {
+                    bump(&self.counters.gemm_dequant);
+                    ran
+                }
+            }
+        } else {
+            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out)
+        };
         bump(match ran {
             matmul::Ran::Gemv => &self.counters.gemv,
             matmul::Ran::Cublas => &self.counters.gemm_cublas,
@@ -480,9 +646,38 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn matmul_many(
+        &self,
+        x: &CudaBuf,
+        tokens: usize,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaBuf],
+        decode_batch: bool,
+    ) {
+        if !(decode_batch && matmul::Kernels::can_fuse(ws)) {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                if decode_batch {
+                    self.matmul_rows(x, tokens, w, out);
+                } else {
+                    self.matmul(x, tokens, w, out);
+                }
+            }
+            return;
+        }
+        self.dev.bind();
+        self.mm.matmul_many_rows(&self.dev, x, tokens, ws, outs);
+        bump(&self.counters.batch_rows);
+        bump(&self.counters.gemv_fused);
+    }
+
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
         self.dev.bind();
-        self.mm.matmul_rows(&self.dev, x, tokens, w, out);
+        if w.dtype().is_quantized() {
+            self.q.matmul_rows(&self.dev, x, tokens, w, out);
+            bump(if tokens == 1 { &self.counters.gemv_quant } else { &self.counters.gemv_quant_rows });
+        } else {
+            self.mm.matmul_rows(&self.dev, x, tokens, w, out);
+        }
         bump(&self.counters.batch_rows);
     }
 

@@ -54,3 +54,27 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 
 #define NEG_INF __int_as_float(0xff800000)
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// Programmatic dependent launch (Hopper): in a recorded decode step, a kernel that follows
+// another may start while that one is still running (Device::launch). So no kernel marks its
+// pointers __restrict__: NVVM treats loads through `const __restrict__` parameters as
+// invariant and may hoist them above the wait, reading activations the previous kernel has
+// not written yet (seen on an H200: the first replayed step came out wrong). Weights are
+// streamed with explicit ld.global.nc (ld_stream), which does not need the qualifier. `pdl_enter` lets the next
+// kernel be scheduled early and then waits until the previous one has completed and its writes
+// are visible; a kernel reads activations and writes anything only after it. GEMVs stream their
+// first weights in before waiting. Before sm_90 both are no-ops (launches serialise as usual).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_enter() {
+    pdl_launch_dependents();
+    pdl_wait();
+}

@@ -1,0 +1,187 @@
+//! Throughput of the packed-block matmul kernels (`backend::cpu::qmatmul`) on Qwen3.5-0.8B
+//! shapes, and the alternative for prefill that the module's choice was measured against:
+//! dequantizing blocks of weight rows to f32 and multiplying with the `gemm` crate (as the
+//! float prefill path does). Prints one line per case.
+//!
+//! `cargo run --release -p strix --example qmatmul_bench`
+//!
+//! Decode (1 token) cycles through enough copies of the weights to overflow the caches and
+//! reports GB/s of weights read; prefill reports GFLOP/s (2 · rows · cols · tokens). Medians
+//! of the timed calls.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use strix::backend::cpu::qmatmul::{matmul, QuantRef};
+use strix::quant::{dequantize_row, quantize_row, QuantType};
+
+fn qref(ty: QuantType, b: &[u8]) -> QuantRef<'_> {
+    match ty {
+        QuantType::Q8_0 => QuantRef::Q8_0(b),
+        QuantType::Q4_0 => QuantRef::Q4_0(b),
+        QuantType::Q4_K => QuantRef::Q4_K(b),
+        _ => QuantRef::Q6_K(b),
+    }
+}
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Prefill by dequantizing 128-row blocks to f32 and calling gemm on each (per thread).
+fn dequant_gemm(
+    ty: QuantType,
+    w: &[u8],
+    x: &[f32],
+    tokens: usize,
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) {
+    let row_bytes = ty.row_size(cols).unwrap();
+    let block = 128;
+    struct P(*mut f32);
+    unsafe impl Send for P {}
+    unsafe impl Sync for P {}
+    let o = P(out.as_mut_ptr());
+    let o = &o;
+    (0..rows.div_ceil(block)).into_par_iter().for_each(|b| {
+        let (r0, r1) = (b * block, ((b + 1) * block).min(rows));
+        let n = r1 - r0;
+        let mut tile = vec![0f32; n * cols];
+        dequantize_row(ty, &w[r0 * row_bytes..r1 * row_bytes], &mut tile).unwrap();
+        // SAFETY: the block writes output columns r0..r1 only.
+        unsafe {
+            gemm::gemm(
+                tokens,
+                n,
+                cols,
+                o.0.add(r0),
+                1,
+                rows as isize,
+                false,
+                x.as_ptr(),
+                1,
+                cols as isize,
+                tile.as_ptr(),
+                cols as isize,
+                1,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    });
+}
+
+/// Calibration on the same machine state: the bf16 GEMV (cold) and gemm prefill.
+fn bf16_reference() {
+    use strix::backend::cpu::matmul::{matmul as fmatmul, WeightRef};
+    let (rows, cols) = (3584usize, 1024usize);
+    let one: Vec<u16> = random(rows * cols, 9).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let copies = ((512usize << 20) / (2 * one.len())).max(2);
+    let ws: Vec<Vec<u16>> = (0..copies).map(|_| one.clone()).collect();
+    let x = random(cols, 3);
+    let mut out = vec![0f32; rows];
+    let mut times = Vec::new();
+    for i in 0..copies.max(40) {
+        let t = Instant::now();
+        fmatmul(&x, 1, WeightRef::Bf16(&ws[i % copies]), rows, cols, &mut out);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let gemv = 2.0 * one.len() as f64 / median(times) / 1e9;
+    // Hot: one small matrix that stays in cache, to show the kernel's compute rate.
+    let mut hot = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        fmatmul(&x, 1, WeightRef::Bf16(&one[..256 * cols]), 256, cols, &mut out[..256]);
+        hot.push(t.elapsed().as_secs_f64());
+    }
+    let tokens = 512;
+    let x = random(tokens * cols, 5);
+    let mut out = vec![0f32; tokens * rows];
+    let mut pre = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        fmatmul(&x, tokens, WeightRef::Bf16(&one), rows, cols, &mut out);
+        pre.push(t.elapsed().as_secs_f64());
+    }
+    println!(
+        "BF16 {rows}x{cols}: decode {gemv:.1} GB/s cold, {:.1} GFLOP/s hot; prefill 512: gemm {:.1} GFLOP/s",
+        2.0 * (256 * cols) as f64 / median(hot) / 1e9,
+        2.0 * (rows * cols * tokens) as f64 / median(pre) / 1e9
+    );
+}
+
+fn main() {
+    bf16_reference();
+    let shapes = [(3584usize, 1024usize), (1024, 3584), (6144, 1024)];
+    for ty in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_K, QuantType::Q6_K] {
+        for &(rows, cols) in &shapes {
+            let row_bytes = ty.row_size(cols).unwrap();
+            let one = {
+                let wf = random(rows * cols, 7);
+                let mut w = vec![0u8; rows * row_bytes];
+                quantize_row(ty, &wf, &mut w).unwrap();
+                w
+            };
+            // Decode: cycle through copies totalling ~512 MiB.
+            let copies = ((512usize << 20) / one.len()).max(2);
+            let ws: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
+            let x = random(cols, 3);
+            let mut out = vec![0f32; rows];
+            let mut times = Vec::new();
+            for i in 0..copies.max(40) {
+                let t = Instant::now();
+                matmul(&x, 1, qref(ty, &ws[i % copies]), rows, cols, &mut out);
+                times.push(t.elapsed().as_secs_f64());
+            }
+            let gemv = one.len() as f64 / median(times) / 1e9;
+            drop(ws);
+            let hot_rows = 256;
+            let mut hot = Vec::new();
+            for _ in 0..200 {
+                let t = Instant::now();
+                matmul(&x, 1, qref(ty, &one[..hot_rows * row_bytes]), hot_rows, cols, &mut out[..hot_rows]);
+                hot.push(t.elapsed().as_secs_f64());
+            }
+            let hot = 2.0 * (hot_rows * cols) as f64 / median(hot) / 1e9;
+            // Prefill: 512 tokens, int8 path and dequant + gemm.
+            let tokens = 512;
+            let x = random(tokens * cols, 5);
+            let mut out = vec![0f32; tokens * rows];
+            let flop = 2.0 * (rows * cols * tokens) as f64;
+            let mut int8 = Vec::new();
+            let mut deq = Vec::new();
+            for _ in 0..3 {
+                let t = Instant::now();
+                matmul(&x, tokens, qref(ty, &one), rows, cols, &mut out);
+                int8.push(t.elapsed().as_secs_f64());
+                let t = Instant::now();
+                dequant_gemm(ty, &one, &x, tokens, rows, cols, &mut out);
+                deq.push(t.elapsed().as_secs_f64());
+            }
+            println!(
+                "{ty} {rows}x{cols}: decode {gemv:.1} GB/s cold, {hot:.1} GFLOP/s hot; prefill 512: int8 {:.1} GFLOP/s, dequant+gemm {:.1} GFLOP/s",
+                flop / median(int8) / 1e9,
+                flop / median(deq) / 1e9
+            );
+        }
+    }
+}

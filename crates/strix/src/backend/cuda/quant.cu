@@ -1,0 +1,482 @@
+// Kernels on GGML block formats (Q8_0, Q4_0, Q4_K, Q6_K) kept packed on the device.
+//
+// Device layout (made by `quant.rs::repack` on upload; the same bits as the GGUF blocks, only
+// regrouped so every lane's weight load is one aligned, coalesced 16-byte load): for a
+// [rows, cols] matrix, first the quant plane of every row, then the scale planes.
+//  - Q8_0: quants row = cols bytes (i8); scales: f16 per 32 weights, [rows][cols/32].
+//  - Q4_0: quants row = cols/2 bytes, 16 bytes per block in GGML's nibble order (byte j holds
+//    weight j low, j+16 high); scales: f16 per block, [rows][cols/32].
+//  - Q4_K: quants row = cols/2 bytes, each super-block's 128 nibble bytes as in GGML; meta:
+//    the super-block's first 16 bytes (f16 d, f16 dmin, 12 bytes of 6-bit scales/mins),
+//    [rows][cols/256][16].
+//  - Q6_K: quants row = 3 planes of cols/4 bytes. A "unit" is 64 weights: super-block sb, half
+//    n, sixteenth j (unit = 4 sb + 2 n + j) covers ql[64n+16j..+16] (plane 0),
+//    ql[64n+32+16j..+16] (plane 1) and qh[32n+16j..+16] (plane 2); scales: the unit's four
+//    i8 scales sc[8n+j+{0,2,4,6}] as one u32, [rows][cols/64]; then f16 d, [rows][cols/256].
+//
+// Decode GEMV (qgemv_*): activations are quantized per 32 values to int8 with an f32 scale
+// (quantize_x, GGML's Q8_0 rule without rounding the scale to f16), then every 32-bit word of
+// weights meets 4 activations in one dp4a. Integer sums of a block are exact; the block's
+// float contribution and the per-row sum are formed in a fixed order that depends on the shape
+// alone, so a token's result is bitwise the same in any batch (see gemv_rows_body in
+// matmul.cu for the scheme, which this follows).
+
+typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+#define QG_WARPS 8
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Weights are read once per call: stream them past L1.
+__device__ __forceinline__ v4u ldq(const void* p) {
+    v4u r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+// Scales are shared between lanes: read-only path, cached.
+__device__ __forceinline__ v4u ldg4(const void* p) {
+    v4u r;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ldg32(const void* p) {
+    u32 r;
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u16 ldg16(const void* p) {
+    u16 r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ int word(const v4u& v, int k) { return (int)(k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w); }
+
+// ---------------------------------------------------------------------------------------
+// Activation quantization: one warp per 32 values. xq[i] = round(x[i] / d) with
+// d = amax / 127 (0 for an all-zero block); xs holds the sum of each 16 quants.
+
+extern "C" __global__ void quantize_x(const float* x, i8* xq,
+                                      float* xd, int* xs, int groups) { pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const i64 g = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (g >= groups) return;
+    const float v = x[g * 32 + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const int q = (int)roundf(__fmul_rn(v, id));
+    xq[g * 32 + lane] = (i8)q;
+    int s = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) xd[g] = d;
+    if ((lane & 15) == 0) xs[g * 2 + (lane >> 4)] = s;
+}
+
+// Activations of one token, quantized.
+struct XQ {
+    const i8* q;    // [cols]
+    const float* d; // [cols / 32]
+    const int* s;   // [cols / 16]
+};
+
+__device__ __forceinline__ v4u ldx(const i8* p) { return *reinterpret_cast<const v4u*>(p); }
+
+// ---------------------------------------------------------------------------------------
+// Formats. `wq` points at the quant planes, `ws` at the scale planes (after all rows' quants).
+// Each has a `Raw` (one unit's loaded bytes), `units(cols)`, `load` and `dot`, and
+// `decode` (the exact f32 weights of a unit, as runs of 16 consecutive columns, computed with
+// the same float operations as the CPU's dequantize_row).
+
+struct Q8_0F {
+    static constexpr int UNROLL = 8;
+    static constexpr int RUNS = 1;
+    struct Raw {
+        v4u w;
+        u16 d;
+    };
+    static __device__ __forceinline__ int units(int cols) { return cols >> 4; }
+    static __device__ __forceinline__ i64 qrow(int cols) { return cols; }
+    static __device__ __forceinline__ Raw load(const u8* wq, const u8* ws, i64 row, int rows, int cols, int i) {
+        Raw r;
+        r.w = ldq(wq + row * qrow(cols) + 16 * i);
+        const u16* d = reinterpret_cast<const u16*>(ws);
+        r.d = ldg16(d + row * (cols >> 5) + (i >> 1));
+        return r;
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
+        const v4u a = ldx(x.q + 16 * i);
+        int s = dp4a((int)r.w.x, (int)a.x, 0);
+        s = dp4a((int)r.w.y, (int)a.y, s);
+        s = dp4a((int)r.w.z, (int)a.z, s);
+        s = dp4a((int)r.w.w, (int)a.w, s);
+        return __fmul_rn(__fmul_rn(f16_to_f32(r.d), x.d[i >> 1]), (float)s);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
+        const float d = f16_to_f32(r.d);
+        pos[0] = 16 * i;
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            const int b = (int)(i8)((word(r.w, k >> 2) >> (8 * (k & 3))) & 0xff);
+            v[0][k] = __fmul_rn((float)b, d);
+        }
+    }
+};
+
+struct Q4_0F {
+    static constexpr int UNROLL = 6;
+    static constexpr int RUNS = 2;
+    struct Raw {
+        v4u w;
+        u16 d;
+    };
+    static __device__ __forceinline__ int units(int cols) { return cols >> 5; }
+    static __device__ __forceinline__ i64 qrow(int cols) { return cols >> 1; }
+    static __device__ __forceinline__ Raw load(const u8* wq, const u8* ws, i64 row, int rows, int cols, int i) {
+        Raw r;
+        r.w = ldq(wq + row * qrow(cols) + 16 * i);
+        const u16* d = reinterpret_cast<const u16*>(ws);
+        r.d = ldg16(d + row * (cols >> 5) + i);
+        return r;
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
+        const v4u a = ldx(x.q + 32 * i), b = ldx(x.q + 32 * i + 16);
+        int s = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int w = word(r.w, k);
+            s = dp4a(w & 0x0f0f0f0f, word(a, k), s);
+            s = dp4a((w >> 4) & 0x0f0f0f0f, word(b, k), s);
+        }
+        const int sum = x.s[2 * i] + x.s[2 * i + 1];
+        return __fmul_rn(__fmul_rn(f16_to_f32(r.d), x.d[i]), (float)(s - 8 * sum));
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
+        const float d = f16_to_f32(r.d);
+        pos[0] = 32 * i;
+        pos[1] = 32 * i + 16;
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            const int b = (word(r.w, k >> 2) >> (8 * (k & 3))) & 0xff;
+            v[0][k] = __fmul_rn((float)((b & 15) - 8), d);
+            v[1][k] = __fmul_rn((float)((b >> 4) - 8), d);
+        }
+    }
+};
+
+// Scales and mins of Q4_K sub-blocks 2g and 2g + 1 from the 12 scale bytes held in words a, b,
+// c (bytes 0-3, 4-7, 8-11), both at once and without branches (lanes of a warp hold different
+// g); the same values as q4_k_scale_min in quant/blocks.rs: sub-blocks 0-3 are the low 6 bits
+// of bytes 0-3 (scales) and 4-7 (mins), sub-blocks 4-7 take their low 4 bits from bytes 8-11
+// and their top 2 from the top bits of bytes 0-3 / 4-7.
+__device__ __forceinline__ void q4k_scale_min2(int g, u32 a, u32 b, u32 c, int& sc1, int& m1, int& sc2,
+                                               int& m2) {
+    const int sh = 16 * (g & 1);
+    const u32 A = (a >> sh) & 0xffff, B = (b >> sh) & 0xffff, C = (c >> sh) & 0xffff;
+    const u32 sc = g < 2 ? A & 0x3f3f : (C & 0x0f0f) | ((A >> 2) & 0x3030);
+    const u32 m = g < 2 ? B & 0x3f3f : ((C >> 4) & 0x0f0f) | ((B >> 2) & 0x3030);
+    sc1 = sc & 0xff;
+    sc2 = sc >> 8;
+    m1 = m & 0xff;
+    m2 = m >> 8;
+}
+
+struct Q4_KF {
+    static constexpr int UNROLL = 4;
+    static constexpr int RUNS = 2;
+    struct Raw {
+        v4u w;
+        v4u meta;
+    };
+    static __device__ __forceinline__ int units(int cols) { return cols >> 5; }
+    static __device__ __forceinline__ i64 qrow(int cols) { return cols >> 1; }
+    static __device__ __forceinline__ Raw load(const u8* wq, const u8* ws, i64 row, int rows, int cols, int i) {
+        Raw r;
+        r.w = ldq(wq + row * qrow(cols) + 16 * i);
+        const v4u* meta = reinterpret_cast<const v4u*>(ws);
+        r.meta = ldg4(meta + row * (cols >> 8) + (i >> 3));
+        return r;
+    }
+    // Unit i: chunk c = i % 8 of super-block i / 8; group g = c / 2 holds sub-block 2g in its
+    // low nibbles and 2g + 1 in its high ones; half h = c % 2 picks 16 of the group's 32 bytes.
+    static __device__ __forceinline__ void scales(const Raw& r, int i, float& d1, float& m1, float& d2,
+                                                  float& m2) {
+        const int g = (i & 7) >> 1;
+        const float d = f16_to_f32((u16)(r.meta.x & 0xffff)), dmin = f16_to_f32((u16)(r.meta.x >> 16));
+        int sc1, mn1, sc2, mn2;
+        q4k_scale_min2(g, r.meta.y, r.meta.z, r.meta.w, sc1, mn1, sc2, mn2);
+        d1 = __fmul_rn(d, (float)sc1);
+        m1 = __fmul_rn(dmin, (float)mn1);
+        d2 = __fmul_rn(d, (float)sc2);
+        m2 = __fmul_rn(dmin, (float)mn2);
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
+        float d1, m1, d2, m2;
+        scales(r, i, d1, m1, d2, m2);
+        const int g = (i & 7) >> 1, h = i & 1;
+        const int p = (i >> 3) * 256 + 64 * g + 16 * h; // first column of the low-nibble run
+        const v4u a = ldx(x.q + p), b = ldx(x.q + p + 32);
+        int s1 = 0, s2 = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int w = word(r.w, k);
+            s1 = dp4a(w & 0x0f0f0f0f, word(a, k), s1);
+            s2 = dp4a((w >> 4) & 0x0f0f0f0f, word(b, k), s2);
+        }
+        const float lo = __fsub_rn(__fmul_rn(d1, (float)s1), __fmul_rn(m1, (float)x.s[p >> 4]));
+        const float hi = __fsub_rn(__fmul_rn(d2, (float)s2), __fmul_rn(m2, (float)x.s[(p >> 4) + 2]));
+        return __fadd_rn(__fmul_rn(x.d[p >> 5], lo), __fmul_rn(x.d[(p >> 5) + 1], hi));
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
+        float d1, m1, d2, m2;
+        scales(r, i, d1, m1, d2, m2);
+        const int g = (i & 7) >> 1, h = i & 1;
+        pos[0] = (i >> 3) * 256 + 64 * g + 16 * h;
+        pos[1] = pos[0] + 32;
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            const int b = (word(r.w, k >> 2) >> (8 * (k & 3))) & 0xff;
+            v[0][k] = __fsub_rn(__fmul_rn(d1, (float)(b & 15)), m1);
+            v[1][k] = __fsub_rn(__fmul_rn(d2, (float)(b >> 4)), m2);
+        }
+    }
+};
+
+struct Q6_KF {
+    static constexpr int UNROLL = 2;
+    static constexpr int RUNS = 4;
+    struct Raw {
+        v4u l0, l1, h;
+        u32 sc;
+        u16 d;
+    };
+    static __device__ __forceinline__ int units(int cols) { return cols >> 6; }
+    static __device__ __forceinline__ i64 qrow(int cols) { return 3 * (i64)(cols >> 2); }
+    static __device__ __forceinline__ Raw load(const u8* wq, const u8* ws, i64 row, int rows, int cols, int i) {
+        Raw r;
+        const u8* base = wq + row * qrow(cols) + 16 * i;
+        const int plane = cols >> 2;
+        r.l0 = ldq(base);
+        r.l1 = ldq(base + plane);
+        r.h = ldq(base + 2 * plane);
+        const u32* sc = reinterpret_cast<const u32*>(ws);
+        r.sc = ldg32(sc + row * (cols >> 6) + i);
+        const u16* d = reinterpret_cast<const u16*>(sc + (i64)rows * (cols >> 6));
+        r.d = ldg16(d + row * (cols >> 8) + (i >> 2));
+        return r;
+    }
+    // The four 6-bit quant words (k = 0..3 for columns +0, +32, +64, +96) of word w.
+    static __device__ __forceinline__ int quants(const Raw& r, int k, int w) {
+        const int l0 = word(r.l0, w), l1 = word(r.l1, w), h = word(r.h, w);
+        switch (k) {
+        case 0: return (l0 & 0x0f0f0f0f) | ((h << 4) & 0x30303030);
+        case 1: return (l1 & 0x0f0f0f0f) | ((h << 2) & 0x30303030);
+        case 2: return ((l0 >> 4) & 0x0f0f0f0f) | (h & 0x30303030);
+        default: return ((l1 >> 4) & 0x0f0f0f0f) | ((h >> 2) & 0x30303030);
+        }
+    }
+    // Unit i: super-block i / 4, half n = (i / 2) % 2, sixteenth j = i % 2; its four runs
+    // start at columns 256 sb + 128 n + 16 j + 32 k.
+    static __device__ __forceinline__ int first(int i) { return (i >> 2) * 256 + 128 * ((i >> 1) & 1) + 16 * (i & 1); }
+    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
+        const int p = first(i);
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const v4u a = ldx(x.q + p + 32 * k);
+            int s = 0;
+#pragma unroll
+            for (int w = 0; w < 4; w++) s = dp4a(quants(r, k, w), word(a, w), s);
+            const int sc = (int)(i8)((r.sc >> (8 * k)) & 0xff);
+            const int q = sc * (s - 32 * x.s[(p >> 4) + 2 * k]);
+            acc = __fadd_rn(acc, __fmul_rn(x.d[(p >> 5) + k], (float)q));
+        }
+        return __fmul_rn(f16_to_f32(r.d), acc);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
+        const float d = f16_to_f32(r.d);
+        const int p = first(i);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            pos[k] = p + 32 * k;
+            const float ds = __fmul_rn(d, (float)(int)(i8)((r.sc >> (8 * k)) & 0xff));
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                const int q = (quants(r, k, e >> 2) >> (8 * (e & 3))) & 0xff;
+                v[k][e] = __fmul_rn(ds, (float)(q - 32));
+            }
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------
+// GEMV. Blocks of QG_WARPS warps; S warps share a weight row (warp part s takes units
+// s*32 + lane, s*32 + lane + 32*S, ...), partial sums added in a fixed order. The block's
+// tokens are [blockIdx.x * NT, +NT), its rows blockIdx.y * (QG_WARPS / S) + warp / S: blocks
+// next to each other in launch order share weight rows, so with several token tiles the
+// re-reads of a row come from L2.
+
+template <class F, int NT, int S, int UNROLL>
+__device__ __forceinline__ void qgemv_body(const u8* wq, const u8* ws,
+                                           const i8* xq, const float* xd,
+                                           const int* xs, float* out, int rows,
+                                           int cols, int tokens) {
+    __shared__ float partial[QG_WARPS][NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int part = warp % S;
+    const i64 row = (i64)blockIdx.y * (QG_WARPS / S) + warp / S;
+    const int t0 = blockIdx.x * NT;
+    const int nt = imin(NT, tokens - t0);
+    const bool live = row < rows;
+    float acc0[NT], acc1[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.f;
+    if (live) {
+        const int n = F::units(cols);
+        for (int base = part * 32 + lane; base < n; base += 32 * S * UNROLL) {
+            typename F::Raw r[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                const int i = base + 32 * S * u;
+                if (i < n) r[u] = F::load(wq, ws, row, rows, cols, i);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                const int i = base + 32 * S * u;
+                if (i < n) {
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        // Past the last token, recompute the last one (and drop it below):
+                        // no branch around the loads, so all tokens' loads can be in flight.
+                        const i64 tt = NT == 1 ? t0 : t0 + imin(t, nt - 1);
+                        const XQ x{xq + tt * cols, xd + tt * (cols >> 5), xs + tt * (cols >> 4)};
+                        const float d = F::dot(r[u], i, x);
+                        if (u & 1) acc1[t] = __fadd_rn(acc1[t], d);
+                        else acc0[t] = __fadd_rn(acc0[t], d);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        const float acc = warp_sum(__fadd_rn(acc0[t], acc1[t]));
+        if (S == 1) {
+            if (live && lane == 0 && t < nt) out[(i64)(t0 + t) * rows + row] = acc;
+        } else if (lane == 0) {
+            partial[warp][t] = acc;
+        }
+    }
+    if (S > 1) {
+        __syncthreads();
+        if (live && part == 0 && lane < NT && lane < nt) {
+            float sum = partial[warp][lane];
+#pragma unroll
+            for (int k = 1; k < S; k++) sum = __fadd_rn(sum, partial[warp + k][lane]);
+            out[(i64)(t0 + lane) * rows + row] = sum;
+        }
+    }
+}
+
+// One token (NT = 1) and a batch (NT = QG_NT tokens per block): grid (ceil(tokens / NT),
+// ceil(rows / (QG_WARPS / S))), block QG_WARPS * 32. The one-token kernels are held to 64
+// registers so 4 blocks (32 warps) fit an SM: occupancy is what keeps enough loads in flight
+// (at 128 registers Q8_0 streamed at 61 % of the copy bandwidth on an H200); the per-format
+// UNROLL is the most that fits without spilling.
+#define QG_NT 8
+#define QG_MIN_BLOCKS 4
+#define QGEMV(NAME, F, S)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, QG_MIN_BLOCKS)                               \
+        qgemv_##NAME##_s##S(const u8* wq, const u8* ws, const i8* xq, \
+                            const float* xd, const int* xs, float* out, \
+                            int rows, int cols, int tokens) { pdl_enter();                                                \
+        qgemv_body<F, 1, S, F::UNROLL>(wq, ws, xq, xd, xs, out, rows, cols, tokens);                                    \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, 2)                                           \
+        qgemv_rows_##NAME##_s##S(const u8* wq, const u8* ws,                       \
+                                 const i8* xq, const float* xd,                    \
+                                 const int* xs, float* out, int rows, int cols,    \
+                                 int tokens) { pdl_enter();                                                               \
+        qgemv_body<F, QG_NT, S, (F::UNROLL > 1 ? F::UNROLL / 2 : 1)>(wq, ws, xq, xd, xs, out, rows, cols, tokens);                                \
+    }
+#define QGEMV_ALL(NAME, F)                                                                                   \
+    QGEMV(NAME, F, 1)                                                                                        \
+    QGEMV(NAME, F, 2)                                                                                        \
+    QGEMV(NAME, F, 4)                                                                                        \
+    QGEMV(NAME, F, 8)
+QGEMV_ALL(q8_0, Q8_0F)
+QGEMV_ALL(q4_0, Q4_0F)
+QGEMV_ALL(q4_k, Q4_KF)
+QGEMV_ALL(q6_k, Q6_KF)
+
+// ---------------------------------------------------------------------------------------
+// Dequantization: the exact f32 weights (bit-identical to the CPU's dequantize_row), as bf16
+// (rounded to nearest even) for a tensor-core GEMM, or as f32 for the embedding gather.
+
+__device__ __forceinline__ void store16(bf16_t* dst, const float* v) {
+    u32 p[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) p[k] = (u32)f32_to_bf16(v[2 * k]) | ((u32)f32_to_bf16(v[2 * k + 1]) << 16);
+    v4u* d = reinterpret_cast<v4u*>(dst);
+    d[0] = v4u{p[0], p[1], p[2], p[3]};
+    d[1] = v4u{p[4], p[5], p[6], p[7]};
+}
+
+__device__ __forceinline__ void store16(float* dst, const float* v) {
+    v4f* d = reinterpret_cast<v4f*>(dst);
+#pragma unroll
+    for (int k = 0; k < 4; k++) d[k] = v4f{v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]};
+}
+
+template <class F, class T>
+__device__ __forceinline__ void decode_unit(const u8* wq, const u8* ws, i64 row, int rows, int cols, int i,
+                                            T* dst_row) {
+    const typename F::Raw r = F::load(wq, ws, row, rows, cols, i);
+    int pos[F::RUNS];
+    float v[F::RUNS][16];
+    F::decode(r, i, pos, v);
+#pragma unroll
+    for (int k = 0; k < F::RUNS; k++) store16(dst_row + pos[k], v[k]);
+}
+
+// Rows [r0, r0 + nrows) into dst [nrows, cols] bf16; grid-stride over (row, unit).
+#define DEQUANT(NAME, F)                                                                                     \
+    extern "C" __global__ void dequant_bf16_##NAME(const u8* wq, const u8* ws,     \
+                                                   bf16_t* dst, int rows, int cols, int r0,     \
+                                                   int nrows) { pdl_enter();                                              \
+        const int n = F::units(cols);                                                                        \
+        const i64 total = (i64)nrows * n;                                                                    \
+        for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (i64)gridDim.x * blockDim.x) { \
+            const i64 r = k / n;                                                                             \
+            decode_unit<F>(wq, ws, r0 + r, rows, cols, (int)(k - r * n), dst + r * cols);                    \
+        }                                                                                                    \
+    }                                                                                                        \
+    extern "C" __global__ void embed_##NAME(const u8* wq, const u8* ws,            \
+                                            const u32* ids, float* out, int rows,  \
+                                            int cols) { pdl_enter();                                                      \
+        const int n = F::units(cols);                                                                        \
+        const int t = blockIdx.y;                                                                            \
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)              \
+            decode_unit<F>(wq, ws, (i64)ids[t], rows, cols, i, out + (i64)t * cols);                         \
+    }
+DEQUANT(q8_0, Q8_0F)
+DEQUANT(q4_0, Q4_0F)
+DEQUANT(q4_k, Q4_KF)
+DEQUANT(q6_k, Q6_KF)

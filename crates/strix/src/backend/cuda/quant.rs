@@ -1,0 +1,379 @@
+//! Matmuls and the embedding gather on weights kept in GGML block formats (Q8_0, Q4_0, Q4_K,
+//! Q6_K) on the device; the kernels are in `quant.cu`, which also describes the device layout
+//! that [`repack`] makes on upload (the blocks' own bytes, regrouped so every weight load is
+//! an aligned 16-byte load).
+//!
+//! - **Decode GEMV** (`qgemv_*`): the activations are first quantized to int8 per 32 values
+//!   (`quantize_x`, scale kept in f32), then each lane streams 16-byte units of packed weights,
+//!   unpacks them in registers and meets them with the activations in `dp4a`s; the integer sum
+//!   of a block is exact and its float contribution is added in an order fixed by the shape, so
+//!   the batched form (`qgemv_rows_*`, `QG_NT` tokens per block) gives every token bitwise the
+//!   one-token result. Why int8 activations: a 4-bit weight unpacked to f32 costs a convert
+//!   and an FMA per weight per token, which at the H200's bandwidth is about the issue rate of
+//!   the SM at batch 1 and far past it at batch 16; `dp4a` does 4 weights in one instruction.
+//! - **Prefill** (more than [`GEMV_MAX_TOKENS`] tokens): bands of weight rows are dequantized
+//!   to bf16 (exactly the CPU's dequantized values, rounded to nearest even) into a scratch
+//!   buffer and multiplied on cuBLAS's tensor cores, band by band into the output; with the
+//!   fallback policy (or no cuBLAS), the whole matrix is dequantized for the tiled kernel.
+//! - **Embedding**: the rows of the packed table dequantized to f32, bit-identical to the CPU's
+//!   dequantization (a tied lm_head is the same packed weight through the GEMV).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule};
+use rayon::prelude::*;
+
+use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
+use super::elementwise;
+use super::matmul::{self, Blas, GemmPath};
+use crate::error::Result;
+use crate::tensor::DType;
+
+pub(super) const SOURCE: &str = include_str!("quant.cu");
+
+/// Matmuls of at most this many tokens run on the batched GEMV (one pass over the packed
+/// weights); more go through dequantization and a tensor-core GEMM.
+pub const GEMV_MAX_TOKENS: usize = 8;
+
+/// Tokens per block of the batched GEMV (`QG_NT`).
+const QG_NT: usize = 8;
+/// Warps per GEMV block (`QG_WARPS`).
+const QG_WARPS: usize = 8;
+/// Elements of weight dequantized to bf16 at a time on the prefill path (64 MB of scratch).
+const BAND_ELEMS: usize = 32 << 20;
+
+/// What a quantized matmul ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum QRan {
+    /// One token, `qgemv_*`.
+    Gemv,
+    /// Several tokens on the batched `qgemv_rows_*`.
+    GemvRows,
+    /// Dequantized bands into the bf16 GEMM that ran.
+    Dequant(matmul::Ran),
+}
+
+/// The formats in the order of the kernel tables.
+const FORMATS: [(DType, &str); 4] =
+    [(DType::Q8_0, "q8_0"), (DType::Q4_0, "q4_0"), (DType::Q4_K, "q4_k"), (DType::Q6_K, "q6_k")];
+
+fn format_index(dtype: DType) -> usize {
+    FORMATS
+        .iter()
+        .position(|f| f.0 == dtype)
+        .unwrap_or_else(|| panic!("cuda: no packed kernels for {}", dtype.name()))
+}
+
+/// Columns per GEMV unit (one lane's load) of each format.
+fn unit_cols(dtype: DType) -> usize {
+    match dtype {
+        DType::Q8_0 => 16,
+        DType::Q4_0 | DType::Q4_K => 32,
+        _ => 64,
+    }
+}
+
+/// Bytes of a row's quant plane and of its scale planes, in the device layout.
+fn planes(dtype: DType, cols: usize) -> (usize, usize, usize) {
+    match dtype {
+        DType::Q8_0 => (cols, cols / 32 * 2, 0),
+        DType::Q4_0 => (cols / 2, cols / 32 * 2, 0),
+        DType::Q4_K => (cols / 2, cols / 256 * 16, 0),
+        DType::Q6_K => (cols / 4 * 3, cols / 64 * 4, cols / 256 * 2),
+        _ => unreachable!("not a block format"),
+    }
+}
+
+/// Regroups a `[rows, cols]` matrix of GGML blocks into the device layout (`quant.cu`): per
+/// row the quants of every block, then per row the scales. Same bytes, same size.
+pub(super) fn repack(dtype: DType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let row_bytes = dtype.row_bytes(cols).expect("checked by check_matrix");
+    assert_eq!(src.len(), rows * row_bytes);
+    let (qrow, srow, s2row) = planes(dtype, cols);
+    assert_eq!(qrow + srow + s2row, row_bytes);
+    let mut out = vec![0u8; src.len()];
+    let (q, rest) = out.split_at_mut(rows * qrow);
+    let (s, s2) = rest.split_at_mut(rows * srow);
+    let s2_chunks: Vec<&mut [u8]> =
+        if s2row == 0 { (0..rows).map(|_| &mut [][..]).collect() } else { s2.chunks_mut(s2row).collect() };
+    q.par_chunks_mut(qrow.max(1))
+        .zip(s.par_chunks_mut(srow.max(1)))
+        .zip(s2_chunks.into_par_iter())
+        .zip(src.par_chunks(row_bytes.max(1)))
+        .for_each(|(((q, s), s2), src)| repack_row(dtype, src, q, s, s2));
+    out
+}
+
+fn repack_row(dtype: DType, src: &[u8], q: &mut [u8], s: &mut [u8], s2: &mut [u8]) {
+    match dtype {
+        DType::Q8_0 => {
+            for (b, blk) in src.chunks_exact(34).enumerate() {
+                s[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+                q[32 * b..32 * b + 32].copy_from_slice(&blk[2..]);
+            }
+        }
+        DType::Q4_0 => {
+            for (b, blk) in src.chunks_exact(18).enumerate() {
+                s[2 * b..2 * b + 2].copy_from_slice(&blk[..2]);
+                q[16 * b..16 * b + 16].copy_from_slice(&blk[2..]);
+            }
+        }
+        DType::Q4_K => {
+            for (b, blk) in src.chunks_exact(144).enumerate() {
+                s[16 * b..16 * b + 16].copy_from_slice(&blk[..16]);
+                q[128 * b..128 * b + 128].copy_from_slice(&blk[16..]);
+            }
+        }
+        DType::Q6_K => {
+            let plane = q.len() / 3;
+            for (b, blk) in src.chunks_exact(210).enumerate() {
+                let (ql, rest) = blk.split_at(128);
+                let (qh, rest) = rest.split_at(64);
+                let (sc, d) = rest.split_at(16);
+                s2[2 * b..2 * b + 2].copy_from_slice(d);
+                for n in 0..2 {
+                    for j in 0..2 {
+                        let u = 4 * b + 2 * n + j;
+                        let at = 16 * u;
+                        q[at..at + 16].copy_from_slice(&ql[64 * n + 16 * j..][..16]);
+                        q[plane + at..plane + at + 16].copy_from_slice(&ql[64 * n + 32 + 16 * j..][..16]);
+                        q[2 * plane + at..2 * plane + at + 16].copy_from_slice(&qh[32 * n + 16 * j..][..16]);
+                        for k in 0..4 {
+                            s[4 * u + k] = sc[8 * n + j + 2 * k];
+                        }
+                    }
+                }
+            }
+        }
+        _ => unreachable!("not a block format"),
+    }
+}
+
+pub(super) struct Kernels {
+    quantize_x: CudaFunction,
+    /// `[format][log2 S]` one-token GEMVs.
+    gemv: Vec<[CudaFunction; 4]>,
+    /// `[format][log2 S]` batched GEMVs.
+    gemv_rows: Vec<[CudaFunction; 4]>,
+    dequant: Vec<CudaFunction>,
+    embed: Vec<CudaFunction>,
+    sm_count: usize,
+}
+
+/// The activations of a matmul quantized for the GEMV: `[tokens, cols]` i8, then a scale per
+/// 32 and a sum per 16 quants (one f32 buffer, carved up).
+struct XQuant {
+    _buf: CudaBuf,
+    q: u64,
+    d: u64,
+    s: u64,
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>, dev: &Device) -> Result<Kernels> {
+        let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
+        let by_split = |prefix: &str| -> Result<[CudaFunction; 4]> {
+            Ok([
+                f(&format!("{prefix}1"))?,
+                f(&format!("{prefix}2"))?,
+                f(&format!("{prefix}4"))?,
+                f(&format!("{prefix}8"))?,
+            ])
+        };
+        let mut k = Kernels {
+            quantize_x: f("quantize_x")?,
+            gemv: Vec::new(),
+            gemv_rows: Vec::new(),
+            dequant: Vec::new(),
+            embed: Vec::new(),
+            sm_count: dev.sm_count as usize,
+        };
+        for (_, name) in FORMATS {
+            k.gemv.push(by_split(&format!("qgemv_{name}_s"))?);
+            k.gemv_rows.push(by_split(&format!("qgemv_rows_{name}_s"))?);
+            k.dequant.push(f(&format!("dequant_bf16_{name}"))?);
+            k.embed.push(f(&format!("embed_{name}"))?);
+        }
+        Ok(k)
+    }
+
+    /// Warps per weight row, as log2: one, unless the matrix has too few rows to give every SM
+    /// about 32 warps; then up to eight, as long as every lane keeps a unit of its own. A
+    /// function of the shape alone, so the one-token and batched GEMVs agree bitwise.
+    fn split_log2(&self, rows: usize, units: usize) -> usize {
+        let target = self.sm_count * 32;
+        let mut log2 = 0;
+        while log2 < 3 && (rows << log2) < target && units >= 64 << log2 {
+            log2 += 1;
+        }
+        log2
+    }
+
+    fn quantize_x(&self, dev: &Device, x: &CudaBuf, tokens: usize, cols: usize) -> XQuant {
+        let n = tokens * cols;
+        let groups = n / 32;
+        // i8 quants (n / 4 floats), f32 scales (n / 32), i32 sums (n / 16): all 16-byte aligned.
+        let buf = dev.alloc(n / 4 + groups + 2 * groups).unwrap_or_else(|e| panic!("{e}"));
+        let q = buf.ptr();
+        let d = q + n as u64;
+        let s = d + 4 * groups as u64;
+        dev.launch(
+            "quantize_x",
+            &self.quantize_x,
+            (groups.div_ceil(8) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![x.ptr(), q, d, s, groups as i32],
+        );
+        XQuant { _buf: buf, q, d, s }
+    }
+
+    /// `out = x · Wᵀ` by the GEMV: the one-token kernel for `tokens == 1` unless `batched`.
+    fn gemv(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+        batched: bool,
+    ) {
+        let (rows, cols, dtype) = (w.rows(), w.cols(), w.dtype());
+        let fi = format_index(dtype);
+        let xq = self.quantize_x(dev, x, tokens, cols);
+        let log2 = self.split_log2(rows, cols / unit_cols(dtype));
+        let row_blocks = rows.div_ceil(QG_WARPS >> log2);
+        assert!(row_blocks <= 65535, "cuda: a {rows}-row matrix is past the GEMV's grid");
+        let (f, nt) = if batched || tokens > 1 {
+            (&self.gemv_rows[fi][log2], QG_NT)
+        } else {
+            (&self.gemv[fi][log2], 1)
+        };
+        let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
+        dev.launch(
+            "qgemv",
+            f,
+            (tokens.div_ceil(nt) as u32, row_blocks as u32, 1),
+            (QG_WARPS as u32 * 32, 1, 1),
+            0,
+            kernel_args![
+                w.ptr(),
+                scales,
+                xq.q,
+                xq.d,
+                xq.s,
+                out.ptr(),
+                rows as i32,
+                cols as i32,
+                tokens as i32
+            ],
+        );
+    }
+
+    /// Rows `[r0, r0 + nrows)` of `w` dequantized into `dst` (`[nrows, cols]` bf16).
+    fn dequant(&self, dev: &Device, w: &CudaWeight, r0: usize, nrows: usize, dst: u64) {
+        let (rows, cols, dtype) = (w.rows(), w.cols(), w.dtype());
+        let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
+        let units = nrows * (cols / unit_cols(dtype));
+        dev.launch(
+            "dequant_bf16",
+            &self.dequant[format_index(dtype)],
+            (dev.grid_for(units, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![w.ptr(), scales, dst, rows as i32, cols as i32, r0 as i32, nrows as i32],
+        );
+    }
+
+    /// The decode-batch matmul: every row by the one-token GEMV's arithmetic (a batch of one
+    /// takes the one-token kernel itself, which streams at far higher bandwidth).
+    pub fn matmul_rows(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        check(x, tokens, w, out);
+        if tokens == 0 || w.rows() == 0 {
+            return;
+        }
+        self.gemv(dev, x, tokens, w, out, tokens > 1);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        dev: &Device,
+        mm: &matmul::Kernels,
+        ew: &elementwise::Kernels,
+        blas: Option<&Blas>,
+        policy: GemmPath,
+        x: &CudaBuf,
+        tokens: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+    ) -> QRan {
+        check(x, tokens, w, out);
+        let (rows, cols) = (w.rows(), w.cols());
+        if tokens == 0 || rows == 0 {
+            return QRan::Gemv;
+        }
+        if tokens == 1 {
+            self.gemv(dev, x, tokens, w, out, false);
+            return QRan::Gemv;
+        }
+        if tokens <= GEMV_MAX_TOKENS && policy == GemmPath::Auto {
+            self.gemv(dev, x, tokens, w, out, true);
+            return QRan::GemvRows;
+        }
+        let split = policy == GemmPath::CublasSplit;
+        match (policy, blas) {
+            (GemmPath::Fallback, _) | (GemmPath::Auto, None) => {
+                let dense = CudaWeight::scratch_bf16(dev, rows, cols).unwrap_or_else(|e| panic!("{e}"));
+                self.dequant(dev, w, 0, rows, dense.ptr());
+                QRan::Dequant(mm.matmul(dev, ew, None, GemmPath::Fallback, x, tokens, &dense, out))
+            }
+            (_, blas) => {
+                let blas = blas.expect("matmul: a cuBLAS path was requested but cuBLAS did not load");
+                let bands = (rows * cols).div_ceil(BAND_ELEMS).max(1);
+                let band = rows.div_ceil(bands).next_multiple_of(64).min(rows);
+                let dense = CudaWeight::scratch_bf16(dev, band, cols).unwrap_or_else(|e| panic!("{e}"));
+                let mut r0 = 0;
+                while r0 < rows {
+                    let n = band.min(rows - r0);
+                    self.dequant(dev, w, r0, n, dense.ptr());
+                    let at = out.ptr() + 4 * r0 as u64;
+                    matmul::cublas_gemm_at(dev, ew, blas, x, tokens, dense.ptr(), n, cols, at, rows, split);
+                    r0 += n;
+                }
+                QRan::Dequant(if split { matmul::Ran::CublasSplit } else { matmul::Ran::Cublas })
+            }
+        }
+    }
+
+    /// `out[t] = table[ids[t]]`, dequantized to f32.
+    pub fn embed(&self, dev: &Device, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
+        let (rows, cols, dtype) = (table.rows(), table.cols(), table.dtype());
+        assert_eq!(cols, dim, "embed: table width");
+        assert!(out.len() >= ids.len() * dim, "embed: out too short");
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
+            panic!("embed: token id {bad} outside the table ({rows} rows)");
+        }
+        if ids.is_empty() {
+            return;
+        }
+        let (_ids_dev, ids_ptr) = dev.ids_on_device(ids);
+        let units = cols / unit_cols(dtype);
+        let scales = table.ptr() + (rows * planes(dtype, cols).0) as u64;
+        dev.launch(
+            "embed_packed",
+            &self.embed[format_index(dtype)],
+            (units.div_ceil(128).min(64) as u32, ids.len() as u32, 1),
+            (128, 1, 1),
+            0,
+            kernel_args![table.ptr(), scales, ids_ptr, out.ptr(), rows as i32, cols as i32],
+        );
+    }
+}
+
+fn check(x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &CudaBuf) {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert!(x.len() >= tokens * cols, "matmul: x holds {} floats, not [{tokens}, {cols}]", x.len());
+    assert!(out.len() >= tokens * rows, "matmul: out holds {} floats, not [{tokens}, {rows}]", out.len());
+    assert!(rows <= i32::MAX as usize && tokens * cols <= i32::MAX as usize);
+}
