@@ -13,8 +13,8 @@ re-tiling is exercised (llama.cpp's qwen35 loader needs key and value heads of t
 width, which rules out the other fixtures). Types: f32, bf16, q8_0, q4_0, q4_k.
 
 For each: `strix quantize` writes the GGUF. The same model also goes through llama.cpp's
-converter and `llama-quantize --pure`, and every tensor (name, type, dims, bytes) of the two
-files is compared. `llama-perplexity --kl-divergence-base` runs strix's file and saves its
+converter and `llama-quantize` (F32, BF16, Q8_0, Q4_0, Q4_K_M: its default mixtures), and
+every tensor (name, type, dims, bytes) of the two files is compared. `llama-perplexity --kl-divergence-base` runs strix's file and saves its
 token ids and log-probabilities (16-bit quantized, as llama.cpp stores them) for the second
 half of each `--ctx` window; `strix logits` runs the same ids through the same file. The
 script prints both perplexities, the largest log-probability difference (over tokens within
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -102,7 +103,7 @@ def check(strix: str, llama_bin: Path, model_dir: Path, quant: str, text: Path, 
     # An f32 KV cache, so that with f32 weights llama.cpp computes in f32 throughout.
     log = run([str(llama_bin / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
                "-b", str(ctx), "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", str(kld), "-t", "2"])
-    del log
+    printed = [float(x) for x in re.findall(r"Final estimate: PPL = ([0-9.]+)", log)]
     n_ctx, n_vocab, tokens, scale, minlp, codes, first = read_kld_base(kld)
     worst, agree, total, nll, llama_nll = 0.0, 0, 0, [], []
     for c in range(tokens.shape[0]):
@@ -123,25 +124,26 @@ def check(strix: str, llama_bin: Path, model_dir: Path, quant: str, text: Path, 
             nll.append(-lp[nxt])
             llama_nll.append(-theirs[nxt])
     strix_ppl = float(np.exp(np.mean(nll)))
-    # llama.cpp's perplexity from its own saved log-probabilities (what it prints, to 16 bits).
-    llama_ppl = float(np.exp(np.mean(llama_nll)))
+    # llama.cpp's perplexity as it prints it, else from its saved (16-bit) log-probabilities.
+    llama_ppl = printed[0] if printed else float(np.exp(np.mean(llama_nll)))
     return {"file": gguf.name, "llama_ppl": llama_ppl, "strix_ppl": strix_ppl, "max_dlogp": worst,
             "top1": f"{agree}/{total}", "step": float(scale.max()),
             "same_tensors_as_llama_quantize": same_tensors(gguf, llama_made(model_dir, quant, tmp, llama_bin))}
 
 
-LLAMA_TYPES = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K_S"}
+LLAMA_TYPES = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K_M"}
 LLAMA_CPP: Path | None = None
 
 
 def llama_made(model_dir: Path, quant: str, tmp: Path, llama_bin: Path) -> Path:
-    """The same model through llama.cpp's converter (f32) and `llama-quantize --pure`."""
+    """The same model through llama.cpp's converter (f32) and `llama-quantize` (its default
+    mixture for the type: strix quantize's q4_k is Q4_K_M)."""
     f32 = tmp / f"{model_dir.name}.llama-converted.f32.gguf"
     if not f32.exists():
         run([sys.executable, str(ROOT / "scripts/make_gguf_model_fixtures.py"), "--llama-cpp", str(LLAMA_CPP),
              "--llama-quantize", str(llama_bin / "llama-quantize"), "--convert-one", str(model_dir), "f32", str(f32)])
     out = tmp / f"{model_dir.name}.llama.{quant}.gguf"
-    run([str(llama_bin / "llama-quantize"), "--pure", str(f32), str(out), LLAMA_TYPES[quant]])
+    run([str(llama_bin / "llama-quantize"), str(f32), str(out), LLAMA_TYPES[quant]])
     return out
 
 

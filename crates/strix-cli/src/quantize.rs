@@ -1,6 +1,7 @@
 //! `strix quantize`: a Hugging Face Qwen3.5 checkpoint written as a llama.cpp `qwen35` GGUF,
-//! its matrices encoded with strix's GGML-exact quantizers (what llama.cpp's converter plus
-//! `llama-quantize --pure` would make of it; see `strix::gguf::qwen35::write_gguf`).
+//! its matrices encoded with strix's GGML-exact quantizers: what llama.cpp's converter plus
+//! `llama-quantize` make of it (`strix::gguf::qwen35::write_gguf`;
+//! scripts/check_gguf_with_llama_cpp.py compares the two tensor by tensor).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -9,7 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use strix::checkpoint::Checkpoint;
 use strix::config::ModelConfig;
-use strix::gguf::qwen35::{tokenizer_metadata, write_gguf};
+use strix::gguf::qwen35::{tokenizer_metadata, write_gguf, GgufTypes};
+use strix::quant::on_load::QuantScheme;
 use strix::quant::QuantType;
 
 use crate::common;
@@ -21,9 +23,11 @@ pub struct QuantizeArgs {
     #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
 
-    /// Type of the matrices: q8_0, q4_0, q4_k or q6_k (or bf16, f16, f32). Rows that are not
-    /// whole blocks fall back as llama-quantize's do (Q4_K → Q5_0, Q6_K → Q8_0, else F16);
-    /// norms, conv1d and vectors stay f32
+    /// q8_0, q4_0 or q4_k (= q4_k_m): llama-quantize's choice of type per matrix for that
+    /// target, as --quant on load makes it (Q6_K output for q4_0 and q4_k, Q6_K attn_v /
+    /// attn_qkv / ffn_down in some layers for q4_k); q6_k, bf16, f16 or f32: every matrix in
+    /// that type. Rows that are not whole blocks fall back as llama-quantize's do (Q4_K →
+    /// Q5_0, Q6_K → Q8_0, else F16); norms, conv1d and vectors stay f32
     #[arg(short, long, value_name = "TYPE")]
     pub quant: String,
 
@@ -32,12 +36,16 @@ pub struct QuantizeArgs {
     pub out: PathBuf,
 }
 
-/// The types `--quant` accepts.
-pub fn parse_quant(name: &str) -> Result<QuantType> {
+/// The types `--quant` accepts: the schemes of `--quant` on load (llama-quantize's mixtures),
+/// or one type for every matrix.
+pub fn parse_quant(name: &str) -> Result<GgufTypes> {
     use QuantType::*;
+    if let Ok(scheme) = name.parse::<QuantScheme>() {
+        return Ok(GgufTypes::Scheme(scheme));
+    }
     match QuantType::from_name(name) {
-        Some(t @ (Q8_0 | Q4_0 | Q4_K | Q6_K | BF16 | F16 | F32)) => Ok(t),
-        _ => bail!("--quant {name}: expected q8_0, q4_0, q4_k, q6_k, bf16, f16 or f32"),
+        Some(t @ (Q6_K | BF16 | F16 | F32)) => Ok(GgufTypes::Uniform(t)),
+        _ => bail!("--quant {name}: expected q8_0, q4_0, q4_k (q4_k_m), q6_k, bf16, f16 or f32"),
     }
 }
 

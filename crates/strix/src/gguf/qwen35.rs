@@ -33,6 +33,7 @@ use crate::backend::ValueHeadOrder;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::TensorSource;
+use crate::quant::on_load::{QuantScheme, QuantizingSource};
 use crate::quant::QuantType;
 use crate::tensor::{Bytes, DType, HostTensor};
 
@@ -415,17 +416,41 @@ impl TensorSource for Qwen35Gguf {
 // ------------------------------------------------------------------------------------
 // Writing
 
-/// llama.cpp's `llama_ftype` for `general.file_type`.
-fn file_type(ty: QuantType) -> u32 {
-    match ty {
-        QuantType::F32 => 0,
-        QuantType::F16 => 1,
-        QuantType::Q4_0 => 2,
-        QuantType::Q8_0 => 7,
-        // MOSTLY_Q4_K_S and MOSTLY_Q6_K: every matrix of that type.
-        QuantType::Q4_K => 14,
-        QuantType::Q6_K => 18,
-        _ => 32, // MOSTLY_BF16
+/// Which type each matrix of a GGUF being written is stored as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufTypes {
+    /// Every matrix in one type (`llama-quantize --pure`, or the converter's float outtypes).
+    Uniform(QuantType),
+    /// llama-quantize's default mixture for a target, as `--quant` applies it on load
+    /// ([`QuantizingSource`]): Q8_0, Q4_0 with a Q6_K output, or Q4_K_M.
+    Scheme(QuantScheme),
+}
+
+impl GgufTypes {
+    /// The type matrix `hf` (Hugging Face name, rows of `cols`) is stored as, with
+    /// llama-quantize's fallback for rows that are not whole blocks ([`storage_type`]).
+    pub fn choose(self, source: &QuantizingSource, hf: &str, cols: usize) -> QuantType {
+        let want = match self {
+            GgufTypes::Uniform(ty) => ty,
+            // Asked with a row of one super-block, the scheme answers its preferred type: the
+            // fallback is llama-quantize's (Q4_K → Q5_0), which quantize-on-load cannot take.
+            GgufTypes::Scheme(_) => source.type_for(hf, crate::quant::QK_K).unwrap_or(QuantType::F16),
+        };
+        storage_type(want, cols)
+    }
+
+    /// llama.cpp's `llama_ftype` for `general.file_type`.
+    fn file_type(self) -> u32 {
+        match self {
+            GgufTypes::Scheme(QuantScheme::Q8_0) | GgufTypes::Uniform(QuantType::Q8_0) => 7,
+            GgufTypes::Scheme(QuantScheme::Q4_0) | GgufTypes::Uniform(QuantType::Q4_0) => 2,
+            GgufTypes::Scheme(QuantScheme::Q4_K) => 15, // MOSTLY_Q4_K_M
+            GgufTypes::Uniform(QuantType::Q4_K) => 14,  // MOSTLY_Q4_K_S
+            GgufTypes::Uniform(QuantType::Q6_K) => 18,
+            GgufTypes::Uniform(QuantType::F32) => 0,
+            GgufTypes::Uniform(QuantType::F16) => 1,
+            GgufTypes::Uniform(_) => 32, // MOSTLY_BF16
+        }
     }
 }
 
@@ -467,14 +492,14 @@ pub struct WriteReport {
 
 /// Writes a Hugging Face Qwen3.5 checkpoint (`src` with `config`, value heads in transformers'
 /// grouped order) as a llama.cpp `qwen35` GGUF at `out`: the converter's transforms (value
-/// heads tiled, `ssm_a = −exp(A_log)`, `1 + w` norms, squeezed conv1d, its names) and every
-/// matrix encoded as `target` (or its fallback, [`storage_type`]), norms, conv1d and 1-D
-/// tensors in f32 as llama.cpp keeps them. `metadata` is added after the model's own keys
+/// heads tiled, `ssm_a = −exp(A_log)`, `1 + w` norms, squeezed conv1d, its names) and each
+/// matrix encoded as `types` says (with llama-quantize's fallbacks, [`storage_type`]), norms,
+/// conv1d and 1-D tensors in f32 as llama.cpp keeps them. `metadata` is added after the model's own keys
 /// (the tokenizer and chat template, see [`tokenizer_metadata`]).
 pub fn write_gguf(
     config: &ModelConfig,
     src: &dyn TensorSource,
-    target: QuantType,
+    types: GgufTypes,
     metadata: Vec<(String, super::GgufValue)>,
     name: &str,
     out: &Path,
@@ -504,7 +529,7 @@ pub fn write_gguf(
     w.add_metadata(&k("attention.layer_norm_rms_epsilon"), c.rms_norm_eps)?;
     w.add_metadata(&k("attention.key_length"), u(c.head_dim)?)?;
     w.add_metadata(&k("attention.value_length"), u(c.head_dim)?)?;
-    w.add_metadata("general.file_type", file_type(target))?;
+    w.add_metadata("general.file_type", types.file_type())?;
     w.add_metadata(&k("ssm.conv_kernel"), u(c.conv_kernel)?)?;
     w.add_metadata(&k("ssm.state_size"), u(c.linear_k_head_dim)?)?;
     w.add_metadata(&k("ssm.group_count"), u(c.linear_num_k_heads)?)?;
@@ -572,6 +597,11 @@ pub fn write_gguf(
     }
     wanted.push(("model.norm.weight".into(), vec![h]));
 
+    let scheme = match types {
+        GgufTypes::Scheme(s) => s,
+        GgufTypes::Uniform(_) => QuantScheme::Q8_0,
+    };
+    let chooser = QuantizingSource::new(src, c, scheme);
     // Declare every tensor first (the header comes before the data), then stream the data.
     let mut plan = Vec::with_capacity(wanted.len());
     for (hf, shape) in &wanted {
@@ -581,7 +611,8 @@ pub fn write_gguf(
             _ => shape.clone(),
         };
         let float_only = stored.len() == 1 || transform != Transform::Plain;
-        let ty = if float_only { QuantType::F32 } else { storage_type(target, stored[stored.len() - 1]) };
+        let ty =
+            if float_only { QuantType::F32 } else { types.choose(&chooser, hf, stored[stored.len() - 1]) };
         let dims: Vec<u64> = stored.iter().rev().map(|&d| d as u64).collect();
         w.add_tensor_info(&gname, &dims, ty)?;
         plan.push((hf.clone(), shape.clone(), gname, transform, ty));
