@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use strix::model::is_gguf_path;
 use strix_server::{ServedModel, Server, ServerConfig};
 
 use crate::common::{self, ModelArgs};
@@ -81,7 +82,17 @@ fn serve_with<B: strix::backend::Backend + 'static>(
     if context < 2 {
         bail!("--ctx must be at least 2 (a prompt token and a generated one)");
     }
-    let served = ServedModel::with_model(dir, model)?;
+    let served = if is_gguf_path(dir) {
+        // A GGUF file carries its tokenizer and chat template (unless files beside it override
+        // them), and the sampling defaults come from the folder it is in.
+        let tokenizer = common::load_tokenizer(dir)?
+            .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer; the server needs one", dir.display()))?;
+        let template = common::require_template(dir).ok();
+        let defaults = strix_server::sampling_defaults(dir.parent().unwrap_or(std::path::Path::new(".")));
+        ServedModel { model, tokenizer, template, defaults }
+    } else {
+        ServedModel::with_model(dir, model)?
+    };
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
             .model
