@@ -26,7 +26,7 @@
 //!
 //! **Prefill.** From [`GEMM_MIN_TOKENS`] tokens on, [`matmul`] instead dequantizes blocks of
 //! weight rows into an f32 tile and multiplies with the `gemm` crate, like the float path: on
-//! the 0.8B shapes this ran 1.3–1.7× faster than the int8 tiles for every format
+//! the 0.8B shapes this ran 1.3–2.0× faster than the int8 tiles for every format
 //! (`examples/qmatmul_bench.rs`). Its activations are not quantized, so a prompt's logits
 //! differ from a token-by-token decode of it by the activation rounding (as for the float
 //! path, where GEMV and gemm differ by summation order). [`matmul_rows`] (decode batches)
@@ -81,7 +81,7 @@ impl QuantRef<'_> {
 
 /// From this many tokens on, [`matmul`] dequantizes weight tiles into the f32 `gemm` path.
 /// Measured on the 0.8B shapes (examples/qmatmul_bench.rs, Zen 4, 2 threads): dequantize +
-/// gemm ran prefill at 1.3–1.7× the int8 tiles for every format at 512 tokens.
+/// gemm ran prefill at 1.3–2.0× the int8 tiles for every format at 512 tokens.
 pub const GEMM_MIN_TOKENS: usize = 64;
 
 /// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`; `out` is overwritten. Up to
