@@ -5,7 +5,8 @@ llama.cpp's convert_hf_to_gguf.py).
     python scripts/make_random_checkpoint.py OUT_DIR TOKENIZER_JSON [--preset 0.8b] [--seed 0]
 
 Weights: transformers' own initialisation of Qwen3_5ForCausalLM (seeded), saved in bf16;
-config qwen3_5_text with the preset's shape (the table in /work/shared/conventions.md).
+config qwen3_5_text with the preset's shape (the published Qwen3.5 dimensions, as in
+strix's `synthetic.rs` presets).
 TOKENIZER_JSON is the Qwen3.5 tokenizer.json (tests/fixtures/tokenizer/qwen3_5.tokenizer.json.zst,
 decompressed). Made with transformers 5.24.0, torch 2.x (CPU).
 """
