@@ -7,7 +7,10 @@
 //! Q4_K's block minimums) for the k-quants, each block with an f32 scale `amax / 127` and
 //! `q = round_half_even(x · 127 / amax)`. Each weight block is then dotted with the
 //! activation block in integers (AVX2: `maddubs` / `madd`, like GGML's `vec_dot_*`), and the
-//! integer sums are scaled and accumulated in f32.
+//! integer sums are scaled and accumulated in f32. Where the CPU has AVX-512 VNNI, the Q8_0
+//! and Q4_0 kernels use `vpdpbusd` on 256-bit registers instead (Q4_0's −8 nibble offset
+//! enters as the accumulation's start value, precomputed per activation block); the integers
+//! are the same, so are the results.
 //!
 //! **What is exact.** Every integer partial sum is exact, and each is converted to f32
 //! exactly (all stay below 2²⁴, see the kernels). The float part has one fixed order, which
@@ -26,8 +29,8 @@
 //!
 //! **Prefill.** From [`GEMM_MIN_TOKENS`] tokens on, [`matmul`] instead dequantizes blocks of
 //! weight rows into an f32 tile and multiplies with the `gemm` crate, like the float path: on
-//! the 0.8B shapes this ran 1.3–1.7× faster than the int8 tiles for every format
-//! (`examples/qmatmul_bench.rs`). Its activations are not quantized, so a prompt's logits
+//! the 0.8B shapes this ran 1.3–2.0× faster than the int8 tiles for every format on a loaded
+//! machine, and level with them on an idle one (`examples/qmatmul_bench.rs`). Its activations are not quantized, so a prompt's logits
 //! differ from a token-by-token decode of it by the activation rounding (as for the float
 //! path, where GEMV and gemm differ by summation order). [`matmul_rows`] (decode batches)
 //! always takes the int8 path, which is what keeps it batch-invariant.
@@ -36,6 +39,41 @@ use rayon::prelude::*;
 
 use super::matmul::for_each_block;
 use super::simd::Isa;
+
+/// Which kernels run: the backend's ISA choice, refined by AVX-512 VNNI where the CPU has it
+/// (`vpdpbusd` sums four u8 × i8 products into an i32 lane in one instruction: the same
+/// integers as `maddubs` + `madd`, so the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kern {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kern {
+    pub(crate) fn detect() -> Kern {
+        match Isa::detect() {
+            Isa::Portable => Kern::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+                // STRIX_NO_VNNI=1 keeps the AVX2 kernels, to measure one against the other.
+                let vnni = *VNNI.get_or_init(|| {
+                    is_x86_feature_detected!("avx512vnni")
+                        && is_x86_feature_detected!("avx512vl")
+                        && std::env::var_os("STRIX_NO_VNNI").is_none_or(|v| v.is_empty() || v == "0")
+                });
+                if vnni {
+                    Kern::Vnni
+                } else {
+                    Kern::Avx2
+                }
+            }
+        }
+    }
+}
 use crate::quant::blocks::{
     q4_k_scale_min, Q4_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK4_0, QK8_0, QK_K,
 };
@@ -81,7 +119,8 @@ impl QuantRef<'_> {
 
 /// From this many tokens on, [`matmul`] dequantizes weight tiles into the f32 `gemm` path.
 /// Measured on the 0.8B shapes (examples/qmatmul_bench.rs, Zen 4, 2 threads): dequantize +
-/// gemm ran prefill at 1.3–1.7× the int8 tiles for every format at 512 tokens.
+/// gemm ran prefill at 1.3–2.0× the int8 tiles for every format at 512 tokens while other
+/// builds loaded the machine; on the idle machine the two were level (±10 %).
 pub const GEMM_MIN_TOKENS: usize = 64;
 
 /// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`; `out` is overwritten. Up to
@@ -91,7 +130,7 @@ pub fn matmul(x: &[f32], tokens: usize, w: QuantRef<'_>, rows: usize, cols: usiz
     if tokens >= GEMM_MIN_TOKENS {
         gemm_with(x, tokens, w, rows, cols, out)
     } else {
-        matmul_with(Isa::detect(), x, tokens, w, rows, cols, out)
+        matmul_with(Kern::detect(), x, tokens, w, rows, cols, out)
     }
 }
 
@@ -99,7 +138,7 @@ pub fn matmul(x: &[f32], tokens: usize, w: QuantRef<'_>, rows: usize, cols: usiz
 /// computed by the same sequence of operations whatever the batch, so row `t` is bitwise the
 /// result of multiplying it alone.
 pub fn matmul_rows(x: &[f32], tokens: usize, w: QuantRef<'_>, rows: usize, cols: usize, out: &mut [f32]) {
-    matmul_with(Isa::detect(), x, tokens, w, rows, cols, out)
+    matmul_with(Kern::detect(), x, tokens, w, rows, cols, out)
 }
 
 /// Weight rows dequantized per gemm call, and the widest column tile (a multiple of every
@@ -212,7 +251,7 @@ pub fn row_to_f32(w: QuantRef<'_>, cols: usize, r: usize, out: &mut [f32]) {
 }
 
 pub(crate) fn matmul_with(
-    isa: Isa,
+    isa: Kern,
     x: &[f32],
     tokens: usize,
     w: QuantRef<'_>,
@@ -249,6 +288,9 @@ pub(crate) struct Acts {
     qs: Vec<i8>,
     d: Vec<f32>,
     sums: Vec<i16>,
+    /// −8 × the sum of every 4 quantized values (one i32 lane of a 32-block each): Q4_0's
+    /// nibble offset, folded in as the start value of a VNNI accumulation.
+    neg8: Vec<i32>,
 }
 
 /// One token's row of [`Acts`].
@@ -257,6 +299,7 @@ pub(crate) struct ActRow<'a> {
     qs: &'a [i8],
     d: &'a [f32],
     sums: &'a [i16],
+    neg8: &'a [i32],
 }
 
 impl Acts {
@@ -270,6 +313,7 @@ impl Acts {
             qs: vec![0; tokens * cols],
             d: vec![0.0; tokens * nb],
             sums: vec![0; tokens * cols / 32],
+            neg8: Vec::new(),
         };
         type Row<'a> = ((&'a [f32], &'a mut [i8]), (&'a mut [f32], &'a mut [i16]));
         let one_row = |((x, qs), (d, sums)): Row| {
@@ -299,6 +343,7 @@ impl Acts {
         } else {
             rows.zip(meta).for_each(one_row);
         }
+        a.neg8 = a.qs.chunks_exact(4).map(|q| -8 * q.iter().map(|&v| v as i32).sum::<i32>()).collect();
         a
     }
 
@@ -308,6 +353,7 @@ impl Acts {
             qs: &self.qs[t * self.cols..(t + 1) * self.cols],
             d: &self.d[t * nb..(t + 1) * nb],
             sums: &self.sums[t * self.cols / 32..(t + 1) * self.cols / 32],
+            neg8: &self.neg8[t * self.cols / 4..(t + 1) * self.cols / 4],
         }
     }
 }
@@ -347,7 +393,7 @@ const PARALLEL_MIN_WORK: usize = 128 << 10;
 /// Tokens per tile: each unpacked weight vector is used this many times from registers.
 const TILE_TOKENS: usize = 4;
 
-fn run<F: Format>(isa: Isa, x: &[f32], tokens: usize, w: &[u8], rows: usize, cols: usize, out: &mut [f32]) {
+fn run<F: Format>(isa: Kern, x: &[f32], tokens: usize, w: &[u8], rows: usize, cols: usize, out: &mut [f32]) {
     let acts = Acts::quantize(x, tokens, cols, F::ACT_BLOCK);
     let row_bytes = cols / F::BLOCK * F::BYTES;
     let block_bytes = if tokens == 1 { GEMV_BLOCK_BYTES } else { TILE_BLOCK_BYTES };
@@ -382,12 +428,15 @@ fn run<F: Format>(isa: Isa, x: &[f32], tokens: usize, w: &[u8], rows: usize, col
 }
 
 #[inline]
-fn tile<F: Format, const T: usize>(isa: Isa, w: &[u8], xs: &[ActRow; T]) -> [f32; T] {
+fn tile<F: Format, const T: usize>(isa: Kern, w: &[u8], xs: &[ActRow; T]) -> [f32; T] {
     match isa {
-        // SAFETY: `Isa::Avx2` is only produced after detecting AVX2, FMA and F16C.
+        // SAFETY: `Kern::Avx2` is only produced after detecting AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { F::tile_avx2::<T>(w, xs) },
-        Isa::Portable => F::tile_portable::<T>(w, xs),
+        Kern::Avx2 => unsafe { F::tile_avx2::<T>(w, xs) },
+        // SAFETY: `Kern::Vnni` additionally needs AVX-512 VNNI and VL, detected likewise.
+        #[cfg(target_arch = "x86_64")]
+        Kern::Vnni => unsafe { F::tile_vnni::<T>(w, xs) },
+        Kern::Portable => F::tile_portable::<T>(w, xs),
     }
 }
 
@@ -406,6 +455,13 @@ trait Format {
     /// AVX2, FMA and F16C must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn tile_avx2<const T: usize>(w: &[u8], xs: &[ActRow; T]) -> [f32; T];
+
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_vnni<const T: usize>(w: &[u8], xs: &[ActRow; T]) -> [f32; T] {
+        Self::tile_avx2::<T>(w, xs)
+    }
 }
 
 #[inline]
@@ -521,6 +577,28 @@ impl Format for Q8_0 {
         }
         acc.map(|a| super::simd::avx2::hsum(a))
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    unsafe fn tile_vnni<const T: usize>(w: &[u8], xs: &[ActRow; T]) -> [f32; T] {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm256_setzero_ps(); T];
+        let nb = w.len() / Q8_0_BYTES;
+        let wp = w.as_ptr();
+        for b in 0..nb {
+            let p = wp.add(b * Q8_0_BYTES);
+            let dw = avx2::f16_splat(p);
+            let q = avx2::load(p.add(2));
+            let aq = _mm256_sign_epi8(q, q);
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                let y = _mm256_sign_epi8(avx2::load_i8(x.qs.as_ptr().add(32 * b)), q);
+                let lanes = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, y);
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
+                *acc = avx2::accumulate(*acc, d, lanes);
+            }
+        }
+        acc.map(|a| super::simd::avx2::hsum(a))
+    }
 }
 
 // ------------------------------------------------------------------------------------
@@ -573,6 +651,30 @@ impl Format for Q4_0 {
             let q = _mm256_sub_epi8(_mm256_and_si256(both, low), eight);
             for (acc, x) in acc.iter_mut().zip(xs) {
                 let lanes = avx2::dot_i8(q, avx2::load_i8(x.qs.as_ptr().add(32 * b)));
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
+                *acc = avx2::accumulate(*acc, d, lanes);
+            }
+        }
+        acc.map(|a| super::simd::avx2::hsum(a))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    unsafe fn tile_vnni<const T: usize>(w: &[u8], xs: &[ActRow; T]) -> [f32; T] {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm256_setzero_ps(); T];
+        let nb = w.len() / Q4_0_BYTES;
+        let wp = w.as_ptr();
+        let low = _mm256_set1_epi8(0x0f);
+        for b in 0..nb {
+            let p = wp.add(b * Q4_0_BYTES);
+            let dw = avx2::f16_splat(p);
+            let packed = _mm_loadu_si128(p.add(2).cast());
+            // The nibbles as unsigned bytes; the −8 offset comes in as the start value.
+            let u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed), low);
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                let start = _mm256_loadu_si256(x.neg8.as_ptr().add(8 * b).cast());
+                let lanes = _mm256_dpbusd_epi32(start, u, avx2::load_i8(x.qs.as_ptr().add(32 * b)));
                 let d = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
                 *acc = avx2::accumulate(*acc, d, lanes);
             }
@@ -840,10 +942,16 @@ mod tests {
         (0..n).map(|i| rng.f32() * (0.1 + (i % 97) as f32 / 10.0)).collect()
     }
 
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        if Isa::detect() != Isa::Portable {
-            v.push(Isa::detect());
+    fn isas() -> Vec<Kern> {
+        let mut v = vec![Kern::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Kern::detect() != Kern::Portable {
+                v.push(Kern::Avx2);
+            }
+            if Kern::detect() == Kern::Vnni {
+                v.push(Kern::Vnni);
+            }
         }
         v
     }
@@ -1003,7 +1111,7 @@ mod tests {
                 let mut b = vec![f32::NAN; tokens * rows];
                 matmul_rows(&x, tokens, qref(ty, &w), rows, cols, &mut b);
                 let mut c = vec![f32::NAN; tokens * rows];
-                matmul_with(Isa::Portable, &x, tokens, qref(ty, &w), rows, cols, &mut c);
+                matmul_with(Kern::Portable, &x, tokens, qref(ty, &w), rows, cols, &mut c);
                 assert!(a.iter().zip(&c).all(|(a, c)| a.to_bits() == c.to_bits()), "{ty}");
                 assert!(b.iter().zip(&c).all(|(a, c)| a.to_bits() == c.to_bits()), "{ty}");
             }
