@@ -11,7 +11,7 @@ mod common;
 
 use common::{argmax, cases, fixtures, rel_err};
 use strix::backend::cpu::{qmatmul, CpuBackend, CpuWeight};
-use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use strix::backend::Backend;
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{Logits, Model};
 use strix::perplexity::{self as ppl, BaseLogProbs, BaseWriter};
@@ -126,130 +126,7 @@ impl Backend for FakeQuant {
         self.fake_matmul(x, tokens, w, w.1, out)
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
-        self.0.rms_norm(x, w, dim, eps, out)
-    }
-    fn add_rms_norm(
-        &self,
-        r: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        dim: usize,
-        eps: f32,
-        out: &mut Vec<f32>,
-    ) {
-        self.0.add_rms_norm(r, x, w, dim, eps, out)
-    }
-    fn add(&self, r: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
-        self.0.add(r, x, len)
-    }
-    fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
-        self.0.swiglu(g, u, len, out)
-    }
-    fn copy_row(&self, src: &Vec<f32>, row: usize, dim: usize, out: &mut Vec<f32>) {
-        self.0.copy_row(src, row, dim, out)
-    }
-    fn causal_conv1d_silu(
-        &self,
-        s: &DeltaNetShape,
-        qkv: &mut Vec<f32>,
-        t: usize,
-        w: &Vec<f32>,
-        st: &mut Vec<f32>,
-    ) {
-        self.0.causal_conv1d_silu(s, qkv, t, w, st)
-    }
-    fn causal_conv1d_silu_rows(
-        &self,
-        s: &DeltaNetShape,
-        qkv: &mut Vec<f32>,
-        w: &Vec<f32>,
-        st: &mut [&mut Vec<f32>],
-    ) {
-        self.0.causal_conv1d_silu_rows(s, qkv, w, st)
-    }
-    fn gated_delta_rule_rows(
-        &self,
-        s: &DeltaNetShape,
-        qkv: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        a_log: &Vec<f32>,
-        dt_bias: &Vec<f32>,
-        states: &mut [&mut Vec<f32>],
-        out: &mut Vec<f32>,
-    ) {
-        self.0.gated_delta_rule_rows(s, qkv, a, b, a_log, dt_bias, states, out)
-    }
-    fn gated_delta_rule(
-        &self,
-        s: &DeltaNetShape,
-        mode: DeltaRuleMode,
-        qkv: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        a_log: &Vec<f32>,
-        dt_bias: &Vec<f32>,
-        tokens: usize,
-        state: &mut Vec<f32>,
-        out: &mut Vec<f32>,
-    ) {
-        self.0.gated_delta_rule(s, mode, qkv, a, b, a_log, dt_bias, tokens, state, out)
-    }
-    fn gated_rms_norm(
-        &self,
-        x: &mut Vec<f32>,
-        z: &Vec<f32>,
-        w: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) {
-        self.0.gated_rms_norm(x, z, w, rows, dim, eps)
-    }
-    fn attention_prologue(
-        &self,
-        s: &AttentionShape,
-        qg: &Vec<f32>,
-        k: &mut Vec<f32>,
-        qn: &Vec<f32>,
-        kn: &Vec<f32>,
-        inv_freq: &Vec<f32>,
-        positions: &[usize],
-        q: &mut Vec<f32>,
-        gate: &mut Vec<f32>,
-    ) {
-        self.0.attention_prologue(s, qg, k, qn, kn, inv_freq, positions, q, gate)
-    }
-    fn attention(
-        &self,
-        s: &AttentionShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        gate: &Vec<f32>,
-        kc: &mut Vec<f32>,
-        vc: &mut Vec<f32>,
-        pos0: usize,
-        tokens: usize,
-        out: &mut Vec<f32>,
-    ) {
-        self.0.attention(s, q, k, v, gate, kc, vc, pos0, tokens, out)
-    }
-    fn attention_rows(
-        &self,
-        s: &AttentionShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        gate: &Vec<f32>,
-        kc: &mut [&mut Vec<f32>],
-        vc: &mut [&mut Vec<f32>],
-        positions: &[usize],
-        out: &mut Vec<f32>,
-    ) {
-        self.0.attention_rows(s, q, k, v, gate, kc, vc, positions, out)
-    }
+    common::delegate_activation_ops_to_cpu!(0);
 }
 
 /// Logits of the quantized model vs [`FakeQuant`] over the same quantized weights: f32

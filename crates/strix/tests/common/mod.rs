@@ -116,3 +116,137 @@ pub fn argmax(x: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// The `Backend` ops on activations and states of a test backend that wraps the CPU backend
+/// (a reference with its own weights and matmuls), passed through to `self.$inner`.
+#[allow(unused_macros)]
+macro_rules! delegate_activation_ops_to_cpu {
+    ($inner:tt) => {
+        fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
+            self.$inner.rms_norm(x, w, dim, eps, out)
+        }
+        fn add_rms_norm(
+            &self,
+            r: &mut Vec<f32>,
+            x: &Vec<f32>,
+            w: &Vec<f32>,
+            dim: usize,
+            eps: f32,
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.add_rms_norm(r, x, w, dim, eps, out)
+        }
+        fn add(&self, r: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+            self.$inner.add(r, x, len)
+        }
+        fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+            self.$inner.swiglu(g, u, len, out)
+        }
+        fn copy_row(&self, src: &Vec<f32>, row: usize, dim: usize, out: &mut Vec<f32>) {
+            self.$inner.copy_row(src, row, dim, out)
+        }
+        fn causal_conv1d_silu(
+            &self,
+            s: &strix::backend::DeltaNetShape,
+            qkv: &mut Vec<f32>,
+            t: usize,
+            w: &Vec<f32>,
+            st: &mut Vec<f32>,
+        ) {
+            self.$inner.causal_conv1d_silu(s, qkv, t, w, st)
+        }
+        fn causal_conv1d_silu_rows(
+            &self,
+            s: &strix::backend::DeltaNetShape,
+            qkv: &mut Vec<f32>,
+            w: &Vec<f32>,
+            st: &mut [&mut Vec<f32>],
+        ) {
+            self.$inner.causal_conv1d_silu_rows(s, qkv, w, st)
+        }
+        fn gated_delta_rule_rows(
+            &self,
+            s: &strix::backend::DeltaNetShape,
+            qkv: &Vec<f32>,
+            a: &Vec<f32>,
+            b: &Vec<f32>,
+            a_log: &Vec<f32>,
+            dt_bias: &Vec<f32>,
+            states: &mut [&mut Vec<f32>],
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.gated_delta_rule_rows(s, qkv, a, b, a_log, dt_bias, states, out)
+        }
+        fn gated_delta_rule(
+            &self,
+            s: &strix::backend::DeltaNetShape,
+            mode: strix::backend::DeltaRuleMode,
+            qkv: &Vec<f32>,
+            a: &Vec<f32>,
+            b: &Vec<f32>,
+            a_log: &Vec<f32>,
+            dt_bias: &Vec<f32>,
+            tokens: usize,
+            state: &mut Vec<f32>,
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.gated_delta_rule(s, mode, qkv, a, b, a_log, dt_bias, tokens, state, out)
+        }
+        fn gated_rms_norm(
+            &self,
+            x: &mut Vec<f32>,
+            z: &Vec<f32>,
+            w: &Vec<f32>,
+            rows: usize,
+            dim: usize,
+            eps: f32,
+        ) {
+            self.$inner.gated_rms_norm(x, z, w, rows, dim, eps)
+        }
+        fn attention_prologue(
+            &self,
+            s: &strix::backend::AttentionShape,
+            qg: &Vec<f32>,
+            k: &mut Vec<f32>,
+            qn: &Vec<f32>,
+            kn: &Vec<f32>,
+            inv_freq: &Vec<f32>,
+            positions: &[usize],
+            q: &mut Vec<f32>,
+            gate: &mut Vec<f32>,
+        ) {
+            self.$inner.attention_prologue(s, qg, k, qn, kn, inv_freq, positions, q, gate)
+        }
+        fn attention(
+            &self,
+            s: &strix::backend::AttentionShape,
+            q: &Vec<f32>,
+            k: &Vec<f32>,
+            v: &Vec<f32>,
+            gate: &Vec<f32>,
+            kc: &mut Vec<f32>,
+            vc: &mut Vec<f32>,
+            pos0: usize,
+            tokens: usize,
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.attention(s, q, k, v, gate, kc, vc, pos0, tokens, out)
+        }
+        fn attention_rows(
+            &self,
+            s: &strix::backend::AttentionShape,
+            q: &Vec<f32>,
+            k: &Vec<f32>,
+            v: &Vec<f32>,
+            gate: &Vec<f32>,
+            kcs: &mut [&mut Vec<f32>],
+            vcs: &mut [&mut Vec<f32>],
+            positions: &[usize],
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.attention_rows(s, q, k, v, gate, kcs, vcs, positions, out)
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use delegate_activation_ops_to_cpu;

@@ -44,15 +44,17 @@ pub(super) fn cuda_error(message: impl std::fmt::Display) -> Error {
 pub(super) fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
-        Err(payload) => {
-            let msg = payload
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| payload.downcast_ref::<&str>().copied())
-                .unwrap_or("unknown panic");
-            Err(cuda_error(format!("{what}: {msg}")))
-        }
+        Err(payload) => Err(cuda_error(format!("{what}: {}", panic_message(&*payload)))),
     }
+}
+
+/// The message of a caught panic.
+pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("unknown panic")
 }
 
 /// Whether the CUDA driver library can be loaded at all. Never panics.

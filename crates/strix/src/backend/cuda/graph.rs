@@ -15,7 +15,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use cudarc::driver::CudaGraph;
 
-use super::device::{cuda_error, Captured, CudaBuf, Device};
+use super::device::{cuda_error, panic_message, Captured, CudaBuf, Device};
 use crate::error::Result;
 
 /// Recordings kept at once; the oldest goes first. A decode loop needs one; a server's batch
@@ -45,12 +45,7 @@ impl Recording {
         match out {
             Ok(out) => Ok(Recording { graph: graph?, out, _captured: captured }),
             Err(payload) => {
-                let msg = payload
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| payload.downcast_ref::<&str>().copied())
-                    .unwrap_or("unknown panic");
-                Err(cuda_error(format!("an op failed while recording: {msg}")))
+                Err(cuda_error(format!("an op failed while recording: {}", panic_message(&*payload))))
             }
         }
     }
