@@ -20,7 +20,7 @@
 
 mod common;
 
-use common::{argmax, cases, fixtures, rel_err, Case};
+use common::{argmax, cases, fixtures, gpu, rel_err, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::cuda::{CudaBackend, GemmPath};
 use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
@@ -36,31 +36,6 @@ const BF16_TOL: f32 = 1e-2;
 /// errors (a wrong transpose, a missed row) are O(1); the kernels themselves are held to 1e-4 by
 /// the precise path and the op tests.
 const FAST_PATH_TOL: f32 = 3e-2;
-
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    }
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
-    }
-}
 
 fn check(what: &str, ours: &[f32], reference: &[f32], tol: f32) {
     let e = rel_err(ours, reference);

@@ -23,7 +23,7 @@
 
 mod common;
 
-use common::{argmax, fixtures, rel_err, Dequantized};
+use common::{argmax, fixtures, gpu, rel_err, Dequantized, Rng};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, GemmPath, PathCounts, QUANT_GEMV_MAX_TOKENS};
@@ -43,40 +43,6 @@ const BF16_TOL: f32 = 1e-2;
 const MODEL_TOL: f32 = 5e-2;
 
 const FORMATS: [DType; 4] = [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K];
-
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    }
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    /// Random values with a random scale per 32 (e^-3 .. e^3).
-    fn blocky(&mut self, n: usize) -> Vec<f32> {
-        let mut v = self.vec(n, 1.0);
-        for chunk in v.chunks_mut(32) {
-            let s = (self.next() * 3.0).exp();
-            chunk.iter_mut().for_each(|x| *x *= s);
-        }
-        v
-    }
-    fn below(&mut self, n: usize) -> usize {
-        ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
-    }
-}
 
 fn block(dtype: DType) -> usize {
     dtype.quant_type().block_size()

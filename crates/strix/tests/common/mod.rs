@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
+use strix::backend::cuda::CudaBackend;
 use strix::model::TensorSource;
 use strix::tensor::HostTensor;
 
@@ -250,3 +251,39 @@ macro_rules! delegate_activation_ops_to_cpu {
 }
 #[allow(unused_imports)]
 pub(crate) use delegate_activation_ops_to_cpu;
+
+/// CUDA device 0, or `None` after printing why the test is skipped.
+pub fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// A small LCG for test data: values uniform in [-1, 1).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+    /// Random values with a random scale per 32 (e^-3 .. e^3).
+    pub fn blocky(&mut self, n: usize) -> Vec<f32> {
+        let mut v = self.vec(n, 1.0);
+        for chunk in v.chunks_mut(32) {
+            let s = (self.next() * 3.0).exp();
+            chunk.iter_mut().for_each(|x| *x *= s);
+        }
+        v
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
+    }
+}
