@@ -46,10 +46,11 @@ for preset in 0.8b 9b; do
   grep -q '^strix bench$' "$logs/bench-$preset.log" && sed -n '/^strix bench$/,$p' "$logs/bench-$preset.log" ||
     tail -15 "$logs/bench-$preset.log"
 done
-# QUANTS="q8_0 q4_0 q4_k": 9B batch-1 decode (and batch 16) with the weights quantized on load.
+# QUANTS="q8_0 q4_0 q4_k": 9B batch-1 decode (and batch 16) with the weights quantized on load
+# (Q4_K's reference quantizer takes minutes over 9B on the host before the bench starts).
 for q in ${QUANTS:-}; do
   echo "== strix bench --device cuda --preset qwen3.5-9b --quant $q"
-  timeout 240 ./.gpu/strix bench --device cuda --preset qwen3.5-9b --quant "$q" --prompt-lens none \
+  timeout 420 ./.gpu/strix bench --device cuda --preset qwen3.5-9b --quant "$q" --prompt-lens none \
     --contexts 128 --batches 16 --verbose > "$logs/bench-9b-$q.json" 2> "$logs/bench-9b-$q.log" || status=1
   grep -q '^strix bench$' "$logs/bench-9b-$q.log" && sed -n '/^strix bench$/,$p' "$logs/bench-9b-$q.log" ||
     tail -15 "$logs/bench-9b-$q.log"
