@@ -21,6 +21,7 @@ use serde_json::{json, Map, Value};
 use strix::checkpoint::Checkpoint;
 use strix::config::ModelConfig;
 use strix::model::{Logits, Model};
+use strix::sampling::argmax;
 use strix::session::Session;
 use strix::synthetic::{preset, SyntheticWeights, PRESETS};
 
@@ -565,12 +566,6 @@ fn decode_runs<B: DeviceInfo>(
     let paths = window.close(model.backend());
     peak.sample(model.backend());
     Ok(Measured { runs, paths })
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let best =
-        logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
-    best.0 as u32
 }
 
 fn median(values: &[f64]) -> f64 {

@@ -20,6 +20,7 @@ use strix::backend::cuda::CudaBackend;
 use strix::backend::{Backend, DeltaRuleMode};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
+use strix::sampling::argmax;
 use strix::synthetic::{preset, SyntheticWeights};
 use strix::tensor::{Bytes, DType, HostTensor};
 
@@ -38,13 +39,6 @@ struct Row {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    x.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
-        .0 as u32
 }
 
 fn main() -> strix::Result<()> {

@@ -367,7 +367,7 @@ fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
 }
 
 /// The argmax, NaN counting as −∞ and ties going to the lowest id; 0 when nothing beats −∞.
-fn argmax(logits: &[f32]) -> u32 {
+pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     let mut best_value = f32::NEG_INFINITY;
     for (i, &l) in logits.iter().enumerate() {

@@ -174,13 +174,10 @@ impl HostTensor {
             return self.clone();
         }
         let v = self.to_f32_vec();
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        HostTensor {
-            name: self.name.clone(),
-            dtype: DType::F32,
-            shape: self.shape.clone(),
-            bytes: Bytes::owned(&bytes),
-        }
+        // f32 bits are the u32 words `Bytes::Owned` stores: no byte-wise copy in between.
+        let len = v.len() * 4;
+        let bytes = Bytes::Owned { words: Arc::new(v.into_iter().map(f32::to_bits).collect()), len };
+        HostTensor { name: self.name.clone(), dtype: DType::F32, shape: self.shape.clone(), bytes }
     }
 
     /// All elements widened (or dequantized) to f32 (for small tensors: norms, biases, A_log).

@@ -154,19 +154,7 @@ pub trait Backend: Send + Sync {
     /// to the lowest index, a row where nothing beats −∞ gives 0 (the sampler's greedy pick).
     fn argmax_rows(&self, x: &Self::Buf, rows: usize, cols: usize) -> Vec<u32> {
         let v = self.download(x, 0, rows * cols);
-        v.chunks(cols.max(1))
-            .take(rows)
-            .map(|row| {
-                let (mut best, mut best_value) = (0, f32::NEG_INFINITY);
-                for (i, &l) in row.iter().enumerate() {
-                    if l > best_value {
-                        best = i;
-                        best_value = l;
-                    }
-                }
-                best as u32
-            })
-            .collect()
+        v.chunks(cols.max(1)).take(rows).map(crate::sampling::argmax).collect()
     }
 
     // --- dense ops ----------------------------------------------------------------------------
@@ -191,13 +179,7 @@ pub trait Backend: Send + Sync {
         outs: &mut [&mut Self::Buf],
         decode_batch: bool,
     ) {
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            if decode_batch {
-                self.matmul_rows(x, tokens, w, out);
-            } else {
-                self.matmul(x, tokens, w, out);
-            }
-        }
+        matmul_each(self, x, tokens, ws, outs, decode_batch);
     }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
@@ -349,4 +331,23 @@ pub trait Backend: Send + Sync {
         positions: &[usize],
         out: &mut Self::Buf,
     );
+}
+
+/// [`Backend::matmul_many`] one product at a time: the default, and a backend's fallback for
+/// weights it cannot fuse.
+pub fn matmul_each<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    tokens: usize,
+    ws: &[&B::Weight],
+    outs: &mut [&mut B::Buf],
+    decode_batch: bool,
+) {
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        if decode_batch {
+            b.matmul_rows(x, tokens, w, out);
+        } else {
+            b.matmul(x, tokens, w, out);
+        }
+    }
 }

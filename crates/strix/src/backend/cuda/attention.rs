@@ -29,18 +29,6 @@ fn splits(visible: usize) -> usize {
     visible.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
 }
 
-/// The positions of a call's rows on the device: the recorded step's when capturing (each
-/// replay writes its own there), else uploaded (the buffer lives as long as the guard).
-fn positions_on_device(dev: &Device, positions: &[usize]) -> (Option<CudaBuf>, u64) {
-    if let Some((_, step_positions, rows)) = dev.step_inputs() {
-        assert_eq!(rows, positions.len(), "attention: a recorded step of {rows} rows");
-        return (None, step_positions);
-    }
-    let pos: Vec<u32> = positions.iter().map(|&p| u32::try_from(p).expect("position beyond u32")).collect();
-    let (buf, ptr) = dev.upload_u32(&pos).unwrap_or_else(|e| panic!("{e}"));
-    (Some(buf), ptr)
-}
-
 pub(super) struct Kernels {
     prologue: CudaFunction,
     partial_seq: CudaFunction,
@@ -92,7 +80,7 @@ impl Kernels {
         assert!(q.len() >= tokens * nh * hd && gate.len() >= tokens * nh * hd, "attention_prologue: q/gate");
         assert!(q_norm.len() >= hd && k_norm.len() >= hd, "attention_prologue: norm weights");
         let threads = hd.div_ceil(32) * 32;
-        let (_pos_dev, pos_ptr) = positions_on_device(dev, positions);
+        let (_pos_dev, pos_ptr) = dev.positions_on_device(positions);
         dev.launch(
             "attention_prologue",
             &self.prologue,
@@ -242,7 +230,7 @@ impl Kernels {
             ptrs.push(k_caches[i].ptr());
         }
         ptrs.extend(v_caches.iter().map(|c| c.ptr()));
-        let (_pos_dev, pos_ptr) = positions_on_device(dev, positions);
+        let (_pos_dev, pos_ptr) = dev.positions_on_device(positions);
         let (_ptrs_dev, k_ptrs) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let v_ptrs = k_ptrs + (n * 8) as u64;
         dev.launch(

@@ -387,6 +387,18 @@ impl Device {
         (Some(buf), ptr)
     }
 
+    /// The positions of a call's rows on the device, as [`Device::ids_on_device`] gives ids.
+    pub fn positions_on_device(&self, positions: &[usize]) -> (Option<CudaBuf>, u64) {
+        if let Some((_, step_positions, rows)) = self.step_inputs() {
+            assert_eq!(rows, positions.len(), "attention: a recorded step of {rows} rows");
+            return (None, step_positions);
+        }
+        let pos: Vec<u32> =
+            positions.iter().map(|&p| u32::try_from(p).expect("position beyond u32")).collect();
+        let (buf, ptr) = self.upload_u32(&pos).unwrap_or_else(|e| panic!("{e}"));
+        (Some(buf), ptr)
+    }
+
     /// Queues the copy of a step's ids and positions into the step-input buffer.
     pub fn write_step_inputs(&self, ids: &[u32], positions: &[usize]) -> Result<()> {
         let n = ids.len();
@@ -566,7 +578,7 @@ impl Device {
         // SAFETY: `f` is a loaded kernel of this context; the launchers pass argument lists
         // that match the kernel signatures beside them and pointers into live allocations
         // sized for the launch (each launcher asserts the lengths first).
-        let pdl = self.pdl && self.is_capturing() && self.prev_kernel.swap(true, Ordering::Relaxed);
+        let pdl = self.pdl && self.is_capturing() && self.prev_kernel.load(Ordering::Relaxed);
         self.prev_kernel.store(true, Ordering::Relaxed);
         let r = unsafe {
             if pdl {

@@ -121,10 +121,4 @@ impl Recordings {
     pub fn last_failure(&self) -> Option<&str> {
         self.last_failure.as_deref()
     }
-
-    pub fn clear(&mut self) {
-        self.by_key.clear();
-        self.order.clear();
-        self.seen.clear();
-    }
 }

@@ -231,13 +231,6 @@ impl CudaBackend {
         self.use_graphs.store(on, Ordering::Relaxed);
     }
 
-    /// Drops every recorded decode step (their buffers go back to the free list).
-    pub fn clear_graphs(&self) {
-        if let Ok(mut g) = self.graphs.lock() {
-            g.clear();
-        }
-    }
-
     /// Why the last failed decode-step capture failed (see [`PathCounts::graph_failures`]).
     pub fn last_graph_failure(&self) -> Option<String> {
         self.graphs.lock().ok().and_then(|g| g.last_failure().map(str::to_string))
@@ -655,14 +648,7 @@ impl Backend for CudaBackend {
         decode_batch: bool,
     ) {
         if !(decode_batch && matmul::Kernels::can_fuse(ws)) {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                if decode_batch {
-                    self.matmul_rows(x, tokens, w, out);
-                } else {
-                    self.matmul(x, tokens, w, out);
-                }
-            }
-            return;
+            return crate::backend::matmul_each(self, x, tokens, ws, outs, decode_batch);
         }
         self.dev.bind();
         self.mm.matmul_many_rows(&self.dev, x, tokens, ws, outs);

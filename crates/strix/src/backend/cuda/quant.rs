@@ -228,27 +228,16 @@ impl Kernels {
         XQuant { _buf: buf, q, d, s }
     }
 
-    /// `out = x · Wᵀ` by the GEMV: the one-token kernel for `tokens == 1` unless `batched`.
-    fn gemv(
-        &self,
-        dev: &Device,
-        x: &CudaBuf,
-        tokens: usize,
-        w: &CudaWeight,
-        out: &mut CudaBuf,
-        batched: bool,
-    ) {
+    /// `out = x · Wᵀ` by the GEMV: the one-token kernel for one token, the batched one (the
+    /// same arithmetic per token) for more.
+    fn gemv(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
         let (rows, cols, dtype) = (w.rows(), w.cols(), w.dtype());
         let fi = format_index(dtype);
         let xq = self.quantize_x(dev, x, tokens, cols);
         let log2 = self.split_log2(rows, cols / unit_cols(dtype));
         let row_blocks = rows.div_ceil(QG_WARPS >> log2);
         assert!(row_blocks <= 65535, "cuda: a {rows}-row matrix is past the GEMV's grid");
-        let (f, nt) = if batched || tokens > 1 {
-            (&self.gemv_rows[fi][log2], QG_NT)
-        } else {
-            (&self.gemv[fi][log2], 1)
-        };
+        let (f, nt) = if tokens > 1 { (&self.gemv_rows[fi][log2], QG_NT) } else { (&self.gemv[fi][log2], 1) };
         let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
         dev.launch(
             "qgemv",
@@ -292,7 +281,7 @@ impl Kernels {
         if tokens == 0 || w.rows() == 0 {
             return;
         }
-        self.gemv(dev, x, tokens, w, out, tokens > 1);
+        self.gemv(dev, x, tokens, w, out);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -314,11 +303,11 @@ impl Kernels {
             return QRan::Gemv;
         }
         if tokens == 1 {
-            self.gemv(dev, x, tokens, w, out, false);
+            self.gemv(dev, x, tokens, w, out);
             return QRan::Gemv;
         }
         if tokens <= GEMV_MAX_TOKENS && policy == GemmPath::Auto {
-            self.gemv(dev, x, tokens, w, out, true);
+            self.gemv(dev, x, tokens, w, out);
             return QRan::GemvRows;
         }
         let split = policy == GemmPath::CublasSplit;
