@@ -207,27 +207,7 @@ impl DeviceInfo for CudaBackend {
     }
 
     fn path_counts(&self) -> Option<Map<String, Value>> {
-        let c = CudaBackend::path_counts(self);
-        let fields = [
-            ("gemv", c.gemv),
-            ("gemv_fused", c.gemv_fused),
-            ("gemm_cublas", c.gemm_cublas),
-            ("gemm_cublas_split", c.gemm_cublas_split),
-            ("gemm_fallback", c.gemm_fallback),
-            ("conv_sequential", c.conv_sequential),
-            ("conv_parallel", c.conv_parallel),
-            ("gdn_recurrent", c.gdn_recurrent),
-            ("gdn_chunked", c.gdn_chunked),
-            ("attention", c.attention),
-            ("attention_multi_split", c.attention_multi_split),
-            ("batch_rows", c.batch_rows),
-            ("graph_replays", c.graph_replays),
-            ("graph_captures", c.graph_captures),
-            ("steps_eager", c.steps_eager),
-            ("graph_failures", c.graph_failures),
-            ("modules_compiled", c.modules_compiled),
-            ("modules_cached", c.modules_cached),
-        ];
+        let fields = CudaBackend::path_counts(self).named();
         Some(fields.into_iter().map(|(k, v)| (k.to_string(), Value::from(v))).collect())
     }
 }

@@ -93,6 +93,36 @@ pub struct PathCounts {
     pub embed_quant: u64,
 }
 
+impl PathCounts {
+    /// Every counter with its field name, for reports that list them (`strix bench`).
+    pub fn named(&self) -> [(&'static str, u64); 22] {
+        [
+            ("gemv", self.gemv),
+            ("gemv_fused", self.gemv_fused),
+            ("gemm_cublas", self.gemm_cublas),
+            ("gemm_cublas_split", self.gemm_cublas_split),
+            ("gemm_fallback", self.gemm_fallback),
+            ("conv_sequential", self.conv_sequential),
+            ("conv_parallel", self.conv_parallel),
+            ("gdn_recurrent", self.gdn_recurrent),
+            ("gdn_chunked", self.gdn_chunked),
+            ("attention", self.attention),
+            ("attention_multi_split", self.attention_multi_split),
+            ("batch_rows", self.batch_rows),
+            ("graph_replays", self.graph_replays),
+            ("graph_captures", self.graph_captures),
+            ("steps_eager", self.steps_eager),
+            ("graph_failures", self.graph_failures),
+            ("modules_compiled", self.modules_compiled),
+            ("modules_cached", self.modules_cached),
+            ("gemv_quant", self.gemv_quant),
+            ("gemv_quant_rows", self.gemv_quant_rows),
+            ("gemm_dequant", self.gemm_dequant),
+            ("embed_quant", self.embed_quant),
+        ]
+    }
+}
+
 impl std::fmt::Display for PathCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
