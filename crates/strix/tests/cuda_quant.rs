@@ -221,6 +221,77 @@ fn gemv_and_decode_batch_match_reference() {
     }
 }
 
+/// A layer's projections of one input in one decode step (`matmul_many`): packed weights of
+/// mixed formats and a bf16 one beside them, as a Q4_K_M file has. Every output within the
+/// int8 bound of the f32 reference, each sequence's rows bitwise the same in any batch, and
+/// the fused packed path counted.
+#[test]
+fn fused_packed_projections_match_reference_and_are_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(11);
+    let cols = 512;
+    let specs = [
+        (DType::Q4_K, 300),
+        (DType::Q6_K, 17),
+        (DType::Q4_K, 1),
+        (DType::BF16, 9),
+        (DType::Q8_0, 64),
+        (DType::Q4_0, 33),
+    ];
+    let mats: Vec<(HostTensor, Vec<f32>)> = specs
+        .iter()
+        .map(|&(dtype, rows)| {
+            if dtype == DType::BF16 {
+                let vals = bf16_round(&rng.blocky(rows * cols));
+                let bytes: Vec<u8> =
+                    vals.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+                let t = HostTensor {
+                    name: "w".into(),
+                    dtype,
+                    shape: vec![rows, cols],
+                    bytes: Bytes::owned(&bytes),
+                };
+                (t, vals)
+            } else {
+                packed(&mut rng, dtype, rows, cols)
+            }
+        })
+        .collect();
+    let ws: Vec<_> =
+        mats.iter().zip(&specs).map(|((t, _), &(_, rows))| g.weight(t, rows, cols).unwrap()).collect();
+    let w_refs: Vec<_> = ws.iter().collect();
+    let run = |x: &[f32], n: usize| -> Vec<Vec<f32>> {
+        let mut outs: Vec<_> = specs.iter().map(|&(_, rows)| poison(&g, n * rows)).collect();
+        g.matmul_many(&g.upload(x), n, &w_refs, &mut outs.iter_mut().collect::<Vec<_>>(), true);
+        outs.iter().map(|o| down(&g, o)).collect()
+    };
+    for n in [1usize, 3, 9] {
+        let x = rng.blocky(n * cols);
+        let before = g.path_counts();
+        let outs = run(&x, n);
+        let after = g.path_counts();
+        assert!(after.gemv_quant_fused > before.gemv_quant_fused, "the fused packed GEMV ran: {after}");
+        for (j, ((_, deq), &(dtype, rows))) in mats.iter().zip(&specs).enumerate() {
+            let what = format!("fused {dtype:?} {rows}x{cols} (segment {j}) batch {n}");
+            if dtype == DType::BF16 {
+                check(&what, &outs[j], &reference(&x, n, deq, rows, cols), EXACT_TOL);
+            } else {
+                check_int8(&what, &outs[j], &x, n, deq, rows, cols);
+            }
+        }
+        for i in 0..n {
+            let alone = run(&x[i * cols..(i + 1) * cols], 1);
+            for (j, &(dtype, rows)) in specs.iter().enumerate() {
+                let same = alone[j]
+                    .iter()
+                    .zip(&outs[j][i * rows..(i + 1) * rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "fused {dtype:?} segment {j}: batch {n} row {i} differs from the row alone");
+            }
+        }
+    }
+}
+
 /// `matmul` at prompt lengths 1, 5, 63, 64, 65, 300: the GEMV up to `QUANT_GEMV_MAX_TOKENS`,
 /// then dequantized bands into cuBLAS; and the fallback GEMM on dequantized weights.
 #[test]

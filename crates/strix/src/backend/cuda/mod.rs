@@ -87,6 +87,9 @@ pub struct PathCounts {
     pub gemv_quant: u64,
     /// Several-token matmuls (decode batches, short prompts) on the batched packed GEMV.
     pub gemv_quant_rows: u64,
+    /// Decode-batch projections of one input on packed weights in fused GEMV launches
+    /// (activations quantized once).
+    pub gemv_quant_fused: u64,
     /// Matmuls on packed weights dequantized to bf16 for a GEMM (the GEMM is counted too).
     pub gemm_dequant: u64,
     /// Embedding gathers from a packed table.
@@ -95,7 +98,7 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 22] {
+    pub fn named(&self) -> [(&'static str, u64); 23] {
         [
             ("gemv", self.gemv),
             ("gemv_fused", self.gemv_fused),
@@ -117,6 +120,7 @@ impl PathCounts {
             ("modules_cached", self.modules_cached),
             ("gemv_quant", self.gemv_quant),
             ("gemv_quant_rows", self.gemv_quant_rows),
+            ("gemv_quant_fused", self.gemv_quant_fused),
             ("gemm_dequant", self.gemm_dequant),
             ("embed_quant", self.embed_quant),
         ]
@@ -130,7 +134,7 @@ impl std::fmt::Display for PathCounts {
             "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
-             packed gemv {} rows {} dequant-gemm {} embed {}",
+             packed gemv {} rows {} fused {} dequant-gemm {} embed {}",
             self.gemv,
             self.gemv_fused,
             self.gemm_cublas,
@@ -151,6 +155,7 @@ impl std::fmt::Display for PathCounts {
             self.modules_cached,
             self.gemv_quant,
             self.gemv_quant_rows,
+            self.gemv_quant_fused,
             self.gemm_dequant,
             self.embed_quant
         )
@@ -179,6 +184,7 @@ struct Counters {
     modules_cached: AtomicU64,
     gemv_quant: AtomicU64,
     gemv_quant_rows: AtomicU64,
+    gemv_quant_fused: AtomicU64,
     gemm_dequant: AtomicU64,
     embed_quant: AtomicU64,
 }
@@ -310,6 +316,7 @@ impl CudaBackend {
             modules_cached: g(&c.modules_cached),
             gemv_quant: g(&c.gemv_quant),
             gemv_quant_rows: g(&c.gemv_quant_rows),
+            gemv_quant_fused: g(&c.gemv_quant_fused),
             gemm_dequant: g(&c.gemm_dequant),
             embed_quant: g(&c.embed_quant),
         }
@@ -337,6 +344,7 @@ impl CudaBackend {
             &c.graph_failures,
             &c.gemv_quant,
             &c.gemv_quant_rows,
+            &c.gemv_quant_fused,
             &c.gemm_dequant,
             &c.embed_quant,
         ] {
@@ -677,13 +685,36 @@ impl Backend for CudaBackend {
         outs: &mut [&mut CudaBuf],
         decode_batch: bool,
     ) {
-        if !(decode_batch && matmul::Kernels::can_fuse(ws)) {
+        if !decode_batch {
             return crate::backend::matmul_each(self, x, tokens, ws, outs, decode_batch);
         }
+        // Packed and bf16 weights fuse separately (a GGUF file may keep small matrices in
+        // bf16); the split depends on the weights alone, so every batch takes the same kernels.
+        let (mut packed_w, mut packed_o, mut dense_w, mut dense_o) = (vec![], vec![], vec![], vec![]);
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            if w.dtype().is_quantized() {
+                packed_w.push(*w);
+                packed_o.push(&mut **out);
+            } else {
+                dense_w.push(*w);
+                dense_o.push(&mut **out);
+            }
+        }
         self.dev.bind();
-        self.mm.matmul_many_rows(&self.dev, x, tokens, ws, outs);
-        bump(&self.counters.batch_rows);
-        bump(&self.counters.gemv_fused);
+        if quant::Kernels::can_fuse(&packed_w) {
+            self.q.matmul_many_rows(&self.dev, x, tokens, &packed_w, &mut packed_o);
+            bump(&self.counters.batch_rows);
+            bump(&self.counters.gemv_quant_fused);
+        } else {
+            crate::backend::matmul_each(self, x, tokens, &packed_w, &mut packed_o, decode_batch);
+        }
+        if matmul::Kernels::can_fuse(&dense_w) {
+            self.mm.matmul_many_rows(&self.dev, x, tokens, &dense_w, &mut dense_o);
+            bump(&self.counters.batch_rows);
+            bump(&self.counters.gemv_fused);
+        } else {
+            crate::backend::matmul_each(self, x, tokens, &dense_w, &mut dense_o, decode_batch);
+        }
     }
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {

@@ -337,11 +337,11 @@ template <class F, int NT, int S, int UNROLL>
 __device__ __forceinline__ void qgemv_body(const u8* wq, const u8* ws,
                                            const i8* xq, const float* xd,
                                            const int* xs, float* out, int rows,
-                                           int cols, int tokens) {
+                                           int cols, int tokens, int blk) {
     __shared__ float partial[QG_WARPS][NT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int part = warp % S;
-    const i64 row = (i64)blockIdx.y * (QG_WARPS / S) + warp / S;
+    const i64 row = (i64)blk * (QG_WARPS / S) + warp / S;
     const int t0 = blockIdx.x * NT;
     const int nt = imin(NT, tokens - t0);
     const bool live = row < rows;
@@ -407,20 +407,59 @@ __device__ __forceinline__ void qgemv_body(const u8* wq, const u8* ws,
         qgemv_##NAME##_s##S(const u8* wq, const u8* ws, const i8* xq, \
                             const float* xd, const int* xs, float* out, \
                             int rows, int cols, int tokens) { pdl_enter();                                                \
-        qgemv_body<F, 1, S, F::UNROLL>(wq, ws, xq, xd, xs, out, rows, cols, tokens);                                    \
+        qgemv_body<F, 1, S, F::UNROLL>(wq, ws, xq, xd, xs, out, rows, cols, tokens, blockIdx.y);                                    \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, 2)                                           \
         qgemv_rows_##NAME##_s##S(const u8* wq, const u8* ws,                       \
                                  const i8* xq, const float* xd,                    \
                                  const int* xs, float* out, int rows, int cols,    \
                                  int tokens) { pdl_enter();                                                               \
-        qgemv_body<F, QG_NT, S, (F::UNROLL > 1 ? F::UNROLL / 2 : 1)>(wq, ws, xq, xd, xs, out, rows, cols, tokens);                                \
+        qgemv_body<F, QG_NT, S, (F::UNROLL > 1 ? F::UNROLL / 2 : 1)>(wq, ws, xq, xd, xs, out, rows, cols, tokens, blockIdx.y);                                \
+    }
+// Several packed weights of one format that read the same activations (a layer's input
+// projections) in one launch, as gemv_multi in matmul.cu: segment j owns the row blocks
+// [block_end[j-1], block_end[j]) along y; unused segments end at the total. Each segment's rows
+// are computed by qgemv_body's arithmetic, so a token's result is the same in any batch.
+#define QG_MAX_SEGS 4
+struct QSegs {
+    unsigned long long wq[QG_MAX_SEGS];
+    unsigned long long ws[QG_MAX_SEGS];
+    unsigned long long out[QG_MAX_SEGS];
+    int rows[QG_MAX_SEGS];
+    int block_end[QG_MAX_SEGS];
+};
+template <class F, int NT, int S, int UNROLL>
+__device__ __forceinline__ void qgemv_multi_body(const QSegs& segs, const i8* xq, const float* xd,
+                                                 const int* xs, int cols, int tokens) {
+    int seg = 0;
+    while (seg < QG_MAX_SEGS - 1 && (int)blockIdx.y >= segs.block_end[seg]) seg++;
+    const int blk = blockIdx.y - (seg ? segs.block_end[seg - 1] : 0);
+    qgemv_body<F, NT, S, UNROLL>(reinterpret_cast<const u8*>(segs.wq[seg]), reinterpret_cast<const u8*>(segs.ws[seg]),
+                                 xq, xd, xs, reinterpret_cast<float*>(segs.out[seg]), segs.rows[seg], cols, tokens,
+                                 blk);
+}
+#define QGEMV_MULTI(NAME, F, S)                                                                              \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, QG_MIN_BLOCKS)                               \
+        qgemv_multi_##NAME##_s##S(QSegs segs, const i8* xq, const float* xd, const int* xs, int cols,        \
+                                  int tokens) {                                                              \
+        pdl_enter();                                                                                         \
+        qgemv_multi_body<F, 1, S, F::UNROLL>(segs, xq, xd, xs, cols, tokens);                                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, 2)                                           \
+        qgemv_multi_rows_##NAME##_s##S(QSegs segs, const i8* xq, const float* xd, const int* xs, int cols,   \
+                                       int tokens) {                                                         \
+        pdl_enter();                                                                                         \
+        qgemv_multi_body<F, QG_NT, S, (F::UNROLL > 1 ? F::UNROLL / 2 : 1)>(segs, xq, xd, xs, cols, tokens);  \
     }
 #define QGEMV_ALL(NAME, F)                                                                                   \
     QGEMV(NAME, F, 1)                                                                                        \
     QGEMV(NAME, F, 2)                                                                                        \
     QGEMV(NAME, F, 4)                                                                                        \
-    QGEMV(NAME, F, 8)
+    QGEMV(NAME, F, 8)                                                                                        \
+    QGEMV_MULTI(NAME, F, 1)                                                                                  \
+    QGEMV_MULTI(NAME, F, 2)                                                                                  \
+    QGEMV_MULTI(NAME, F, 4)                                                                                  \
+    QGEMV_MULTI(NAME, F, 8)
 QGEMV_ALL(q8_0, Q8_0F)
 QGEMV_ALL(q4_0, Q4_0F)
 QGEMV_ALL(q4_k, Q4_KF)

@@ -155,9 +155,26 @@ pub(super) struct Kernels {
     gemv: Vec<[CudaFunction; 4]>,
     /// `[format][log2 S]` batched GEMVs.
     gemv_rows: Vec<[CudaFunction; 4]>,
+    /// `[format][log2 S]` multi-weight GEMVs, one token and batched.
+    gemv_multi: Vec<[CudaFunction; 4]>,
+    gemv_multi_rows: Vec<[CudaFunction; 4]>,
     dequant: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     sm_count: usize,
+}
+
+/// `QG_MAX_SEGS`: weights one fused GEMV launch takes.
+const MAX_SEGMENTS: usize = 4;
+
+/// `QSegs` of `quant.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QSegs {
+    wq: [u64; MAX_SEGMENTS],
+    ws: [u64; MAX_SEGMENTS],
+    out: [u64; MAX_SEGMENTS],
+    rows: [i32; MAX_SEGMENTS],
+    block_end: [i32; MAX_SEGMENTS],
 }
 
 /// The activations of a matmul quantized for the GEMV: `[tokens, cols]` i8, then a scale per
@@ -184,6 +201,8 @@ impl Kernels {
             quantize_x: f("quantize_x")?,
             gemv: Vec::new(),
             gemv_rows: Vec::new(),
+            gemv_multi: Vec::new(),
+            gemv_multi_rows: Vec::new(),
             dequant: Vec::new(),
             embed: Vec::new(),
             sm_count: dev.sm_count as usize,
@@ -191,6 +210,8 @@ impl Kernels {
         for (_, name) in FORMATS {
             k.gemv.push(by_split(&format!("qgemv_{name}_s"))?);
             k.gemv_rows.push(by_split(&format!("qgemv_rows_{name}_s"))?);
+            k.gemv_multi.push(by_split(&format!("qgemv_multi_{name}_s"))?);
+            k.gemv_multi_rows.push(by_split(&format!("qgemv_multi_rows_{name}_s"))?);
             k.dequant.push(f(&format!("dequant_bf16_{name}"))?);
             k.embed.push(f(&format!("embed_{name}"))?);
         }
@@ -257,6 +278,84 @@ impl Kernels {
                 tokens as i32
             ],
         );
+    }
+
+    /// `outs[j] = x · ws[j]ᵀ` for packed weights of one width (any mix of formats) in a decode
+    /// batch: the activations are quantized once, and each format's weights run in one
+    /// multi-segment GEMV launch (up to [`MAX_SEGMENTS`] weights each). Every token's rows
+    /// come from one arithmetic whatever the batch, so a sequence's results do not depend on
+    /// it. Returns the launches made.
+    pub fn matmul_many_rows(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaBuf],
+    ) -> usize {
+        assert!(Kernels::can_fuse(ws) && ws.len() == outs.len(), "matmul_many_rows: weights do not fuse");
+        for (w, out) in ws.iter().zip(outs.iter()) {
+            check(x, tokens, w, out);
+        }
+        if tokens == 0 {
+            return 0;
+        }
+        let cols = ws[0].cols();
+        let xq = self.quantize_x(dev, x, tokens, cols);
+        let mut launches = 0;
+        for (fi, &(dtype, _)) in FORMATS.iter().enumerate() {
+            let members: Vec<usize> = (0..ws.len()).filter(|&j| ws[j].dtype() == dtype).collect();
+            for group in members.chunks(MAX_SEGMENTS) {
+                let total_rows: usize = group.iter().map(|&j| ws[j].rows()).sum();
+                let log2 = self.split_log2(total_rows, cols / unit_cols(dtype));
+                let rows_per_block = QG_WARPS >> log2;
+                let mut segs = QSegs {
+                    wq: [0; MAX_SEGMENTS],
+                    ws: [0; MAX_SEGMENTS],
+                    out: [0; MAX_SEGMENTS],
+                    rows: [0; MAX_SEGMENTS],
+                    block_end: [0; MAX_SEGMENTS],
+                };
+                let mut end = 0usize;
+                for (k, &j) in group.iter().enumerate() {
+                    let w = ws[j];
+                    end += w.rows().div_ceil(rows_per_block);
+                    segs.wq[k] = w.ptr();
+                    segs.ws[k] = w.ptr() + (w.rows() * planes(dtype, cols).0) as u64;
+                    segs.out[k] = outs[j].ptr();
+                    segs.rows[k] = w.rows() as i32;
+                    segs.block_end[k] = end as i32;
+                }
+                for k in group.len()..MAX_SEGMENTS {
+                    segs.block_end[k] = end as i32;
+                }
+                assert!(end <= 65535, "cuda: {total_rows} rows are past the fused GEMV's grid");
+                let (f, nt) = if tokens > 1 {
+                    (&self.gemv_multi_rows[fi][log2], QG_NT)
+                } else {
+                    (&self.gemv_multi[fi][log2], 1)
+                };
+                dev.launch(
+                    "qgemv_multi",
+                    f,
+                    (tokens.div_ceil(nt) as u32, end as u32, 1),
+                    (QG_WARPS as u32 * 32, 1, 1),
+                    0,
+                    kernel_args![segs, xq.q, xq.d, xq.s, cols as i32, tokens as i32],
+                );
+                launches += 1;
+            }
+        }
+        launches
+    }
+
+    /// Whether [`Kernels::matmul_many_rows`] takes these weights: two or more, all packed, all
+    /// of one width, none empty.
+    pub fn can_fuse(ws: &[&CudaWeight]) -> bool {
+        let cols = ws.first().map_or(0, |w| w.cols());
+        ws.len() >= 2
+            && cols > 0
+            && ws.iter().all(|w| w.dtype().is_quantized() && w.cols() == cols && w.rows() > 0)
     }
 
     /// Rows `[r0, r0 + nrows)` of `w` dequantized into `dst` (`[nrows, cols]` bf16).
