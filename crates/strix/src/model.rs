@@ -529,6 +529,7 @@ impl<B: Backend> Model<B> {
                     recurrent,
                     &mut s.core,
                 );
+                b.gated_rms_norm(&mut s.core, &s.z, &m.norm, t * d.num_v_heads, d.v_head_dim, d.eps);
             }
             Sequences::Batch(sessions) => {
                 let (mut convs, mut states) = (Vec::with_capacity(t), Vec::with_capacity(t));
@@ -539,20 +540,22 @@ impl<B: Backend> Model<B> {
                     convs.push(conv);
                     states.push(recurrent);
                 }
-                b.causal_conv1d_silu_rows(&d, &mut s.qkv, &m.conv1d, &mut convs);
-                b.gated_delta_rule_rows(
+                b.deltanet_decode_rows(
                     &d,
-                    &s.qkv,
+                    &mut s.qkv,
+                    &s.z,
                     &s.decay_in,
                     &s.beta_in,
+                    &m.conv1d,
                     &m.a_log,
                     &m.dt_bias,
+                    &m.norm,
+                    &mut convs,
                     &mut states,
                     &mut s.core,
                 );
             }
         }
-        b.gated_rms_norm(&mut s.core, &s.z, &m.norm, t * d.num_v_heads, d.v_head_dim, d.eps);
         seqs.matmul(b, &s.core, t, &m.out_proj, &mut s.y);
     }
 

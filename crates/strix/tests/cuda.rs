@@ -23,7 +23,7 @@ mod common;
 use common::{argmax, cases, fixtures, gpu, rel_err, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::cuda::{CudaBackend, GemmPath};
-use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, ValueHeadOrder};
 use strix::model::{Logits, Model};
 use strix::tensor::{Bytes, DType, HostTensor};
 
@@ -1102,4 +1102,95 @@ fn argmax_on_the_device_matches_the_host() {
         next = argmax(&logits);
         assert_eq!(picked, next, "step {step}");
     }
+}
+
+#[test]
+fn fused_deltanet_decode_matches_cpu_and_is_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(12);
+    let tiled = DeltaNetShape { value_head_order: ValueHeadOrder::Tiled, ..dn_shape(2, 6, 16, 24, 4) };
+    let shapes = [
+        dn_shape(2, 4, 16, 24, 4),
+        dn_shape(16, 16, 128, 128, 4),
+        dn_shape(16, 32, 128, 128, 4),
+        dn_shape(3, 9, 5, 7, 4),
+        dn_shape(2, 2, 256, 160, 3),
+        dn_shape(1, 2, 128, 200, 4),
+        tiled,
+    ];
+    for sh in shapes {
+        let (cd, vd, nv, dv) = (sh.conv_dim(), sh.value_dim(), sh.num_v_heads, sh.v_head_dim);
+        let conv_w = rng.vec(cd * sh.conv_kernel, 0.5);
+        let (a_log, dt_bias, norm) = (rng.vec(nv, 1.0), rng.vec(nv, 1.0), rng.vec(dv, 1.0));
+        let (cwg, alg, dtg, ng) = (g.upload(&conv_w), g.upload(&a_log), g.upload(&dt_bias), g.upload(&norm));
+        for &n in &[1usize, 3, 8] {
+            let qkv = rng.vec(n * cd, 1.0);
+            let z = rng.vec(n * vd, 1.0);
+            let (a, b) = (rng.vec(n * nv, 2.0), rng.vec(n * nv, 2.0));
+            let conv0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.conv_state_len(), 1.0)).collect();
+            let state0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.state_len(), 0.5)).collect();
+            let what = format!(
+                "fused gdn heads {}/{nv} dims {}/{dv} kernel {} {:?} n={n}",
+                sh.num_k_heads, sh.k_head_dim, sh.conv_kernel, sh.value_head_order
+            );
+            // The CPU runs the three ops (the trait's default).
+            let mut qc = qkv.clone();
+            let mut conv_c = conv0.clone();
+            let mut state_c = state0.clone();
+            let mut oc = vec![0.0; n * vd];
+            cpu.deltanet_decode_rows(
+                &sh,
+                &mut qc,
+                &z,
+                &a,
+                &b,
+                &conv_w,
+                &a_log,
+                &dt_bias,
+                &norm,
+                &mut conv_c.iter_mut().collect::<Vec<_>>(),
+                &mut state_c.iter_mut().collect::<Vec<_>>(),
+                &mut oc,
+            );
+            let run = |rows: std::ops::Range<usize>| {
+                let m = rows.len();
+                let mut qg = g.upload(&qkv[rows.start * cd..rows.end * cd]);
+                let zg = g.upload(&z[rows.start * vd..rows.end * vd]);
+                let ag = g.upload(&a[rows.start * nv..rows.end * nv]);
+                let bg = g.upload(&b[rows.start * nv..rows.end * nv]);
+                let mut convs: Vec<_> = conv0[rows.clone()].iter().map(|s| g.upload(s)).collect();
+                let mut states: Vec<_> = state0[rows.clone()].iter().map(|s| g.upload(s)).collect();
+                let mut out = poison(&g, m * vd);
+                g.deltanet_decode_rows(
+                    &sh,
+                    &mut qg,
+                    &zg,
+                    &ag,
+                    &bg,
+                    &cwg,
+                    &alg,
+                    &dtg,
+                    &ng,
+                    &mut convs.iter_mut().collect::<Vec<_>>(),
+                    &mut states.iter_mut().collect::<Vec<_>>(),
+                    &mut out,
+                );
+                let convs: Vec<Vec<f32>> = convs.iter().map(|c| down(&g, c)).collect();
+                let states: Vec<Vec<f32>> = states.iter().map(|s| down(&g, s)).collect();
+                (down(&g, &out), convs, states)
+            };
+            let (og, conv_g, state_g) = run(0..n);
+            check(&format!("{what} out"), &og, &oc, F32_TOL);
+            assert_eq!(conv_g, conv_c, "{what}: conv states");
+            check(&format!("{what} state"), &state_g.concat(), &state_c.concat(), F32_TOL);
+            for i in 0..n {
+                let (o1, c1, s1) = run(i..i + 1);
+                assert_eq!(&og[i * vd..(i + 1) * vd], &o1[..], "{what}: row {i} alone vs in the batch");
+                assert_eq!(conv_g[i], c1[0], "{what}: conv state {i} alone vs in the batch");
+                assert_eq!(state_g[i], s1[0], "{what}: state {i} alone vs in the batch");
+            }
+        }
+    }
+    assert!(g.path_counts().gdn_decode_fused > 0, "{}", g.path_counts());
 }

@@ -241,6 +241,32 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     );
 
+    /// A decode batch's whole Gated DeltaNet core: [`Backend::causal_conv1d_silu_rows`] on the
+    /// raw `qkv` (updating `convs[i]`), [`Backend::gated_delta_rule_rows`] (updating
+    /// `states[i]`) and [`Backend::gated_rms_norm`] with `z` and `norm`, into `out:
+    /// [batch, value_dim]`. Backends fuse it; the default runs the three ops.
+    #[allow(clippy::too_many_arguments)]
+    fn deltanet_decode_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut Self::Buf,
+        z: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        conv_weight: &Self::Buf,
+        a_log: &Self::Buf,
+        dt_bias: &Self::Buf,
+        norm: &Self::Buf,
+        convs: &mut [&mut Self::Buf],
+        states: &mut [&mut Self::Buf],
+        out: &mut Self::Buf,
+    ) {
+        self.causal_conv1d_silu_rows(shape, qkv, conv_weight, convs);
+        self.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
+        let rows = states.len() * shape.num_v_heads;
+        self.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
+    }
+
     /// The gated delta rule over `tokens` tokens, from the convolved `qkv`, the raw `a` and `b`
     /// projections (`[tokens, num_v_heads]`), `a_log` and `dt_bias` (`[num_v_heads]`):
     /// q and k are L2-normalised, q scaled by `1/sqrt(k_head_dim)`, `beta = sigmoid(b)`,

@@ -394,3 +394,125 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
         if (c0 + c < dv) sg[(i64)i * dv + c0 + c] = S[p];
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A decode token's whole Gated DeltaNet core in one kernel: causal conv1d + SiLU (with the conv
+// state), the q/k L2 norms, the recurrent delta rule and the gated RMSNorm, for one token of each
+// of a batch of sequences. A block owns one key head of one sequence: every conv channel it
+// reads (that key head's q and k, the values of the value heads that read it) belongs to it
+// alone, so it can update their conv state without racing another block; it then runs the
+// delta rule for each of those value heads in turn, GDN_FUSED_COLS columns at a time, and
+// normalises each head's output in place. grid (num_k_heads, batch), block
+// GDN_FUSED_COLS * GDN_PARTS threads, dynamic shared memory (2 dk + 2 dv + 32) floats.
+#define GDN_FUSED_COLS 128
+
+template <int DK, bool EXACT>
+__device__ __forceinline__ void gdn_decode_fused_body(
+    float* qkv, const float* z, const float* a, const float* b, const float* conv_w,
+    const float* a_log, const float* dt_bias, const float* norm_w, float* conv_state, float* state,
+    float* out, int nk, int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {
+    constexpr int ROWS = DK / GDN_PARTS;
+    extern __shared__ float smem[];
+    float* qs = smem;            // [dk] normalised, scaled q
+    float* ks = qs + dk;         // [dk] normalised k
+    float* vs = ks + dk;         // [dv] this head's convolved v
+    float* os = vs + dv;         // [dv] this head's delta-rule output
+    float* scratch = os + dv;    // [32] block_sum
+    const int kh = blockIdx.x;
+    const int key_dim = nk * dk;
+    const int part = threadIdx.x & (GDN_PARTS - 1);
+    const int col = threadIdx.x / GDN_PARTS;
+
+    // The conv of this key head's q and k channels.
+    for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
+        const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
+        conv_seq(qkv, conv_w, conv_state, 1, 0, K, ch);
+        if (c < dk) qs[c] = qkv[ch];
+        else ks[c - dk] = qkv[ch];
+    }
+    __syncthreads();
+    float sq = 0.f, sk = 0.f;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        sq += qs[i] * qs[i];
+        sk += ks[i] * ks[i];
+    }
+    const float iq = 1.f / sqrtf(block_sum(sq, scratch) + 1e-6f);
+    const float ik = 1.f / sqrtf(block_sum(sk, scratch) + 1e-6f);
+
+    for (int h = 0; h < nv; h++) {
+        if ((h / kh_div) % nk != kh) continue;  // see DeltaNetShape::key_head
+        __syncthreads();  // the previous head is done with vs / os
+        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+            const int ch = 2 * key_dim + h * dv + c;
+            conv_seq(qkv, conv_w, conv_state, 1, 0, K, ch);
+            vs[c] = qkv[ch];
+        }
+        __syncthreads();
+        const float beta = sigmoid_f(b[h]);
+        const float decay = expf(-expf(a_log[h]) * softplus_f(a[h] + dt_bias[h]));
+        float* sg = state + (i64)h * dk * dv;
+        for (int j0 = 0; j0 < dv; j0 += GDN_FUSED_COLS) {
+            const int j = j0 + col;
+            const bool active = j < dv;
+            float s[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const int i = r * GDN_PARTS + part;
+                s[r] = (active && (EXACT || i < dk)) ? sg[(i64)i * dv + j] : 0.f;
+            }
+            float kv = 0.f;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const int i = r * GDN_PARTS + part;
+                if (EXACT || i < dk) {
+                    s[r] *= decay;
+                    kv += s[r] * (ks[i] * ik);
+                }
+            }
+            kv = parts_sum(kv);
+            const float delta = ((active ? vs[j] : 0.f) - kv) * beta;
+            float o = 0.f;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const int i = r * GDN_PARTS + part;
+                if (EXACT || i < dk) {
+                    s[r] += (ks[i] * ik) * delta;
+                    o += s[r] * ((qs[i] * iq) * q_scale);
+                }
+            }
+            o = parts_sum(o);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const int i = r * GDN_PARTS + part;
+                if (active && (EXACT || i < dk)) sg[(i64)i * dv + j] = s[r];
+            }
+            if (active && part == 0) os[j] = o;
+        }
+        __syncthreads();
+        // Qwen3_5RMSNormGated over the head: w * (o / rms(o)) * silu(z).
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < dv; c += blockDim.x) ss += os[c] * os[c];
+        const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)dv + eps);
+        for (int c = threadIdx.x; c < dv; c += blockDim.x)
+            out[h * dv + c] = norm_w[c] * (os[c] * inv) * silu_f(z[h * dv + c]);
+    }
+}
+
+#define GDN_FUSED(NAME, DK, EXACT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GDN_FUSED_COLS * GDN_PARTS) NAME(                   \
+        float* qkv, const float* z, const float* a, const float* b, const float* conv_w,             \
+        const float* a_log, const float* dt_bias, const float* norm_w,                               \
+        const unsigned long long* conv_states, const unsigned long long* states, float* out, int nk, \
+        int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {                       \
+        pdl_enter();                                                                                 \
+        const int i = blockIdx.y;                                                                    \
+        const i64 conv_dim = 2 * (i64)nk * dk + (i64)nv * dv;                                        \
+        const i64 value_dim = (i64)nv * dv;                                                          \
+        gdn_decode_fused_body<DK, EXACT>(                                                            \
+            qkv + i * conv_dim, z + i * value_dim, a + (i64)i * nv, b + (i64)i * nv, conv_w, a_log,  \
+            dt_bias, norm_w, reinterpret_cast<float*>(conv_states[i]),                               \
+            reinterpret_cast<float*>(states[i]), out + i * value_dim, nk, nv, dk, dv, K, q_scale,    \
+            kh_div, eps);                                                                            \
+    }
+GDN_FUSED(gdn_decode_fused_dk128, 128, true)
+GDN_FUSED(gdn_decode_fused_generic, 256, false)

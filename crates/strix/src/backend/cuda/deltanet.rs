@@ -23,6 +23,8 @@ const GDN_COLS: usize = 32;
 const GDN_PARTS: usize = 4;
 /// The recurrent kernels hold k_head_dim / GDN_PARTS state values per thread in registers.
 const GDN_RECURRENT_MAX_DK: usize = 256;
+/// `GDN_FUSED_COLS` of the fused decode kernel: state columns a block updates at once.
+const GDN_FUSED_COLS: usize = 128;
 /// `CH` and `DVB` of the chunked kernel.
 const CHUNK: usize = 64;
 const CHUNK_COLS: usize = 32;
@@ -44,6 +46,8 @@ pub(super) struct Kernels {
     gdn_recurrent_rows_dk128: CudaFunction,
     gdn_recurrent_rows_generic: CudaFunction,
     gdn_chunked: CudaFunction,
+    gdn_decode_fused_dk128: CudaFunction,
+    gdn_decode_fused_generic: CudaFunction,
     /// Dynamic shared memory the chunked kernel may use, bytes.
     chunked_smem_limit: usize,
 }
@@ -75,6 +79,8 @@ impl Kernels {
             gdn_recurrent_rows_dk128: f("gdn_recurrent_rows_dk128")?,
             gdn_recurrent_rows_generic: f("gdn_recurrent_rows_generic")?,
             gdn_chunked,
+            gdn_decode_fused_dk128: f("gdn_decode_fused_dk128")?,
+            gdn_decode_fused_generic: f("gdn_decode_fused_generic")?,
             chunked_smem_limit: limit,
         })
     }
@@ -223,6 +229,88 @@ impl Kernels {
                 dv as i32,
                 q_scale,
                 kh_div
+            ],
+        );
+    }
+
+    /// One decode token of each of `states.len()` sequences through conv1d + SiLU, the
+    /// recurrent delta rule and the gated RMSNorm, in one launch (see `gdn_decode_fused_body`).
+    /// `qkv` holds the raw projections (convolved in place), `z` `[n, value_dim]`, `norm`
+    /// `[v_head_dim]`; `out` gets the normed core output `[n, value_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn deltanet_decode_rows(
+        &self,
+        dev: &Device,
+        shape: &DeltaNetShape,
+        qkv: &mut CudaBuf,
+        z: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        conv_weight: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        norm: &CudaBuf,
+        convs: &mut [&mut CudaBuf],
+        states: &mut [&mut CudaBuf],
+        out: &mut CudaBuf,
+    ) {
+        let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
+        let (k, n) = (shape.conv_kernel, states.len());
+        assert!(
+            nk > 0 && nv % nk == 0,
+            "deltanet_decode_rows: {nv} value heads do not group onto {nk} key heads"
+        );
+        assert!(dk <= GDN_RECURRENT_MAX_DK, "deltanet_decode_rows: k_head_dim {dk} > {GDN_RECURRENT_MAX_DK}");
+        assert!((1..=CONV_MAX_KERNEL).contains(&k), "deltanet_decode_rows: conv kernel {k} outside 1..={CONV_MAX_KERNEL}");
+        assert_eq!(convs.len(), n, "deltanet_decode_rows: one conv state per sequence");
+        assert!(qkv.len() >= n * shape.conv_dim(), "deltanet_decode_rows: qkv too short");
+        assert!(z.len() >= n * shape.value_dim(), "deltanet_decode_rows: z too short");
+        assert!(a.len() >= n * nv && b.len() >= n * nv, "deltanet_decode_rows: a/b too short");
+        assert!(conv_weight.len() >= shape.conv_dim() * k, "deltanet_decode_rows: conv weight too short");
+        assert!(a_log.len() >= nv && dt_bias.len() >= nv, "deltanet_decode_rows: a_log/dt_bias too short");
+        assert!(norm.len() >= dv, "deltanet_decode_rows: norm weight too short");
+        assert!(out.len() >= n * shape.value_dim(), "deltanet_decode_rows: out too short");
+        assert!(n <= 65535, "deltanet_decode_rows: batch of {n} exceeds one launch's grid");
+        if n == 0 {
+            return;
+        }
+        let conv_ptrs = state_pointers(convs, shape.conv_state_len(), "deltanet_decode_rows");
+        let (_conv_dev, conv_ptr) = dev.upload_u64(&conv_ptrs).unwrap_or_else(|e| panic!("{e}"));
+        let ptrs = state_pointers(states, shape.state_len(), "deltanet_decode_rows");
+        let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let (f, name) = if dk == 128 {
+            (&self.gdn_decode_fused_dk128, "gdn_decode_fused_dk128")
+        } else {
+            (&self.gdn_decode_fused_generic, "gdn_decode_fused_generic")
+        };
+        let smem = ((2 * dk + 2 * dv + 32) * 4) as u32;
+        dev.launch(
+            name,
+            f,
+            (nk as u32, n as u32, 1),
+            ((GDN_FUSED_COLS * GDN_PARTS) as u32, 1, 1),
+            smem,
+            kernel_args![
+                qkv.ptr(),
+                z.ptr(),
+                a.ptr(),
+                b.ptr(),
+                conv_weight.ptr(),
+                a_log.ptr(),
+                dt_bias.ptr(),
+                norm.ptr(),
+                conv_ptr,
+                ptrs_ptr,
+                out.ptr(),
+                nk as i32,
+                nv as i32,
+                dk as i32,
+                dv as i32,
+                k as i32,
+                q_scale,
+                shape.key_head_divisor() as i32,
+                shape.eps
             ],
         );
     }

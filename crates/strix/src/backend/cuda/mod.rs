@@ -65,6 +65,8 @@ pub struct PathCounts {
     pub conv_parallel: u64,
     pub gdn_recurrent: u64,
     pub gdn_chunked: u64,
+    /// Decode-batch DeltaNet cores (conv, delta rule, gated norm) in one fused kernel.
+    pub gdn_decode_fused: u64,
     /// Attention calls (key-split kernel and merge).
     pub attention: u64,
     /// Attention calls whose longest row was split into more than one key range.
@@ -109,6 +111,7 @@ impl PathCounts {
             ("conv_parallel", self.conv_parallel),
             ("gdn_recurrent", self.gdn_recurrent),
             ("gdn_chunked", self.gdn_chunked),
+            ("gdn_decode_fused", self.gdn_decode_fused),
             ("attention", self.attention),
             ("attention_multi_split", self.attention_multi_split),
             ("batch_rows", self.batch_rows),
@@ -132,7 +135,7 @@ impl std::fmt::Display for PathCounts {
         write!(
             f,
             "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
-             gdn recurrent {} chunked {} | attention {} (multi-split {}) | batch rows {} | \
+             gdn recurrent {} chunked {} fused decode {} | attention {} (multi-split {}) | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
              packed gemv {} rows {} fused {} dequant-gemm {} embed {}",
             self.gemv,
@@ -144,6 +147,7 @@ impl std::fmt::Display for PathCounts {
             self.conv_parallel,
             self.gdn_recurrent,
             self.gdn_chunked,
+            self.gdn_decode_fused,
             self.attention,
             self.attention_multi_split,
             self.batch_rows,
@@ -173,6 +177,7 @@ struct Counters {
     conv_parallel: AtomicU64,
     gdn_recurrent: AtomicU64,
     gdn_chunked: AtomicU64,
+    gdn_decode_fused: AtomicU64,
     attention: AtomicU64,
     attention_multi_split: AtomicU64,
     batch_rows: AtomicU64,
@@ -305,6 +310,7 @@ impl CudaBackend {
             conv_parallel: g(&c.conv_parallel),
             gdn_recurrent: g(&c.gdn_recurrent),
             gdn_chunked: g(&c.gdn_chunked),
+            gdn_decode_fused: g(&c.gdn_decode_fused),
             attention: g(&c.attention),
             attention_multi_split: g(&c.attention_multi_split),
             batch_rows: g(&c.batch_rows),
@@ -335,6 +341,7 @@ impl CudaBackend {
             &c.conv_parallel,
             &c.gdn_recurrent,
             &c.gdn_chunked,
+            &c.gdn_decode_fused,
             &c.attention,
             &c.attention_multi_split,
             &c.batch_rows,
@@ -754,6 +761,41 @@ impl Backend for CudaBackend {
         self.dev.bind();
         self.dn.gated_delta_rule_rows(&self.dev, shape, qkv, a, b, a_log, dt_bias, states, out);
         bump(&self.counters.batch_rows);
+    }
+
+    fn deltanet_decode_rows(
+        &self,
+        shape: &DeltaNetShape,
+        qkv: &mut CudaBuf,
+        z: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        conv_weight: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        norm: &CudaBuf,
+        convs: &mut [&mut CudaBuf],
+        states: &mut [&mut CudaBuf],
+        out: &mut CudaBuf,
+    ) {
+        self.dev.bind();
+        self.dn.deltanet_decode_rows(
+            &self.dev,
+            shape,
+            qkv,
+            z,
+            a,
+            b,
+            conv_weight,
+            a_log,
+            dt_bias,
+            norm,
+            convs,
+            states,
+            out,
+        );
+        bump(&self.counters.batch_rows);
+        bump(&self.counters.gdn_decode_fused);
     }
 
     fn attention_rows(

@@ -431,12 +431,22 @@ struct QSegs {
 template <class F, int NT, int S, int UNROLL>
 __device__ __forceinline__ void qgemv_multi_body(const QSegs& segs, const i8* xq, const float* xd,
                                                  const int* xs, int cols, int tokens) {
-    int seg = 0;
-    while (seg < QG_MAX_SEGS - 1 && (int)blockIdx.y >= segs.block_end[seg]) seg++;
-    const int blk = blockIdx.y - (seg ? segs.block_end[seg - 1] : 0);
-    qgemv_body<F, NT, S, UNROLL>(reinterpret_cast<const u8*>(segs.wq[seg]), reinterpret_cast<const u8*>(segs.ws[seg]),
-                                 xq, xd, xs, reinterpret_cast<float*>(segs.out[seg]), segs.rows[seg], cols, tokens,
-                                 blk);
+    // Selected with constant indices only: indexing the parameter struct by a variable would
+    // copy it to local memory (a 128-byte stack frame, and spills at 64 registers).
+    unsigned long long wq = segs.wq[0], ws = segs.ws[0], out = segs.out[0];
+    int rows = segs.rows[0], first = 0;
+#pragma unroll
+    for (int k = 1; k < QG_MAX_SEGS; k++) {
+        if ((int)blockIdx.y >= segs.block_end[k - 1]) {
+            wq = segs.wq[k];
+            ws = segs.ws[k];
+            out = segs.out[k];
+            rows = segs.rows[k];
+            first = segs.block_end[k - 1];
+        }
+    }
+    qgemv_body<F, NT, S, UNROLL>(reinterpret_cast<const u8*>(wq), reinterpret_cast<const u8*>(ws), xq, xd, xs,
+                                 reinterpret_cast<float*>(out), rows, cols, tokens, (int)blockIdx.y - first);
 }
 #define QGEMV_MULTI(NAME, F, S)                                                                              \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, QG_MIN_BLOCKS)                               \
