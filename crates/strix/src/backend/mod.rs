@@ -242,7 +242,7 @@ pub trait Backend: Send + Sync {
     );
 
     /// A decode batch's whole Gated DeltaNet core: [`Backend::causal_conv1d_silu_rows`] on the
-    /// raw `qkv` (updating `convs[i]`), [`Backend::gated_delta_rule_rows`] (updating
+    /// raw `qkv` (updating `convs[i]`; `qkv` may be overwritten), [`Backend::gated_delta_rule_rows`] (updating
     /// `states[i]`) and [`Backend::gated_rms_norm`] with `z` and `norm`, into `out:
     /// [batch, value_dim]`. Backends fuse it; the default runs the three ops.
     #[allow(clippy::too_many_arguments)]

@@ -398,109 +398,161 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
 // ---------------------------------------------------------------------------------------------
 // A decode token's whole Gated DeltaNet core in one kernel: causal conv1d + SiLU (with the conv
 // state), the q/k L2 norms, the recurrent delta rule and the gated RMSNorm, for one token of each
-// of a batch of sequences. A block owns one key head of one sequence: every conv channel it
-// reads (that key head's q and k, the values of the value heads that read it) belongs to it
-// alone, so it can update their conv state without racing another block; it then runs the
-// delta rule for each of those value heads in turn, GDN_FUSED_COLS columns at a time, and
-// normalises each head's output in place. grid (num_k_heads, batch), block
-// GDN_FUSED_COLS * GDN_PARTS threads, dynamic shared memory (2 dk + 2 dv + 32) floats.
-#define GDN_FUSED_COLS 128
+// of a batch of sequences. Blocks are those of the recurrent kernel (GDN_COLS columns of one
+// value head) so the state streams through as many SMs; the blocks of one key head (its value
+// heads, all their column tiles) form a thread-block cluster:
+//  - every block convolves the key head's q and k channels from the old conv state, and only
+//    after a cluster barrier (all have read it) does each block write back its share of the new
+//    state; value channels belong to one block, which updates them at once;
+//  - the gated norm needs the sum of squares over the head's columns: each block publishes its
+//    part in shared memory and reads its head's parts from its peers (DSMEM) in tile order.
+// grid (num_v_heads * tiles, batch), cluster (heads per key head * tiles), block
+// GDN_COLS * GDN_PARTS; tiles = ceil(v_head_dim / GDN_COLS).
+
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// `*local` as it is in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster_peer(const float* local, u32 rank) {
+    u32 addr, remote;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// silu(conv) of one channel's new input x over its state (the K-1 inputs before it), by
+// conv_seq's arithmetic.
+__device__ __forceinline__ float conv_step(float x, const float* w, const float* st, int K) {
+    float acc = 0.f;
+    for (int j = 0; j < K - 1; j++) acc += w[j] * st[j];
+    acc += w[K - 1] * x;
+    return silu_f(acc);
+}
+// The channel's state after input x: the oldest input drops out.
+__device__ __forceinline__ void conv_push(float* st, float x, int K) {
+    for (int i = 0; i + 1 < K - 1; i++) st[i] = st[i + 1];
+    if (K > 1) st[K - 2] = x;
+}
 
 template <int DK, bool EXACT>
 __device__ __forceinline__ void gdn_decode_fused_body(
-    float* qkv, const float* z, const float* a, const float* b, const float* conv_w,
+    const float* qkv, const float* z, const float* a, const float* b, const float* conv_w,
     const float* a_log, const float* dt_bias, const float* norm_w, float* conv_state, float* state,
     float* out, int nk, int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {
     constexpr int ROWS = DK / GDN_PARTS;
-    extern __shared__ float smem[];
-    float* qs = smem;            // [dk] normalised, scaled q
-    float* ks = qs + dk;         // [dk] normalised k
-    float* vs = ks + dk;         // [dv] this head's convolved v
-    float* os = vs + dv;         // [dv] this head's delta-rule output
-    float* scratch = os + dv;    // [32] block_sum
-    const int kh = blockIdx.x;
+    __shared__ float qs[DK];
+    __shared__ float ks[DK];
+    __shared__ float vs[GDN_COLS];
+    __shared__ float scratch[32];
+    __shared__ float ss_part;
+    const int per_key = nv / nk;
+    const int tiles = (dv + GDN_COLS - 1) / GDN_COLS;
+    const int tile = blockIdx.x % tiles;
+    const int member = (blockIdx.x / tiles) % per_key;
+    const int kh = blockIdx.x / (tiles * per_key);
+    // The member-th value head that reads key head kh (see DeltaNetShape::key_head).
+    const int h = kh_div == 1 ? kh + member * nk : kh * per_key + member;
     const int key_dim = nk * dk;
+    const int hist = K - 1;
     const int part = threadIdx.x & (GDN_PARTS - 1);
-    const int col = threadIdx.x / GDN_PARTS;
+    const int j = tile * GDN_COLS + threadIdx.x / GDN_PARTS;
+    const bool active = j < dv;
 
-    // The conv of this key head's q and k channels.
+    // The state does not depend on the conv: its loads go out first and overlap it.
+    float* sg = state + (i64)h * dk * dv;
+    float s[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        s[r] = (active && (EXACT || i < dk)) ? sg[(i64)i * dv + j] : 0.f;
+    }
     for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
         const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
-        conv_seq(qkv, conv_w, conv_state, 1, 0, K, ch);
-        if (c < dk) qs[c] = qkv[ch];
-        else ks[c - dk] = qkv[ch];
+        const float v = conv_step(qkv[ch], conv_w + (i64)ch * K, conv_state + (i64)ch * hist, K);
+        if (c < dk) qs[c] = v;
+        else ks[c - dk] = v;
+    }
+    for (int c = threadIdx.x; c < GDN_COLS; c += blockDim.x) {
+        const int jj = tile * GDN_COLS + c;
+        if (jj < dv) {
+            const int ch = 2 * key_dim + h * dv + jj;
+            float* st = conv_state + (i64)ch * hist;
+            const float x = qkv[ch];
+            vs[c] = conv_step(x, conv_w + (i64)ch * K, st, K);
+            conv_push(st, x, K);
+        }
     }
     __syncthreads();
-    float sq = 0.f, sk = 0.f;
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        sq += qs[i] * qs[i];
-        sk += ks[i] * ks[i];
-    }
-    const float iq = 1.f / sqrtf(block_sum(sq, scratch) + 1e-6f);
-    const float ik = 1.f / sqrtf(block_sum(sk, scratch) + 1e-6f);
 
-    for (int h = 0; h < nv; h++) {
-        if ((h / kh_div) % nk != kh) continue;  // see DeltaNetShape::key_head
-        __syncthreads();  // the previous head is done with vs / os
-        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-            const int ch = 2 * key_dim + h * dv + c;
-            conv_seq(qkv, conv_w, conv_state, 1, 0, K, ch);
-            vs[c] = qkv[ch];
+    // The delta rule, as gdn_recurrent_body does one token.
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (EXACT || i < dk) {
+            sq += qs[i] * qs[i];
+            sk += ks[i] * ks[i];
         }
-        __syncthreads();
-        const float beta = sigmoid_f(b[h]);
-        const float decay = expf(-expf(a_log[h]) * softplus_f(a[h] + dt_bias[h]));
-        float* sg = state + (i64)h * dk * dv;
-        for (int j0 = 0; j0 < dv; j0 += GDN_FUSED_COLS) {
-            const int j = j0 + col;
-            const bool active = j < dv;
-            float s[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const int i = r * GDN_PARTS + part;
-                s[r] = (active && (EXACT || i < dk)) ? sg[(i64)i * dv + j] : 0.f;
-            }
-            float kv = 0.f;
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const int i = r * GDN_PARTS + part;
-                if (EXACT || i < dk) {
-                    s[r] *= decay;
-                    kv += s[r] * (ks[i] * ik);
-                }
-            }
-            kv = parts_sum(kv);
-            const float delta = ((active ? vs[j] : 0.f) - kv) * beta;
-            float o = 0.f;
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const int i = r * GDN_PARTS + part;
-                if (EXACT || i < dk) {
-                    s[r] += (ks[i] * ik) * delta;
-                    o += s[r] * ((qs[i] * iq) * q_scale);
-                }
-            }
-            o = parts_sum(o);
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const int i = r * GDN_PARTS + part;
-                if (active && (EXACT || i < dk)) sg[(i64)i * dv + j] = s[r];
-            }
-            if (active && part == 0) os[j] = o;
-        }
-        __syncthreads();
-        // Qwen3_5RMSNormGated over the head: w * (o / rms(o)) * silu(z).
-        float ss = 0.f;
-        for (int c = threadIdx.x; c < dv; c += blockDim.x) ss += os[c] * os[c];
-        const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)dv + eps);
-        for (int c = threadIdx.x; c < dv; c += blockDim.x)
-            out[h * dv + c] = norm_w[c] * (os[c] * inv) * silu_f(z[h * dv + c]);
     }
+    sq = parts_sum(sq);
+    sk = parts_sum(sk);
+    const float iq = 1.f / sqrtf(sq + 1e-6f);
+    const float ik = 1.f / sqrtf(sk + 1e-6f);
+    const float beta = sigmoid_f(b[h]);
+    const float decay = expf(-expf(a_log[h]) * softplus_f(a[h] + dt_bias[h]));
+    float kv = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (EXACT || i < dk) {
+            s[r] *= decay;
+            kv += s[r] * (ks[i] * ik);
+        }
+    }
+    kv = parts_sum(kv);
+    const float delta = ((active ? vs[threadIdx.x / GDN_PARTS] : 0.f) - kv) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (EXACT || i < dk) {
+            s[r] += (ks[i] * ik) * delta;
+            o += s[r] * ((qs[i] * iq) * q_scale);
+        }
+    }
+    o = parts_sum(o);
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (active && (EXACT || i < dk)) sg[(i64)i * dv + j] = s[r];
+    }
+
+    const float ss = block_sum(active && part == 0 ? o * o : 0.f, scratch);
+    if (threadIdx.x == 0) ss_part = ss;
+    cluster_sync();  // every block has read the old q/k conv state and published its part
+    const u32 rank = cluster_rank();
+    const u32 csize = (u32)(per_key * tiles);
+    for (int c = (int)(rank * blockDim.x + threadIdx.x); c < 2 * dk; c += (int)(csize * blockDim.x)) {
+        const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
+        conv_push(conv_state + (i64)ch * hist, qkv[ch], K);
+    }
+    float total = 0.f;
+    for (int t = 0; t < tiles; t++) total += ld_cluster_peer(&ss_part, (u32)(member * tiles + t));
+    const float inv = 1.f / sqrtf(total / (float)dv + eps);
+    if (active && part == 0) out[h * dv + j] = norm_w[j] * (o * inv) * silu_f(z[h * dv + j]);
+    cluster_sync();  // the peers are done reading ss_part
 }
 
 #define GDN_FUSED(NAME, DK, EXACT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(GDN_FUSED_COLS * GDN_PARTS) NAME(                   \
-        float* qkv, const float* z, const float* a, const float* b, const float* conv_w,             \
+    extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) NAME(                         \
+        const float* qkv, const float* z, const float* a, const float* b, const float* conv_w,       \
         const float* a_log, const float* dt_bias, const float* norm_w,                               \
         const unsigned long long* conv_states, const unsigned long long* states, float* out, int nk, \
         int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {                       \

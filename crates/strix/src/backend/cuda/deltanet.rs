@@ -23,8 +23,6 @@ const GDN_COLS: usize = 32;
 const GDN_PARTS: usize = 4;
 /// The recurrent kernels hold k_head_dim / GDN_PARTS state values per thread in registers.
 const GDN_RECURRENT_MAX_DK: usize = 256;
-/// `GDN_FUSED_COLS` of the fused decode kernel: state columns a block updates at once.
-const GDN_FUSED_COLS: usize = 128;
 /// `CH` and `DVB` of the chunked kernel.
 const CHUNK: usize = 64;
 const CHUNK_COLS: usize = 32;
@@ -233,16 +231,28 @@ impl Kernels {
         );
     }
 
+    /// Thread-block cluster size of the fused decode kernel for `shape`: the blocks of one key
+    /// head (its value heads times their column tiles), or `None` past the portable 8.
+    pub fn decode_cluster(shape: &DeltaNetShape) -> Option<usize> {
+        let per_key = shape.num_v_heads / shape.num_k_heads.max(1);
+        let size = per_key * shape.v_head_dim.div_ceil(GDN_COLS);
+        let fits = shape.num_k_heads > 0
+            && shape.num_v_heads.is_multiple_of(shape.num_k_heads)
+            && shape.k_head_dim <= GDN_RECURRENT_MAX_DK
+            && (1..=CONV_MAX_KERNEL).contains(&shape.conv_kernel);
+        (fits && (1..=8).contains(&size)).then_some(size)
+    }
+
     /// One decode token of each of `states.len()` sequences through conv1d + SiLU, the
-    /// recurrent delta rule and the gated RMSNorm, in one launch (see `gdn_decode_fused_body`).
-    /// `qkv` holds the raw projections (convolved in place), `z` `[n, value_dim]`, `norm`
-    /// `[v_head_dim]`; `out` gets the normed core output `[n, value_dim]`.
+    /// recurrent delta rule and the gated RMSNorm in one launch (`gdn_decode_fused_body`), for
+    /// shapes [`Kernels::decode_cluster`] takes. `qkv` holds the raw projections (left as
+    /// they are), `z` `[n, value_dim]`, `norm` `[v_head_dim]`; `out` gets the normed output.
     #[allow(clippy::too_many_arguments)]
     pub fn deltanet_decode_rows(
         &self,
         dev: &Device,
         shape: &DeltaNetShape,
-        qkv: &mut CudaBuf,
+        qkv: &CudaBuf,
         z: &CudaBuf,
         a: &CudaBuf,
         b: &CudaBuf,
@@ -256,12 +266,8 @@ impl Kernels {
     ) {
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         let (k, n) = (shape.conv_kernel, states.len());
-        assert!(
-            nk > 0 && nv % nk == 0,
-            "deltanet_decode_rows: {nv} value heads do not group onto {nk} key heads"
-        );
-        assert!(dk <= GDN_RECURRENT_MAX_DK, "deltanet_decode_rows: k_head_dim {dk} > {GDN_RECURRENT_MAX_DK}");
-        assert!((1..=CONV_MAX_KERNEL).contains(&k), "deltanet_decode_rows: conv kernel {k} outside 1..={CONV_MAX_KERNEL}");
+        let cluster = Kernels::decode_cluster(shape)
+            .unwrap_or_else(|| panic!("deltanet_decode_rows: no fused kernel for {shape:?}"));
         assert_eq!(convs.len(), n, "deltanet_decode_rows: one conv state per sequence");
         assert!(qkv.len() >= n * shape.conv_dim(), "deltanet_decode_rows: qkv too short");
         assert!(z.len() >= n * shape.value_dim(), "deltanet_decode_rows: z too short");
@@ -284,13 +290,13 @@ impl Kernels {
         } else {
             (&self.gdn_decode_fused_generic, "gdn_decode_fused_generic")
         };
-        let smem = ((2 * dk + 2 * dv + 32) * 4) as u32;
-        dev.launch(
+        dev.launch_clustered(
             name,
             f,
-            (nk as u32, n as u32, 1),
-            ((GDN_FUSED_COLS * GDN_PARTS) as u32, 1, 1),
-            smem,
+            ((nv * dv.div_ceil(GDN_COLS)) as u32, n as u32, 1),
+            ((GDN_COLS * GDN_PARTS) as u32, 1, 1),
+            0,
+            cluster as u32,
             kernel_args![
                 qkv.ptr(),
                 z.ptr(),

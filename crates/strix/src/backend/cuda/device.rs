@@ -572,21 +572,53 @@ impl Device {
         smem: u32,
         args: &mut [*mut c_void],
     ) {
+        self.launch_clustered(what, f, grid, block, smem, 1, args)
+    }
+
+    /// [`Device::launch`] with the blocks grouped into thread-block clusters of `cluster`
+    /// consecutive blocks along x (`grid.0` a multiple of it; at most 8, the portable size).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_clustered(
+        &self,
+        what: &str,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        cluster: u32,
+        args: &mut [*mut c_void],
+    ) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
+        assert!(
+            (1..=8).contains(&cluster) && grid.0.is_multiple_of(cluster),
+            "cuda: {what}: clusters of {cluster} blocks over a grid of {grid:?}"
+        );
         // SAFETY: `f` is a loaded kernel of this context; the launchers pass argument lists
         // that match the kernel signatures beside them and pointers into live allocations
         // sized for the launch (each launcher asserts the lengths first).
         let pdl = self.pdl && self.is_capturing() && self.prev_kernel.load(Ordering::Relaxed);
         self.prev_kernel.store(true, Ordering::Relaxed);
         let r = unsafe {
-            if pdl {
-                // Every kernel waits for its predecessor (`pdl_enter` in prelude.cu) before
-                // touching activations, so it may be scheduled while that one still runs.
-                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                attr.value.programmaticStreamSerializationAllowed = 1;
+            if pdl || cluster > 1 {
+                let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+                let mut n = 0;
+                if pdl {
+                    // Every kernel waits for its predecessor (`pdl_enter` in prelude.cu) before
+                    // touching activations, so it may be scheduled while that one still runs.
+                    attrs[n].id =
+                        sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                    attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                    n += 1;
+                }
+                if cluster > 1 {
+                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                    attrs[n].value.clusterDim.x = cluster;
+                    attrs[n].value.clusterDim.y = 1;
+                    attrs[n].value.clusterDim.z = 1;
+                    n += 1;
+                }
                 let config = sys::CUlaunchConfig {
                     gridDimX: grid.0,
                     gridDimY: grid.1,
@@ -596,8 +628,8 @@ impl Device {
                     blockDimZ: block.2,
                     sharedMemBytes: smem,
                     hStream: self.stream.cu_stream(),
-                    attrs: &mut attr,
-                    numAttrs: 1,
+                    attrs: attrs.as_mut_ptr(),
+                    numAttrs: n as u32,
                 };
                 sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
                     .result()

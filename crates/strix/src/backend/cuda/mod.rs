@@ -100,7 +100,7 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 23] {
+    pub fn named(&self) -> [(&'static str, u64); 24] {
         [
             ("gemv", self.gemv),
             ("gemv_fused", self.gemv_fused),
@@ -778,6 +778,12 @@ impl Backend for CudaBackend {
         states: &mut [&mut CudaBuf],
         out: &mut CudaBuf,
     ) {
+        if deltanet::Kernels::decode_cluster(shape).is_none() {
+            self.causal_conv1d_silu_rows(shape, qkv, conv_weight, convs);
+            self.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
+            let rows = states.len() * shape.num_v_heads;
+            return self.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
+        }
         self.dev.bind();
         self.dn.deltanet_decode_rows(
             &self.dev,
