@@ -423,18 +423,36 @@ impl<B: Backend> Engine<B> {
             return;
         }
         let tokens: Vec<u32> = self.decoding.iter().map(|s| s.next).collect();
+        // When every row's draw can be finished next to the logits (greedy or top-k, no
+        // logprobs), only token ids leave the backend; otherwise the rows come back as logits.
+        let prepared = self.decoding.iter().all(|s| s.job.logprobs.is_none() && s.job.sampler.can_prepare());
+        if prepared {
+            let rows: Vec<_> = self
+                .decoding
+                .iter_mut()
+                .map(|s| s.job.sampler.prepare(&s.job.prompt, &s.generated).expect("can_prepare was checked"))
+                .collect();
+            let mut sessions: Vec<&mut Session<B>> =
+                self.decoding.iter_mut().map(|s| &mut s.session).collect();
+            match self.model.decode_batch_prepared(&mut sessions, &tokens, &rows) {
+                Ok(ids) => {
+                    let batch = std::mem::take(&mut self.decoding);
+                    for (mut seq, token) in batch.into_iter().zip(ids) {
+                        match self.accept(&mut seq, token, None) {
+                            Some(finish) => self.finish(seq, finish),
+                            None => self.decoding.push(seq),
+                        }
+                    }
+                }
+                Err(e) => self.fail_decoding(e),
+            }
+            return;
+        }
         let mut sessions: Vec<&mut Session<B>> = self.decoding.iter_mut().map(|s| &mut s.session).collect();
         let result = self.model.decode_batch(&mut sessions, &tokens);
         let mut logits = match result {
             Ok(logits) => logits,
-            Err(e) => {
-                let lost: Vec<Seq<B>> = self.decoding.drain(..).collect();
-                for mut seq in lost {
-                    seq.send(Event::Error(ApiError::internal(format!("decode failed: {e}"))));
-                    self.release(&seq);
-                }
-                return;
-            }
+            Err(e) => return self.fail_decoding(e),
         };
         let vocab = self.model.config.vocab_size;
         let batch = std::mem::take(&mut self.decoding);
@@ -444,6 +462,15 @@ impl<B: Backend> Engine<B> {
                 Some(finish) => self.finish(seq, finish),
                 None => self.decoding.push(seq),
             }
+        }
+    }
+
+    /// A failed decode step: every decoding sequence gets the error and its memory back.
+    fn fail_decoding(&mut self, e: strix::Error) {
+        let lost: Vec<Seq<B>> = self.decoding.drain(..).collect();
+        for mut seq in lost {
+            seq.send(Event::Error(ApiError::internal(format!("decode failed: {e}"))));
+            self.release(&seq);
         }
     }
 
@@ -458,6 +485,13 @@ impl<B: Backend> Engine<B> {
             }
             None => (job.sampler.sample(logits, &job.prompt, &seq.generated), None),
         };
+        self.accept(seq, token, logprobs)
+    }
+
+    /// Takes `token` as the sequence's next and streams its text; returns why the sequence
+    /// ends, if it does.
+    fn accept(&self, seq: &mut Seq<B>, token: u32, logprobs: Option<TokenLogprobs>) -> Option<FinishReason> {
+        let job = &seq.job;
         let now = Instant::now();
         match seq.last_token {
             None => self.metrics.ttft.observe(now - job.submitted),

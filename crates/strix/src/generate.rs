@@ -108,8 +108,10 @@ pub fn generate<B: Backend>(
     let mut logits = model.forward(session, prompt, Logits::Last)?;
     timings.prefill_seconds = start.elapsed().as_secs_f64();
 
-    // Plain greedy decoding needs no logits on the host: the device picks the token.
-    let on_device = params.sampling.is_greedy() && !params.sampling.penalises();
+    // Greedy decoding, and draws the backend can finish next to the logits (top-k up to its
+    // limit, penalties included), need no logits on the host: only the token comes back.
+    let plain_greedy = params.sampling.is_greedy() && !params.sampling.penalises();
+    let prepared = sampler.can_prepare();
     let mut picked: Option<u32> = None;
     let mut ids = Vec::new();
     let mut text = String::new();
@@ -141,8 +143,11 @@ pub fn generate<B: Backend>(
         if session.remaining() == 0 {
             break FinishReason::Context;
         }
-        if on_device {
+        if plain_greedy {
             picked = Some(model.decode_batch_greedy(&mut [&mut *session], &[token])?[0]);
+        } else if prepared {
+            let row = sampler.prepare(&history, &ids).expect("can_prepare was checked");
+            picked = Some(model.decode_batch_prepared(&mut [&mut *session], &[token], &[row])?[0]);
         } else {
             logits = model.forward(session, &[token], Logits::Last)?;
         }

@@ -10,6 +10,7 @@ use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+use crate::sampling::PreparedSample;
 use crate::session::{LayerState, Session};
 use crate::tensor::HostTensor;
 
@@ -359,6 +360,29 @@ impl<B: Backend> Model<B> {
         let vocab = self.config.vocab_size;
         let mut ids = Vec::new();
         self.decode_step(sessions, tokens, &mut |b, out| ids = b.argmax_rows(out, tokens.len(), vocab))?;
+        Ok(ids)
+    }
+
+    /// [`Model::decode_batch`] that finishes each row's prepared draw next to the logits
+    /// ([`Backend::sample_rows`]): row `i`'s token is what `sampling::sample_prepared` picks
+    /// from its logits with `rows[i]`, and only the ids leave the device.
+    pub fn decode_batch_prepared(
+        &self,
+        sessions: &mut [&mut Session<B>],
+        tokens: &[u32],
+        rows: &[PreparedSample],
+    ) -> Result<Vec<u32>> {
+        if rows.len() != tokens.len() {
+            return Err(Error::input(format!(
+                "a decode batch of {} tokens needs as many prepared draws, not {}",
+                tokens.len(),
+                rows.len()
+            )));
+        }
+        let vocab = self.config.vocab_size;
+        let picks: Vec<(usize, &PreparedSample)> = rows.iter().enumerate().collect();
+        let mut ids = Vec::new();
+        self.decode_step(sessions, tokens, &mut |b, out| ids = b.sample_rows(out, vocab, &picks))?;
         Ok(ids)
     }
 

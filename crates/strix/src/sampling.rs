@@ -22,6 +22,17 @@
 //! selection algorithms happen to shuffle), so the token is a function of the logits and the
 //! seed alone.
 //!
+//! # Sampling next to the logits
+//!
+//! A backend that holds the logits on a device can finish the draw there, so that only the
+//! token id crosses to the host ([`crate::backend::Backend::sample_rows`]). The host does the
+//! bookkeeping: [`Sampler::prepare`] turns the history into a list of penalised tokens and
+//! takes the step's random number, giving a [`PreparedSample`]; [`sample_prepared`] is the
+//! rest of [`Sampler::sample`] on it, and picks the same token as `sample` would from the same
+//! logits and state. Rows qualify when they are greedy (penalties or not) or use top-k of at
+//! most [`PREPARED_TOP_K_MAX`] ([`Sampler::can_prepare`]): then the candidates are the top-k,
+//! in sorted order, and a device finishes them in one block.
+//!
 //! # Reproducibility
 //!
 //! The random stream is xoshiro256** seeded through SplitMix64, both written out here, so a
@@ -238,6 +249,45 @@ impl Sampler {
         (token, TokenLogprobs { token, logprob, top })
     }
 
+    /// Whether [`Sampler::prepare`] takes this sampler's parameters: greedy decoding (with
+    /// or without penalties), or top-k between 2 and [`PREPARED_TOP_K_MAX`].
+    pub fn can_prepare(&self) -> bool {
+        self.params.is_greedy() || (2..=PREPARED_TOP_K_MAX).contains(&self.params.top_k)
+    }
+
+    /// The next token's draw, prepared for [`sample_prepared`] (or a backend's
+    /// [`crate::backend::Backend::sample_rows`]): the penalties of the history (as `sample`
+    /// would apply them) and, unless greedy, the random number `sample` would take. `None`
+    /// when [`Sampler::can_prepare`] is false; then nothing is consumed.
+    ///
+    /// One difference from `sample`: a row whose logits are all −∞ or NaN gives token 0 in
+    /// both, but here the random number was already taken.
+    pub fn prepare(&mut self, prompt: &[u32], generated: &[u32]) -> Option<PreparedSample> {
+        if !self.can_prepare() {
+            return None;
+        }
+        let p = &self.params;
+        let mut penalties = Vec::new();
+        if p.penalises() {
+            let mut at = std::collections::HashMap::new();
+            let repeated = if p.repetition_penalty != 1.0 { PENALTY_REPEATED } else { 0 };
+            for &t in prompt.iter().chain(generated) {
+                at.entry(t).or_insert_with(|| {
+                    penalties.push((t, repeated));
+                    penalties.len() - 1
+                });
+            }
+            if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+                for t in generated {
+                    penalties[at[t]].1 += 1;
+                }
+            }
+            penalties.retain(|&(_, flags)| flags != 0);
+        }
+        let uniform = (!p.is_greedy()).then(|| self.rng.next_f64());
+        Some(PreparedSample { params: self.params.clone(), uniform, penalties })
+    }
+
     fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
         if !self.params.penalises() || logits.is_empty() {
             return;
@@ -289,67 +339,131 @@ impl Sampler {
     /// defined by the logits alone, never by how std's selection happens to shuffle, so the
     /// draw walks them in an order that cannot change between Rust releases.
     fn truncate(&mut self, logits: &[f32]) {
-        let p = &self.params;
-        let cands = &mut self.candidates;
-        let mut sorted = false;
-        if p.top_k > 0 && p.top_k < logits.len() {
-            best_n(logits, p.top_k, cands);
-            sorted = true;
-            while cands.last().is_some_and(|c| c.1 == f32::NEG_INFINITY) {
-                cands.pop();
-            }
-        } else {
-            cands.clear();
-            cands.extend(
-                logits
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, &l)| l > f32::NEG_INFINITY)
-                    .map(|(i, &l)| (i as u32, l)),
-            );
-        }
-        if p.top_p < 1.0 {
-            if sorted || cands.len() <= SORT_BELOW {
-                if !sorted {
-                    cands.sort_unstable_by(by_value_desc);
-                }
-                let total: f64 = cands.iter().map(|c| f64::from(c.1.exp())).sum();
-                let target = f64::from(p.top_p) * total;
-                let mut cumulative = 0.0f64;
-                if let Some(last) = cands.iter().position(|c| {
-                    cumulative += f64::from(c.1.exp());
-                    cumulative >= target
-                }) {
-                    cands.truncate(last + 1);
-                }
-            } else if let Some(cutoff) = nucleus_cutoff(cands, p.top_p, &mut self.scratch) {
-                cands.retain(|c| by_value_desc(c, &cutoff) != Ordering::Greater);
-            }
-        }
-        if p.min_p > 0.0 {
-            // The best logit is 0, so "probability ≥ min_p × the best one's" is this.
-            let threshold = p.min_p.ln();
-            cands.retain(|c| c.1 >= threshold);
-        }
-        for c in cands.iter_mut() {
-            c.1 = c.1.exp();
-        }
+        truncate(&self.params, logits, &mut self.candidates, &mut self.scratch);
     }
 
     fn draw(&mut self) -> u32 {
-        let cands = &self.candidates;
-        let total: f64 = cands.iter().map(|c| f64::from(c.1)).sum();
-        let target = self.rng.next_f64() * total;
-        let mut cumulative = 0.0f64;
-        for &(id, w) in cands {
-            cumulative += f64::from(w);
-            if target < cumulative {
-                return id;
-            }
-        }
-        // Rounding can leave the target at the very top; the last token with any weight owns it.
-        cands.iter().rev().find(|c| c.1 > 0.0).or(cands.first()).map_or(0, |c| c.0)
+        draw(&self.candidates, self.rng.next_f64())
     }
+}
+
+/// [`Sampler`]'s top-k, top-p and min-p: leaves in `cands` the tokens that survive, as `(id,
+/// weight)` with weights proportional to their probabilities (the best one's is 1). `logits`
+/// must have gone through [`normalise`] and returned true.
+///
+/// The candidates end up either in id order or sorted by [`by_value_desc`]; both are defined
+/// by the logits alone, never by how std's selection happens to shuffle, so the draw walks them
+/// in an order that cannot change between Rust releases.
+fn truncate(p: &SamplingParams, logits: &[f32], cands: &mut Vec<(u32, f32)>, scratch: &mut Scratch) {
+    let mut sorted = false;
+    if p.top_k > 0 && p.top_k < logits.len() {
+        best_n(logits, p.top_k, cands);
+        sorted = true;
+        while cands.last().is_some_and(|c| c.1 == f32::NEG_INFINITY) {
+            cands.pop();
+        }
+    } else {
+        cands.clear();
+        cands.extend(
+            logits.iter().enumerate().filter(|(_, &l)| l > f32::NEG_INFINITY).map(|(i, &l)| (i as u32, l)),
+        );
+    }
+    if p.top_p < 1.0 {
+        if sorted || cands.len() <= SORT_BELOW {
+            if !sorted {
+                cands.sort_unstable_by(by_value_desc);
+            }
+            let total: f64 = cands.iter().map(|c| f64::from(c.1.exp())).sum();
+            let target = f64::from(p.top_p) * total;
+            let mut cumulative = 0.0f64;
+            if let Some(last) = cands.iter().position(|c| {
+                cumulative += f64::from(c.1.exp());
+                cumulative >= target
+            }) {
+                cands.truncate(last + 1);
+            }
+        } else if let Some(cutoff) = nucleus_cutoff(cands, p.top_p, scratch) {
+            cands.retain(|c| by_value_desc(c, &cutoff) != Ordering::Greater);
+        }
+    }
+    if p.min_p > 0.0 {
+        // The best logit is 0, so "probability ≥ min_p × the best one's" is this.
+        let threshold = p.min_p.ln();
+        cands.retain(|c| c.1 >= threshold);
+    }
+    for c in cands.iter_mut() {
+        c.1 = c.1.exp();
+    }
+}
+
+/// The token a uniform `u` in [0, 1) picks from weighted candidates, walking them in order.
+fn draw(cands: &[(u32, f32)], u: f64) -> u32 {
+    let total: f64 = cands.iter().map(|c| f64::from(c.1)).sum();
+    let target = u * total;
+    let mut cumulative = 0.0f64;
+    for &(id, w) in cands {
+        cumulative += f64::from(w);
+        if target < cumulative {
+            return id;
+        }
+    }
+    // Rounding can leave the target at the very top; the last token with any weight owns it.
+    cands.iter().rev().find(|c| c.1 > 0.0).or(cands.first()).map_or(0, |c| c.0)
+}
+
+/// The largest top-k a [`PreparedSample`] may carry: a device finishes the candidates in one
+/// block of threads.
+pub const PREPARED_TOP_K_MAX: usize = 1024;
+
+/// In [`PreparedSample::penalties`]: the token is in the history and the repetition penalty
+/// applies to it. The low bits hold its count in the generated text.
+pub const PENALTY_REPEATED: u32 = 1 << 31;
+
+/// One token's draw, prepared on the host by [`Sampler::prepare`] and finished next to the
+/// logits by [`sample_prepared`] or a backend's [`crate::backend::Backend::sample_rows`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreparedSample {
+    pub params: SamplingParams,
+    /// The draw's uniform in [0, 1); `None` for greedy decoding.
+    pub uniform: Option<f64>,
+    /// Each penalised token once: `(id, flags)`, flags [`PENALTY_REPEATED`] or'ed with the
+    /// token's count in the generated text (for the presence and frequency penalties).
+    pub penalties: Vec<(u32, u32)>,
+}
+
+/// One penalised logit: the repetition penalty (flag), then presence and frequency (count), as
+/// [`Sampler::sample`] applies them. Kept to separate roundings (no fused multiply-add), which
+/// the CUDA kernel mirrors.
+pub fn penalise(l: f32, flags: u32, p: &SamplingParams) -> f32 {
+    let mut l = l;
+    if flags & PENALTY_REPEATED != 0 {
+        let rp = p.repetition_penalty;
+        l = if l > 0.0 { l / rp } else { l * rp };
+    }
+    let count = flags & !PENALTY_REPEATED;
+    if count > 0 {
+        l -= p.frequency_penalty * count as f32 + p.presence_penalty;
+    }
+    l
+}
+
+/// The token [`Sampler::sample`] picks, from a row prepared by [`Sampler::prepare`] (the
+/// backends' host fallback, and the reference for their own kernels). `logits` is modified in
+/// place; penalties naming ids outside it are ignored.
+pub fn sample_prepared(logits: &mut [f32], prepared: &PreparedSample) -> u32 {
+    let p = &prepared.params;
+    for &(t, flags) in &prepared.penalties {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = penalise(*l, flags, p);
+        }
+    }
+    let Some(u) = prepared.uniform else { return argmax(logits) };
+    if !normalise(logits, p.temperature) {
+        return 0;
+    }
+    let (mut cands, mut scratch) = (Vec::new(), Scratch::default());
+    truncate(p, logits, &mut cands, &mut scratch);
+    draw(&cands, u)
 }
 
 impl std::fmt::Debug for Sampler {
@@ -642,6 +756,56 @@ mod tests {
         let mut ids: Vec<u32> = s.candidates.iter().map(|c| c.0).collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// `prepare` + `sample_prepared` picks what `sample` picks from the same logits, history
+    /// and seed, step after step (so the random streams stay aligned), over greedy rows with
+    /// penalties and top-k rows with every filter and penalty, on logits with ties, NaN and
+    /// infinities.
+    #[test]
+    fn prepared_rows_pick_what_sample_picks() {
+        let mut rng = Xoshiro256StarStar::from_seed(99);
+        let mut uniform = move || rng.next_f64() as f32;
+        let vocab = 3000;
+        for case in 0..120u64 {
+            let params = SamplingParams {
+                temperature: if case % 5 == 0 { 0.0 } else { 0.2 + 1.5 * uniform() },
+                top_k: [2, 7, 20, 40, 1000, 1024][case as usize % 6],
+                top_p: if case % 3 == 0 { 1.0 } else { 0.5 + 0.5 * uniform() },
+                min_p: if case % 4 == 0 { 0.05 * uniform() } else { 0.0 },
+                repetition_penalty: if case % 2 == 0 { 1.0 + uniform() } else { 1.0 },
+                presence_penalty: if case % 7 < 3 { uniform() - 0.5 } else { 0.0 },
+                frequency_penalty: if case % 6 < 2 { uniform() } else { 0.0 },
+                seed: Some(case),
+            };
+            let (mut host, mut prep) = (sampler(params.clone()), sampler(params.clone()));
+            assert!(prep.can_prepare(), "{params:?}");
+            let prompt: Vec<u32> = (0..50).map(|_| (uniform() * (vocab + 10) as f32) as u32).collect();
+            let mut generated = Vec::new();
+            for step in 0..8 {
+                let mut logits: Vec<f32> = (0..vocab).map(|_| (uniform() * 8.0).round() / 2.0).collect();
+                if case % 11 == 0 {
+                    logits[5] = f32::NAN;
+                    logits[17] = f32::NEG_INFINITY;
+                }
+                if case % 23 == 0 && step == 3 {
+                    logits[40] = f32::INFINITY;
+                }
+                let want = host.sample(&mut logits.clone(), &prompt, &generated);
+                let row = prep.prepare(&prompt, &generated).unwrap();
+                assert_eq!(row.uniform.is_none(), params.is_greedy());
+                let got = sample_prepared(&mut logits.clone(), &row);
+                assert_eq!(got, want, "case {case} step {step}: {params:?}");
+                generated.push(want);
+            }
+        }
+        // Past the limit (or no top-k and not greedy) nothing is prepared or consumed.
+        for top_k in [0, PREPARED_TOP_K_MAX + 1] {
+            let mut s = sampler(SamplingParams { top_k, ..seeded(1.0, 3) });
+            assert!(!s.can_prepare() && s.prepare(&[], &[]).is_none());
+            let mut fresh = sampler(SamplingParams { top_k, ..seeded(1.0, 3) });
+            assert_eq!(s.rng.next_u64(), fresh.rng.next_u64());
+        }
     }
 
     #[test]

@@ -1194,3 +1194,80 @@ fn fused_deltanet_decode_matches_cpu_and_is_batch_invariant() {
     }
     assert!(g.path_counts().gdn_decode_fused > 0, "{}", g.path_counts());
 }
+
+/// Prepared draws finished on the device (`sample_rows`) pick what the host's
+/// `sample_prepared` picks from the same logits, for many rows in one launch: greedy rows with
+/// penalties, top-k from 2 to 1024 with temperature, top-p, min-p and every penalty, logits with
+/// ties, NaN and infinities, over a small and the real 248,320-token vocabulary. Rows the kernel
+/// does not take (no top-k) are drawn on the host; both paths are counted.
+#[test]
+fn prepared_draws_on_the_device_match_the_host() {
+    use strix::sampling::{sample_prepared, Sampler, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(13);
+    for vocab in [1000usize, 248_320] {
+        let rows = if vocab > 10_000 { 24 } else { 200 };
+        let mut logits = Vec::with_capacity(rows * vocab);
+        let mut prepared = Vec::new();
+        for r in 0..rows {
+            let u = |rng: &mut Rng| rng.vec(1, 1.0)[0].abs().min(1.0);
+            let mut row: Vec<f32> = if r % 3 == 0 {
+                // Ties: few distinct values.
+                rng.vec(vocab, 4.0).iter().map(|v| v.round()).collect()
+            } else {
+                rng.vec(vocab, 6.0)
+            };
+            if r % 7 == 0 {
+                row[3] = f32::NAN;
+                row[vocab - 1] = f32::NEG_INFINITY;
+            }
+            if r % 29 == 5 {
+                row[vocab / 2] = f32::INFINITY;
+            }
+            logits.extend_from_slice(&row);
+            let params = SamplingParams {
+                temperature: if r % 5 == 0 { 0.0 } else { 0.3 + u(&mut rng) },
+                top_k: if r % 17 == 16 { 0 } else { [2, 5, 20, 40, 333, 1024][r % 6] },
+                top_p: if r % 2 == 0 { 1.0 } else { 0.5 + 0.5 * u(&mut rng) },
+                min_p: if r % 4 == 1 { 0.1 * u(&mut rng) } else { 0.0 },
+                repetition_penalty: if r % 3 == 1 { 1.5 } else { 1.0 },
+                presence_penalty: if r % 4 == 2 { 0.7 } else { 0.0 },
+                frequency_penalty: if r % 5 == 3 { 0.4 } else { 0.0 },
+                seed: Some(r as u64),
+            };
+            let mut s = Sampler::new(params).unwrap();
+            let history: Vec<u32> = (0..40).map(|i| ((i * 7919 + r * 31) % (vocab + 5)) as u32).collect();
+            let (prompt, generated) = history.split_at(25);
+            // Rows without top-k cannot be prepared; give them a prepared greedy-free copy by
+            // preparing with a top-k, then dropping it, so the host fallback is exercised.
+            let row = match s.prepare(prompt, generated) {
+                Some(row) => row,
+                None => {
+                    let mut p = s.params().clone();
+                    p.top_k = 50;
+                    let mut row = Sampler::new(p).unwrap().prepare(prompt, generated).unwrap();
+                    row.params.top_k = 0;
+                    row
+                }
+            };
+            prepared.push(row);
+        }
+        let mut want = Vec::new();
+        for (r, p) in prepared.iter().enumerate() {
+            want.push(sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), p));
+        }
+        let picks: Vec<(usize, &strix::sampling::PreparedSample)> = prepared.iter().enumerate().collect();
+        let before = g.path_counts();
+        let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
+        let after = g.path_counts();
+        let host_rows = prepared.iter().filter(|p| p.uniform.is_some() && p.params.top_k == 0).count() as u64;
+        assert_eq!(after.sample_host - before.sample_host, host_rows, "{after}");
+        assert_eq!(after.sample_device - before.sample_device, rows as u64 - host_rows, "{after}");
+        let wrong: Vec<usize> = (0..rows).filter(|&r| got[r] != want[r]).collect();
+        println!("vocab {vocab}: {rows} rows, {} differ from the host", wrong.len());
+        for &r in &wrong {
+            println!("  row {r}: device {} host {} ({:?})", got[r], want[r], prepared[r].params);
+        }
+        assert!(wrong.is_empty(), "vocab {vocab}: device draws differ from the host's");
+    }
+}

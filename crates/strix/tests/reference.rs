@@ -133,3 +133,69 @@ fn decode_batch_rows_equal_decoding_alone() {
         }
     }
 }
+
+/// Prepared draws (`Model::decode_batch_prepared`, the backend finishing each row's sampling
+/// next to its logits) pick what the host sampler picks from `decode_batch`'s logits, step
+/// after step, for rows with different sampling settings in one batch; a mismatched number of
+/// draws is an error.
+#[test]
+fn prepared_draws_equal_host_sampling() {
+    use strix::sampling::{Sampler, SamplingParams};
+    let dir = &fixtures()[0];
+    let model = Model::load(dir, CpuBackend::new(), None).unwrap();
+    let vocab = model.config.vocab_size;
+    let settings = [
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 0.9,
+            seed: Some(1),
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 1.3,
+            seed: Some(2),
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 40,
+            min_p: 0.02,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.3,
+            seed: Some(3),
+            ..SamplingParams::default()
+        },
+    ];
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 13 + 5) % 300).collect();
+    let mut host_sessions: Vec<_> = settings.iter().map(|_| model.new_session(64)).collect();
+    let mut prep_sessions: Vec<_> = settings.iter().map(|_| model.new_session(64)).collect();
+    let mut host_samplers: Vec<_> = settings.iter().map(|p| Sampler::new(p.clone()).unwrap()).collect();
+    let mut prep_samplers: Vec<_> = settings.iter().map(|p| Sampler::new(p.clone()).unwrap()).collect();
+    let mut generated: Vec<Vec<u32>> = vec![Vec::new(); settings.len()];
+    for i in 0..settings.len() {
+        let logits = model.forward(&mut host_sessions[i], &prompt, Logits::Last).unwrap();
+        model.forward(&mut prep_sessions[i], &prompt, Logits::Last).unwrap();
+        let first = host_samplers[i].sample(&mut logits.clone(), &prompt, &[]);
+        assert_eq!(prep_samplers[i].sample(&mut logits.clone(), &prompt, &[]), first);
+        generated[i].push(first);
+    }
+    for step in 0..8 {
+        let tokens: Vec<u32> = generated.iter().map(|g| *g.last().unwrap()).collect();
+        let rows: Vec<_> =
+            prep_samplers.iter_mut().zip(&generated).map(|(s, g)| s.prepare(&prompt, g).unwrap()).collect();
+        let picked = model
+            .decode_batch_prepared(&mut prep_sessions.iter_mut().collect::<Vec<_>>(), &tokens, &rows)
+            .unwrap();
+        let logits = model.decode_batch(&mut host_sessions.iter_mut().collect::<Vec<_>>(), &tokens).unwrap();
+        for i in 0..settings.len() {
+            let mut row = logits[i * vocab..(i + 1) * vocab].to_vec();
+            let want = host_samplers[i].sample(&mut row, &prompt, &generated[i]);
+            assert_eq!(picked[i], want, "step {step} row {i}");
+            generated[i].push(want);
+        }
+    }
+    let mut s = model.new_session(8);
+    assert!(model.decode_batch_prepared(&mut [&mut s], &[1], &[]).is_err());
+}

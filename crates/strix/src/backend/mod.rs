@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::error::Result;
+use crate::sampling::PreparedSample;
 use crate::tensor::HostTensor;
 
 /// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
@@ -160,6 +161,19 @@ pub trait Backend: Send + Sync {
     // --- dense ops ----------------------------------------------------------------------------
 
     /// `out[t] = table[ids[t]]` widened to f32; `out` is `[ids.len(), dim]`.
+    /// Finishes prepared draws next to the logits (`[_, vocab]`): pick `i` names a row and how
+    /// to draw its token, [`crate::sampling::sample_prepared`]'s result; only the ids come
+    /// back. The rows' logits may be modified. The default downloads each row and draws on the
+    /// host.
+    fn sample_rows(&self, logits: &Self::Buf, vocab: usize, picks: &[(usize, &PreparedSample)]) -> Vec<u32> {
+        picks
+            .iter()
+            .map(|&(row, p)| {
+                crate::sampling::sample_prepared(&mut self.download(logits, row * vocab, vocab), p)
+            })
+            .collect()
+    }
+
     fn embed(&self, table: &Self::Weight, ids: &[u32], dim: usize, out: &mut Self::Buf);
     /// `out = x · Wᵀ` for `x: [tokens, cols]`, `W: [rows, cols]`, `out: [tokens, rows]`.
     fn matmul(&self, x: &Self::Buf, tokens: usize, w: &Self::Weight, out: &mut Self::Buf);

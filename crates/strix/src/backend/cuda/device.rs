@@ -343,7 +343,7 @@ impl Device {
     /// floats. While capturing, the data is copied at once and synchronously rather than
     /// recorded (the stream was drained before the capture began, and the recording keeps the
     /// buffer), so a recorded step holds kernels only.
-    fn upload_words<T: Copy>(&self, data: &[T]) -> Result<(CudaBuf, u64)> {
+    pub fn upload_words<T: Copy>(&self, data: &[T]) -> Result<(CudaBuf, u64)> {
         let bytes = std::mem::size_of_val(data);
         let buf = self.alloc(bytes.div_ceil(4))?;
         let ptr = buf.ptr;

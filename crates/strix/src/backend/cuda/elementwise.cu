@@ -143,3 +143,260 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* x, u
         if (lane == 0) idx[blockIdx.x] = bv > NEG_INF ? (u32)bi : 0u;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prepared draws finished next to the logits: sampling.rs's sample_prepared, step for step.
+// One block of SAMPLE_THREADS threads per row:
+//  1. penalties, each listed token once (separate roundings: no FMA, as on the host);
+//  2. greedy rows: the argmax (NaN as -inf, ties to the lowest id, 0 when nothing beats -inf);
+//  3. normalise (l - max) / temperature, computed on the fly from the penalised logits;
+//  4. top-k: a radix select (4 passes of 8 bits) finds the k-th best key, then the better
+//     tokens are gathered and the tied ones taken in id order, and the k are bitonic-sorted by
+//     (value descending, id ascending), the host's order;
+//  5. trailing -inf dropped, top-p over the sorted candidates (f64 running sum), min-p, and the
+//     draw walking them in that order (f64 sums of f32 exp weights).
+// Host and device may differ in the last bit of exp: a uniform within that of a boundary
+// between two tokens is the only way they can disagree.
+#define SAMPLE_THREADS 1024
+#define SAMPLE_MAX_K 1024
+#define PENALTY_REPEATED 0x80000000u
+
+struct SampleRow {
+    double uniform;  // < 0: greedy
+    i64 row;         // the logits row
+    i64 pen_at;      // first (token, flags) pair of this row in `penalties`
+    int pen_count;
+    int top_k;
+    float temperature, top_p, min_p_ln, rep, presence, frequency;
+};
+
+// Larger value, larger key (for non-NaN floats; -0 sorts below +0, which compare equal on the
+// host: normalised logits are never -0 unless a logit equals the max, and then all are 0).
+__device__ __forceinline__ u32 order_key(float v) {
+    const u32 u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32); `scratch` 32 ints.
+__device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        u32 w = lane < nw ? scratch[lane] : 0u;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 n = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += n;
+        }
+        if (lane < nw) scratch[lane] = w;
+    }
+    __syncthreads();
+    return (warp ? scratch[warp - 1] : 0u) + inc - v;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
+    float* logits, int vocab, const SampleRow* rows, const u32* penalties, u32* out) {
+    pdl_enter();
+    __shared__ u32 hist[256];
+    __shared__ u32 ckey[SAMPLE_MAX_K];
+    __shared__ u32 cid[SAMPLE_MAX_K];
+    __shared__ float cval[SAMPLE_MAX_K];
+    __shared__ double cw[SAMPLE_MAX_K];
+    __shared__ u32 scan[32];
+    __shared__ float bv_s[32];
+    __shared__ int bi_s[32];
+    __shared__ u32 s_prefix, s_remaining, s_count;
+    const SampleRow r = rows[blockIdx.x];
+    float* l = logits + r.row * vocab;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    for (int e = tid; e < r.pen_count; e += blockDim.x) {
+        const u32 t = penalties[2 * (r.pen_at + e)], flags = penalties[2 * (r.pen_at + e) + 1];
+        if (t < (u32)vocab) {
+            float v = l[t];
+            if (flags & PENALTY_REPEATED) v = v > 0.f ? __fdiv_rn(v, r.rep) : __fmul_rn(v, r.rep);
+            const u32 count = flags & ~PENALTY_REPEATED;
+            if (count > 0) v = __fsub_rn(v, __fadd_rn(__fmul_rn(r.frequency, (float)count), r.presence));
+            l[t] = v;
+        }
+    }
+    __syncthreads();
+
+    // The argmax, which is also the max that normalising subtracts.
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int c = tid; c < vocab; c += blockDim.x) {
+        const float v = l[c];
+        if (v > bv) {
+            bv = v;
+            bi = c;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if (lane == 0) {
+        bv_s[warp] = bv;
+        bi_s[warp] = bi;
+    }
+    __syncthreads();
+    bv = bv_s[0];
+    bi = bi_s[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+        if (bv_s[w] > bv || (bv_s[w] == bv && bi_s[w] < bi)) {
+            bv = bv_s[w];
+            bi = bi_s[w];
+        }
+    }
+    if (r.uniform < 0.0 || !(bv > NEG_INF)) {
+        if (tid == 0) out[blockIdx.x] = bv > NEG_INF ? (u32)bi : 0u;
+        return;
+    }
+    const float mx = bv;
+    const float temperature = r.temperature;
+    // sampling.rs's normalise, one value at a time.
+    auto norm = [mx, temperature](float v) -> float {
+        if (v != v) return NEG_INF;
+        if (mx == __int_as_float(0x7f800000)) return v == mx ? 0.f : NEG_INF;
+        return __fdiv_rn(__fsub_rn(v, mx), temperature);
+    };
+
+    // Normalised once, in place (the passes below read each value several times).
+    for (int c = tid; c < vocab; c += blockDim.x) l[c] = norm(l[c]);
+    __syncthreads();
+
+    // Top-k: the k-th best key, 8 bits at a time from the top.
+    const int k = r.top_k;
+    u32 prefix = 0, remaining = (u32)k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const u32 high = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+        for (int c = tid; c < vocab; c += blockDim.x) {
+            const u32 key = order_key(l[c]);
+            if ((key & high) == (prefix & high)) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            u32 above = 0;
+            int b = 255;
+            for (; b > 0; b--) {
+                if (above + hist[b] >= remaining) break;
+                above += hist[b];
+            }
+            s_prefix = prefix | ((u32)b << shift);
+            s_remaining = remaining - above;
+            s_count = 0;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        remaining = s_remaining;
+    }
+    // The better ones (any slot order: sorted below), then the tied ones by id.
+    const u32 better = (u32)k - remaining;
+    for (int c = tid; c < vocab; c += blockDim.x) {
+        const u32 key = order_key(l[c]);
+        if (key > prefix) {
+            const u32 slot = atomicAdd(&s_count, 1u);
+            ckey[slot] = key;
+            cid[slot] = (u32)c;
+        }
+    }
+    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    const int c0 = tid * chunk, c1 = imin(vocab, c0 + chunk);
+    u32 ties = 0;
+    for (int c = c0; c < c1; c++) ties += order_key(l[c]) == prefix;
+    u32 at = block_exclusive_scan(ties, scan);
+    for (int c = c0; c < c1 && at < remaining; c++) {
+        if (order_key(l[c]) == prefix) {
+            ckey[better + at] = prefix;
+            cid[better + at] = (u32)c;
+            at++;
+        }
+    }
+    // Bitonic sort of the k candidates, best first; padding sorts last.
+    int n = 1;
+    while (n < k) n <<= 1;
+    for (int i = k + tid; i < n; i += blockDim.x) {
+        ckey[i] = 0u;
+        cid[i] = 0xffffffffu;
+    }
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int i = tid; i < n; i += blockDim.x) {
+                const int j = i ^ stride;
+                if (j > i) {
+                    const bool j_first = ckey[j] > ckey[i] || (ckey[j] == ckey[i] && cid[j] < cid[i]);
+                    const bool ascending = (i & size) == 0;
+                    if (j_first == ascending) {
+                        const u32 tk = ckey[i], ti = cid[i];
+                        ckey[i] = ckey[j];
+                        cid[i] = cid[j];
+                        ckey[j] = tk;
+                        cid[j] = ti;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < k; i += blockDim.x) {
+        cval[i] = l[cid[i]];
+        cw[i] = (double)expf(cval[i]);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int m = 0;  // candidates past top-k's trailing -inf
+        while (m < k && cval[m] > NEG_INF) m++;
+        if (r.top_p < 1.f) {
+            double total = 0.0;
+            for (int i = 0; i < m; i++) total += cw[i];
+            const double target = (double)r.top_p * total;
+            double cum = 0.0;
+            for (int i = 0; i < m; i++) {
+                cum += cw[i];
+                if (cum >= target) {
+                    m = i + 1;
+                    break;
+                }
+            }
+        }
+        int kept = 0;  // min-p: a prefix, since the values are sorted
+        while (kept < m && cval[kept] >= r.min_p_ln) kept++;
+        double total = 0.0;
+        for (int i = 0; i < kept; i++) total += cw[i];
+        const double target = r.uniform * total;
+        double cum = 0.0;
+        int pick = -1;
+        for (int i = 0; i < kept; i++) {
+            cum += cw[i];
+            if (target < cum) {
+                pick = i;
+                break;
+            }
+        }
+        if (pick < 0) {
+            // Rounding left the target at the top: the last token with any weight owns it.
+            for (int i = kept - 1; i >= 0 && pick < 0; i--)
+                if (cw[i] > 0.0) pick = i;
+            if (pick < 0 && kept > 0) pick = 0;
+        }
+        out[blockIdx.x] = pick < 0 ? 0u : cid[pick];
+    }
+}

@@ -1,10 +1,12 @@
 //! Launchers for `elementwise.cu`: the embedding gather, the RMSNorms (plain, fused with the
-//! residual add, gated), the residual add, SwiGLU and the f32 → bf16 conversion feeding cuBLAS.
+//! residual add, gated), the residual add, SwiGLU, the f32 → bf16 conversion feeding cuBLAS,
+//! and picking tokens from logits rows (greedy, and prepared draws: `sampling.rs`).
 
 use cudarc::driver::CudaFunction;
 
 use super::device::{kernel_args, CudaBuf, CudaWeight, Device};
 use crate::error::Result;
+use crate::sampling::PreparedSample;
 
 pub(super) const SOURCE: &str = include_str!("elementwise.cu");
 
@@ -18,7 +20,28 @@ pub(super) struct Kernels {
     f32_to_bf16: CudaFunction,
     f32_to_bf16_split: CudaFunction,
     argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
 }
+
+/// `SampleRow` of `elementwise.cu`: one prepared draw.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SampleRow {
+    uniform: f64,
+    row: i64,
+    pen_at: i64,
+    pen_count: i32,
+    top_k: i32,
+    temperature: f32,
+    top_p: f32,
+    min_p_ln: f32,
+    rep: f32,
+    presence: f32,
+    frequency: f32,
+}
+
+/// `SAMPLE_MAX_K` of the kernel.
+const SAMPLE_MAX_K: usize = 1024;
 
 /// Threads of a block that reduces over one row of `dim`: about four elements each, so a
 /// single row (decode) is not a long serial loop, up to 1024. A function of `dim` alone, so a
@@ -40,6 +63,7 @@ impl Kernels {
             add_inplace: f("add_inplace")?,
             swiglu: f("swiglu")?,
             argmax_rows: f("argmax_rows")?,
+            sample_rows: f("sample_rows")?,
             f32_to_bf16: f("f32_to_bf16_copy")?,
             f32_to_bf16_split: f("f32_to_bf16_split")?,
         })
@@ -169,6 +193,70 @@ impl Kernels {
         );
         let mut out = vec![0u32; rows];
         dev.copy_dtoh(&mut out, idx.ptr()).unwrap_or_else(|e| panic!("{e}"));
+        out
+    }
+
+    /// Whether [`Kernels::sample_rows`] finishes this row on the device: greedy, or a top-k
+    /// the kernel holds that is below the vocabulary (else the host's order differs).
+    pub fn samples_on_device(p: &PreparedSample, vocab: usize) -> bool {
+        let k = p.params.top_k;
+        p.uniform.is_none() || ((2..=SAMPLE_MAX_K).contains(&k) && k < vocab)
+    }
+
+    /// The prepared draws of `picks` (each naming a row of `logits`, `[_, vocab]`), finished in
+    /// one launch: `sampling::sample_prepared` on the device (the rows' logits are modified in
+    /// place). Every pick must pass [`Kernels::samples_on_device`].
+    pub fn sample_rows(
+        &self,
+        dev: &Device,
+        logits: &CudaBuf,
+        vocab: usize,
+        picks: &[(usize, &PreparedSample)],
+    ) -> Vec<u32> {
+        assert!(vocab > 0 && vocab <= i32::MAX as usize, "sample_rows: vocabulary of {vocab}");
+        if picks.is_empty() {
+            return Vec::new();
+        }
+        let mut rows = Vec::with_capacity(picks.len());
+        let mut penalties: Vec<u32> = Vec::new();
+        for &(row, p) in picks {
+            assert!((row + 1) * vocab <= logits.len(), "sample_rows: row {row} outside the logits");
+            assert!(
+                Kernels::samples_on_device(p, vocab),
+                "sample_rows: row {row} cannot be drawn on the device"
+            );
+            let q = &p.params;
+            rows.push(SampleRow {
+                uniform: p.uniform.unwrap_or(-1.0),
+                row: row as i64,
+                pen_at: (penalties.len() / 2) as i64,
+                pen_count: p.penalties.len() as i32,
+                top_k: q.top_k.min(SAMPLE_MAX_K) as i32,
+                temperature: q.temperature,
+                top_p: q.top_p,
+                min_p_ln: if q.min_p > 0.0 { q.min_p.ln() } else { f32::NEG_INFINITY },
+                rep: q.repetition_penalty,
+                presence: q.presence_penalty,
+                frequency: q.frequency_penalty,
+            });
+            penalties.extend(p.penalties.iter().flat_map(|&(t, f)| [t, f]));
+        }
+        if penalties.is_empty() {
+            penalties.push(0);
+        }
+        let (_rows_dev, rows_ptr) = dev.upload_words(&rows).unwrap_or_else(|e| panic!("{e}"));
+        let (_pen_dev, pen_ptr) = dev.upload_u32(&penalties).unwrap_or_else(|e| panic!("{e}"));
+        let ids = dev.alloc(picks.len()).unwrap_or_else(|e| panic!("{e}"));
+        dev.launch(
+            "sample_rows",
+            &self.sample_rows,
+            (picks.len() as u32, 1, 1),
+            (1024, 1, 1),
+            0,
+            kernel_args![logits.ptr(), vocab as i32, rows_ptr, pen_ptr, ids.ptr()],
+        );
+        let mut out = vec![0u32; picks.len()];
+        dev.copy_dtoh(&mut out, ids.ptr()).unwrap_or_else(|e| panic!("{e}"));
         out
     }
 

@@ -38,6 +38,7 @@ use std::sync::Mutex;
 
 use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
+use crate::sampling::PreparedSample;
 use crate::tensor::HostTensor;
 
 pub use device::{device_count, CudaBuf, CudaWeight};
@@ -96,11 +97,15 @@ pub struct PathCounts {
     pub gemm_dequant: u64,
     /// Embedding gathers from a packed table.
     pub embed_quant: u64,
+    /// Prepared draws (sampling) finished on the device.
+    pub sample_device: u64,
+    /// Prepared draws the device kernel does not take (top-k past its limit), on the host.
+    pub sample_host: u64,
 }
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 24] {
+    pub fn named(&self) -> [(&'static str, u64); 26] {
         [
             ("gemv", self.gemv),
             ("gemv_fused", self.gemv_fused),
@@ -126,6 +131,8 @@ impl PathCounts {
             ("gemv_quant_fused", self.gemv_quant_fused),
             ("gemm_dequant", self.gemm_dequant),
             ("embed_quant", self.embed_quant),
+            ("sample_device", self.sample_device),
+            ("sample_host", self.sample_host),
         ]
     }
 }
@@ -137,7 +144,7 @@ impl std::fmt::Display for PathCounts {
             "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} fused decode {} | attention {} (multi-split {}) | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
-             packed gemv {} rows {} fused {} dequant-gemm {} embed {}",
+             packed gemv {} rows {} fused {} dequant-gemm {} embed {} | sampled on device {} host {}",
             self.gemv,
             self.gemv_fused,
             self.gemm_cublas,
@@ -161,7 +168,9 @@ impl std::fmt::Display for PathCounts {
             self.gemv_quant_rows,
             self.gemv_quant_fused,
             self.gemm_dequant,
-            self.embed_quant
+            self.embed_quant,
+            self.sample_device,
+            self.sample_host
         )
     }
 }
@@ -192,6 +201,8 @@ struct Counters {
     gemv_quant_fused: AtomicU64,
     gemm_dequant: AtomicU64,
     embed_quant: AtomicU64,
+    sample_device: AtomicU64,
+    sample_host: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -325,6 +336,8 @@ impl CudaBackend {
             gemv_quant_fused: g(&c.gemv_quant_fused),
             gemm_dequant: g(&c.gemm_dequant),
             embed_quant: g(&c.embed_quant),
+            sample_device: g(&c.sample_device),
+            sample_host: g(&c.sample_host),
         }
     }
 
@@ -354,6 +367,8 @@ impl CudaBackend {
             &c.gemv_quant_fused,
             &c.gemm_dequant,
             &c.embed_quant,
+            &c.sample_device,
+            &c.sample_host,
         ] {
             a.store(0, Ordering::Relaxed);
         }
@@ -528,6 +543,24 @@ impl Backend for CudaBackend {
     fn argmax_rows(&self, x: &CudaBuf, rows: usize, cols: usize) -> Vec<u32> {
         self.dev.bind();
         self.ew.argmax_rows(&self.dev, x, rows, cols)
+    }
+
+    fn sample_rows(&self, logits: &CudaBuf, vocab: usize, picks: &[(usize, &PreparedSample)]) -> Vec<u32> {
+        self.dev.bind();
+        let (device, host): (Vec<usize>, Vec<usize>) =
+            (0..picks.len()).partition(|&i| elementwise::Kernels::samples_on_device(picks[i].1, vocab));
+        let mut ids = vec![0u32; picks.len()];
+        let on_device: Vec<_> = device.iter().map(|&i| picks[i]).collect();
+        for (&i, id) in device.iter().zip(self.ew.sample_rows(&self.dev, logits, vocab, &on_device)) {
+            ids[i] = id;
+            bump(&self.counters.sample_device);
+        }
+        for i in host {
+            let (row, p) = picks[i];
+            ids[i] = crate::sampling::sample_prepared(&mut self.download(logits, row * vocab, vocab), p);
+            bump(&self.counters.sample_host);
+        }
+        ids
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
