@@ -21,7 +21,7 @@
 __device__ __forceinline__ i64 tc_slot(int c, int h, int nv) { return (i64)c * nv + h; }
 
 // grid (chunks, nv), block 256, dynamic shared memory gdn_tc_prep_smem_floats(dk) * 4 bytes.
-extern "C" __global__ void __launch_bounds__(256) gdn_tc_prep(
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_tc_prep(
     const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
     bf16_t* Wg, bf16_t* Qeg, bf16_t* KdTg, bf16_t* Aqkg, float* Ug, float* eLg,
     int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
@@ -44,16 +44,27 @@ extern "C" __global__ void __launch_bounds__(256) gdn_tc_prep(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthr = blockDim.x;
     const i64 slot = tc_slot(c, h, nv);
 
-    for (int p = tid; p < TC_CH * dk; p += nthr) {
-        const int i = p / dk, d = p % dk;
-        float qv = 0.f, kv = 0.f;
-        if (i < L) {
-            const float* row = qkv + (i64)(start + i) * conv_dim;
-            qv = row[kh * dk + d];
-            kv = row[key_dim + kh * dk + d];
+    // Eight loads in flight per thread before the first store.
+    for (int p0 = tid; p0 < TC_CH * dk; p0 += 8 * nthr) {
+        float qv[8], kv[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int p = p0 + u * nthr, i = p / dk, d = p % dk;
+            qv[u] = kv[u] = 0.f;
+            if (p < TC_CH * dk && i < L) {
+                const float* row = qkv + (i64)(start + i) * conv_dim;
+                qv[u] = row[kh * dk + d];
+                kv[u] = row[key_dim + kh * dk + d];
+            }
         }
-        Qn[i * ldt + d] = qv;
-        Kn[i * ld + d] = kv;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int p = p0 + u * nthr, i = p / dk, d = p % dk;
+            if (p < TC_CH * dk) {
+                Qn[i * ldt + d] = qv[u];
+                Kn[i * ld + d] = kv[u];
+            }
+        }
     }
     if (tid < TC_CH) {
         const bool in = tid < L;
@@ -159,15 +170,23 @@ extern "C" __global__ void __launch_bounds__(256) gdn_tc_prep(
         float acc[32];
 #pragma unroll
         for (int r = 0; r < 32; r++) acc[r] = 0.f;
-        for (int j = 0; j < i0 + 32; j++) {
-            float x;
-            if (is_w) {
-                x = bet[j] * eg[j] * Kn[j * ld + col];
-            } else {
-                x = j < L ? bet[j] * qkv[(i64)(start + j) * conv_dim + 2 * key_dim + h * dv + col] : 0.f;
+        // Rows i0.. need columns j < i0 + 32 of T (T is lower triangular), 32 at a time, their
+        // inputs loaded together first.
+        for (int jb = 0; jb <= i0; jb += 32) {
+            float x[32];
+#pragma unroll
+            for (int u = 0; u < 32; u++) {
+                const int j = jb + u;
+                if (is_w) {
+                    x[u] = bet[j] * eg[j] * Kn[j * ld + col];
+                } else {
+                    x[u] = j < L ? bet[j] * qkv[(i64)(start + j) * conv_dim + 2 * key_dim + h * dv + col] : 0.f;
+                }
             }
 #pragma unroll
-            for (int r = 0; r < 32; r++) acc[r] += Tm[(i0 + r) * 65 + j] * x;
+            for (int u = 0; u < 32; u++)
+#pragma unroll
+                for (int r = 0; r < 32; r++) acc[r] += Tm[(i0 + r) * 65 + jb + u] * x[u];
         }
         if (is_w) {
 #pragma unroll
@@ -251,7 +270,11 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_WARPS * 32, 1) gdn_tc_scan(
     }
 
     prefetch(0);
+    float eL_next = eLg[tc_slot(0, h, nv)];
     for (int c = 0; c < nchunks; c++) {
+        // exp(gamma_L) of this chunk, the next one's loaded a chunk ahead.
+        const float eL = eL_next;
+        if (c + 1 < nchunks) eL_next = eLg[tc_slot(c + 1, h, nv)];
         __syncthreads();  // every warp is done with chunk c - 1 (its buffer, Sb, Vb)
         if (c + 1 < nchunks) {
             prefetch(c + 1);
@@ -304,7 +327,6 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_WARPS * 32, 1) gdn_tc_scan(
                     Vb[col * lda + r] = to_bf16(Usm[r * TC_DVB + col] - ws[n][e]);
                 }
         }
-        const float eL = eLg[tc_slot(c, h, nv)];
         __syncthreads();  // v' is complete
         // o = Qe S + Aqk v' for rows 16 warp.. (Aqk is causal: key blocks 0..warp).
         {

@@ -4,6 +4,9 @@
 //! of at least [`MIN_TOKENS`] tokens with a head width it is built for; shorter runs, other
 //! widths and every decode step keep the f32 key-split kernels of `attention.rs`.
 //!
+//! The visible cache rows are first rounded to bf16 (K as stored, V transposed), so the kernel
+//! streams its K/V tiles with 16-byte `cp.async` copies, double-buffered.
+//!
 //! Long contexts are split over the keys ([`SPLIT_KEYS`] per block, merged by a second kernel),
 //! so a prompt that continues a long cache still fills the GPU.
 
@@ -26,19 +29,23 @@ pub(super) const SOURCE: &str = concat!(
 pub const MIN_TOKENS: usize = 16;
 /// `FA_WARPS`, `FA_KT` and `FA_SPLIT_KEYS` of the kernels.
 const WARPS: usize = 4;
-const KEY_TILE: usize = 64;
+const KEY_TILE: usize = 32;
 const SPLIT_KEYS: usize = 512;
+/// The bf16 copies of the caches hold whole 64-row tiles (`kv_cache_to_bf16`).
+const ROW_TILE: usize = 64;
 
 pub(super) struct Kernels {
     /// (head_dim, kernel) for each width the kernel is built for.
     by_dim: Vec<(usize, CudaFunction)>,
     combine: CudaFunction,
+    to_bf16: CudaFunction,
     smem_limit: usize,
 }
 
-/// Shared memory of a block for a head width, bytes (see the layout in the kernel).
+/// Shared memory of a block for a head width, bytes (see the layout in the kernel): the query
+/// rows, then two buffers of a K and a V tile.
 fn smem_bytes(hd: usize) -> usize {
-    2 * (2 * 16 * WARPS * (hd + 8) + hd * (KEY_TILE + 8))
+    2 * (16 * WARPS * (hd + 8) + 2 * KEY_TILE * (hd + 8) + 2 * hd * (KEY_TILE + 8))
 }
 
 /// Heads of one kv group a block covers: the most of 4, 2, 1 that divides the group.
@@ -64,7 +71,12 @@ impl Kernels {
             .map_err(|e| cuda_error(format!("{name} shared memory opt-in: {e}")))?;
             by_dim.push((hd, func));
         }
-        Ok(Kernels { by_dim, combine: f("flash_attention_combine")?, smem_limit: limit })
+        Ok(Kernels {
+            by_dim,
+            combine: f("flash_attention_combine")?,
+            to_bf16: f("kv_cache_to_bf16")?,
+            smem_limit: limit,
+        })
     }
 
     /// Whether [`Kernels::attention`] takes this shape and run length.
@@ -113,15 +125,32 @@ impl Kernels {
         let func = &self.by_dim.iter().find(|(d, _)| *d == hd).expect("checked by supports").1;
         dev.copy_dtod(k_cache.at(pos0 * kv), k.ptr(), tokens * kv * 4);
         dev.copy_dtod(v_cache.at(pos0 * kv), v.ptr(), tokens * kv * 4);
+        // The visible rows in bf16: K as it is, V transposed per kv head.
+        let rows = pos0 + tokens;
+        let rows_pad = rows.next_multiple_of(ROW_TILE);
+        let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));
+        let (kb, vtb) = (alloc(rows_pad * kv / 2), alloc(rows_pad * kv / 2));
+        dev.launch(
+            "kv_cache_to_bf16",
+            &self.to_bf16,
+            ((rows_pad / ROW_TILE) as u32, kv.div_ceil(64) as u32, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![
+                k_cache.ptr(),
+                v_cache.ptr(),
+                kb.ptr(),
+                vtb.ptr(),
+                rows as i32,
+                rows_pad as i32,
+                kv as i32
+            ],
+        );
         let group = nh / nkv;
         let hb = heads_per_block(group);
         let block_tokens = 16 * (WARPS / hb);
         let splits = (pos0 + tokens).div_ceil(SPLIT_KEYS);
-        let partial = if splits > 1 {
-            Some(dev.alloc(tokens * nh * splits * (hd + 2)).unwrap_or_else(|e| panic!("{e}")))
-        } else {
-            None
-        };
+        let partial = if splits > 1 { Some(alloc(tokens * nh * splits * (hd + 2))) } else { None };
         let partial_ptr = partial.as_ref().map_or(0, |p| p.ptr());
         let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
         dev.launch(
@@ -132,8 +161,8 @@ impl Kernels {
             smem_bytes(hd) as u32,
             kernel_args![
                 q.ptr(),
-                k_cache.ptr(),
-                v_cache.ptr(),
+                kb.ptr(),
+                vtb.ptr(),
                 gate.ptr(),
                 out.ptr(),
                 partial_ptr,
@@ -142,6 +171,7 @@ impl Kernels {
                 nkv as i32,
                 pos0 as i32,
                 hb as i32,
+                rows_pad as i32,
                 scale_log2
             ],
         );
