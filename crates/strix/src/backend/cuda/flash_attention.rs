@@ -82,8 +82,7 @@ impl Kernels {
     /// Whether [`Kernels::attention`] takes this shape and run length.
     pub fn supports(&self, shape: &AttentionShape, tokens: usize) -> bool {
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
-        tokens >= MIN_TOKENS
-            && tokens <= 65535
+        (MIN_TOKENS..=65535).contains(&tokens)
             && nkv > 0
             && nh.is_multiple_of(nkv)
             && smem_bytes(hd) <= self.smem_limit
