@@ -6,7 +6,12 @@
 //! - `F32_TOL = 1e-4` for ops computed in f32 on both sides (norms, conv, delta rule, attention,
 //!   the one-token GEMV and the fallback GEMM, whose bf16 weights are exact on both sides);
 //! - `BF16_TOL = 1e-2` where the GPU rounds to bf16 and the reference does not (cuBLAS GEMMs on
-//!   bf16-rounded activations), and for whole models.
+//!   bf16-rounded activations, the tensor-core flash attention), and for whole models;
+//! - `TC_GDN_TOL = 2e-2` for the tensor-core chunked delta rule (bf16 operands, the state in f32,
+//!   the house bound for bf16 paths).
+//!
+//! The f32 prefill kernels are held to `F32_TOL` under `PrefillPath::F32`; the tensor-core ones
+//! (`PrefillPath::Auto`, the default) have tests of their own, which assert that they ran.
 //!
 //! Whole models. The GPU holds every weight matrix in bf16, so an f32 checkpoint is compared with
 //! the CPU backend run on the same bf16-rounded matrices (`Bf16Reference`), which for a bf16
@@ -22,13 +27,14 @@ mod common;
 
 use common::{argmax, cases, fixtures, gpu, rel_err, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
-use strix::backend::cuda::{CudaBackend, GemmPath};
+use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath};
 use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, ValueHeadOrder};
 use strix::model::{Logits, Model};
 use strix::tensor::{Bytes, DType, HostTensor};
 
 const F32_TOL: f32 = 1e-4;
 const BF16_TOL: f32 = 1e-2;
+const TC_GDN_TOL: f32 = 2e-2;
 /// The default GEMM path on whole fixtures against the CPU emulating the same bf16 rounding of
 /// GEMM activations. The two sides round f32 values that differ by f32 rounding, so now and
 /// then an activation next to a rounding boundary lands on different bf16 neighbours (2^-8
@@ -264,6 +270,7 @@ fn causal_conv_matches_cpu_and_carries_state() {
 #[test]
 fn gated_delta_rule_matches_cpu() {
     let Some(g) = gpu() else { return };
+    g.set_prefill_path(PrefillPath::F32);
     let cpu = CpuBackend::new();
     let mut rng = Rng(6);
     let shapes = [
@@ -309,6 +316,7 @@ fn gated_delta_rule_matches_cpu() {
 #[test]
 fn attention_ops_match_cpu() {
     let Some(g) = gpu() else { return };
+    g.set_prefill_path(PrefillPath::F32);
     let cpu = CpuBackend::new();
     let mut rng = Rng(7);
     let shapes =
@@ -383,6 +391,7 @@ fn attention_ops_match_cpu() {
 #[test]
 fn long_context_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
+    g.set_prefill_path(PrefillPath::F32);
     let cpu = CpuBackend::new();
     let mut rng = Rng(11);
     for &(nh, nkv, hd) in &[(16usize, 4usize, 256usize), (4, 2, 32)] {
@@ -426,6 +435,204 @@ fn long_context_attention_matches_cpu() {
     }
 }
 
+/// The tensor-core flash attention of prompts against the CPU: GQA ratios 1, 2, 3, 4 and 6 (4, 2
+/// and 1 heads per block), head widths 32 to 256, runs around the 16-row and 64-key tiles, runs
+/// that continue a cache, and a 4096-token run over a cache that already holds 600 rows (split
+/// over the keys). bf16 operands, f32 accumulation: BF16_TOL.
+#[test]
+fn flash_attention_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(21);
+    type Runs = &'static [(usize, usize)];
+    let cases: [((usize, usize, usize), Runs); 7] = [
+        ((4, 4, 64), &[(0, 16), (16, 63), (79, 65)]),
+        ((4, 2, 128), &[(0, 64), (64, 17), (81, 130)]),
+        ((8, 2, 256), &[(0, 130), (130, 64)]),
+        ((16, 4, 256), &[(0, 100), (100, 600)]),
+        ((6, 1, 32), &[(0, 33), (33, 40)]),
+        ((3, 1, 64), &[(0, 47), (47, 20)]),
+        ((4, 1, 128), &[(0, 600), (600, 4096)]),
+    ];
+    for ((nh, nkv, hd), runs) in cases {
+        let sh = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, rotary_dim: 8, eps: 1e-6 };
+        let (kv, qd) = (sh.kv_dim(), nh * hd);
+        let capacity = runs.iter().map(|&(p, t)| p + t).max().unwrap();
+        let (mut kc, mut vc) = (vec![0.0; capacity * kv], vec![0.0; capacity * kv]);
+        let (mut kg, mut vg) = (g.zeros(capacity * kv), g.zeros(capacity * kv));
+        for &(pos0, tokens) in runs {
+            let (q, k, v, gate) = (
+                rng.vec(tokens * qd, 1.0),
+                rng.vec(tokens * kv, 1.0),
+                rng.vec(tokens * kv, 1.0),
+                rng.vec(tokens * qd, 2.0),
+            );
+            let mut reference = vec![0.0; tokens * qd];
+            cpu.attention(&sh, &q, &k, &v, &gate, &mut kc, &mut vc, pos0, tokens, &mut reference);
+            let mut out = poison(&g, tokens * qd);
+            let before = g.path_counts();
+            g.attention(
+                &sh,
+                &g.upload(&q),
+                &g.upload(&k),
+                &g.upload(&v),
+                &g.upload(&gate),
+                &mut kg,
+                &mut vg,
+                pos0,
+                tokens,
+                &mut out,
+            );
+            let after = g.path_counts();
+            assert_eq!(after.flash_attention, before.flash_attention + 1, "{after}");
+            let split = usize::from(pos0 + tokens > 512) as u64;
+            assert_eq!(after.attention_multi_split, before.attention_multi_split + split, "{after}");
+            let what = format!("flash attention h{nh}/{nkv} d{hd} pos0={pos0} T={tokens}");
+            check(&what, &down(&g, &out), &reference, BF16_TOL);
+            let end = (pos0 + tokens) * kv;
+            check(&format!("{what} k cache"), &g.download(&kg, 0, end), &kc[..end], 0.0);
+            check(&format!("{what} v cache"), &g.download(&vg, 0, end), &vc[..end], 0.0);
+        }
+    }
+    // Runs shorter than a tile and head widths it is not built for keep the f32 kernels.
+    for (hd, tokens) in [(256usize, 15usize), (80, 40)] {
+        let sh = AttentionShape { num_heads: 4, num_kv_heads: 2, head_dim: hd, rotary_dim: 8, eps: 1e-6 };
+        let (kv, qd) = (sh.kv_dim(), 4 * hd);
+        let (q, k, v, gate) = (
+            rng.vec(tokens * qd, 1.0),
+            rng.vec(tokens * kv, 1.0),
+            rng.vec(tokens * kv, 1.0),
+            rng.vec(tokens * qd, 2.0),
+        );
+        let (mut kc, mut vc) = (vec![0.0; tokens * kv], vec![0.0; tokens * kv]);
+        let mut reference = vec![0.0; tokens * qd];
+        cpu.attention(&sh, &q, &k, &v, &gate, &mut kc, &mut vc, 0, tokens, &mut reference);
+        let (mut kg, mut vg) = (g.zeros(tokens * kv), g.zeros(tokens * kv));
+        let mut out = poison(&g, tokens * qd);
+        let before = g.path_counts();
+        g.attention(
+            &sh,
+            &g.upload(&q),
+            &g.upload(&k),
+            &g.upload(&v),
+            &g.upload(&gate),
+            &mut kg,
+            &mut vg,
+            0,
+            tokens,
+            &mut out,
+        );
+        let after = g.path_counts();
+        assert_eq!(after.flash_attention, before.flash_attention, "{after}");
+        assert_eq!(after.prefill_f32, before.prefill_f32 + 1, "{after}");
+        check(&format!("f32 attention d{hd} T={tokens}"), &down(&g, &out), &reference, F32_TOL);
+    }
+}
+
+/// The tensor-core chunked delta rule against the CPU: the 9B and 0.8B head shapes, grouped
+/// value heads (2x, 3x), runs of 2 to 1000 tokens (around the 64-token chunk), each shape twice
+/// in a row so the second run continues the state the first left. TC_GDN_TOL.
+#[test]
+fn tensor_core_delta_rule_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(22);
+    let shapes: [(DeltaNetShape, &[usize]); 5] = [
+        (dn_shape(16, 32, 128, 128, 4), &[2, 63, 64, 65, 130, 1000]),
+        (dn_shape(16, 16, 128, 128, 4), &[200]),
+        (dn_shape(2, 4, 64, 64, 4), &[63, 64, 65, 300]),
+        (dn_shape(1, 3, 32, 32, 4), &[5, 129]),
+        (dn_shape(2, 2, 16, 96, 4), &[70]),
+    ];
+    for (sh, lens) in shapes {
+        let nv = sh.num_v_heads;
+        let a_log = rng.vec(nv, 1.0);
+        let dt_bias = rng.vec(nv, 1.0);
+        let (alg, dtg) = (g.upload(&a_log), g.upload(&dt_bias));
+        for &tokens in lens {
+            let mut sc = rng.vec(sh.state_len(), 0.5);
+            let mut sg = g.upload(&sc);
+            for run in 0..2 {
+                let qkv = rng.vec(tokens * sh.conv_dim(), 1.0);
+                let a = rng.vec(tokens * nv, 2.0);
+                let b = rng.vec(tokens * nv, 2.0);
+                let mut oc = vec![0.0; tokens * sh.value_dim()];
+                cpu.gated_delta_rule(
+                    &sh,
+                    DeltaRuleMode::Chunked,
+                    &qkv,
+                    &a,
+                    &b,
+                    &a_log,
+                    &dt_bias,
+                    tokens,
+                    &mut sc,
+                    &mut oc,
+                );
+                let mut og = poison(&g, tokens * sh.value_dim());
+                let before = g.path_counts().gdn_chunked_tc;
+                g.gated_delta_rule(
+                    &sh,
+                    DeltaRuleMode::Chunked,
+                    &g.upload(&qkv),
+                    &g.upload(&a),
+                    &g.upload(&b),
+                    &alg,
+                    &dtg,
+                    tokens,
+                    &mut sg,
+                    &mut og,
+                );
+                assert_eq!(g.path_counts().gdn_chunked_tc, before + 1, "{}", g.path_counts());
+                let what = format!(
+                    "gdn tensor cores heads {}/{nv} dims {}/{} T={tokens} run {run}",
+                    sh.num_k_heads, sh.k_head_dim, sh.v_head_dim
+                );
+                check(&format!("{what} out"), &down(&g, &og), &oc, TC_GDN_TOL);
+                check(&format!("{what} state"), &down(&g, &sg), &sc, TC_GDN_TOL);
+            }
+        }
+    }
+    // A k head width it is not built for keeps the f32 chunked kernel.
+    let sh = dn_shape(2, 4, 8, 32, 4);
+    let tokens = 70;
+    let (qkv, a, b) =
+        (rng.vec(tokens * sh.conv_dim(), 1.0), rng.vec(tokens * 4, 2.0), rng.vec(tokens * 4, 2.0));
+    let (a_log, dt_bias) = (rng.vec(4, 1.0), rng.vec(4, 1.0));
+    let mut sc = rng.vec(sh.state_len(), 0.5);
+    let mut sg = g.upload(&sc);
+    let mut oc = vec![0.0; tokens * sh.value_dim()];
+    cpu.gated_delta_rule(
+        &sh,
+        DeltaRuleMode::Chunked,
+        &qkv,
+        &a,
+        &b,
+        &a_log,
+        &dt_bias,
+        tokens,
+        &mut sc,
+        &mut oc,
+    );
+    let mut og = poison(&g, tokens * sh.value_dim());
+    let before = g.path_counts();
+    g.gated_delta_rule(
+        &sh,
+        DeltaRuleMode::Chunked,
+        &g.upload(&qkv),
+        &g.upload(&a),
+        &g.upload(&b),
+        &g.upload(&a_log),
+        &g.upload(&dt_bias),
+        tokens,
+        &mut sg,
+        &mut og,
+    );
+    let after = g.path_counts();
+    assert_eq!((after.gdn_chunked_tc, after.prefill_f32), (before.gdn_chunked_tc, before.prefill_f32 + 1));
+    check("gdn f32 fallback dims 8/32 out", &down(&g, &og), &oc, F32_TOL);
+}
+
 #[test]
 fn resize_keeps_the_prefix_and_zeroes_the_rest() {
     let Some(g) = gpu() else { return };
@@ -447,11 +654,12 @@ fn kernels_load_from_the_cache_the_second_time() {
     let Some(first) = gpu() else { return };
     let c = first.path_counts();
     println!("first backend: {c}");
-    assert_eq!(c.modules_compiled + c.modules_cached, 5);
+    // elementwise, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
+    assert_eq!(c.modules_compiled + c.modules_cached, 7);
     let second = CudaBackend::new(0).unwrap();
     let c = second.path_counts();
     println!("second backend: {c}");
-    assert_eq!((c.modules_compiled, c.modules_cached), (0, 5));
+    assert_eq!((c.modules_compiled, c.modules_cached), (0, 7));
 }
 
 // --- whole models ---------------------------------------------------------------------------
@@ -551,6 +759,10 @@ fn fixtures_against(path: GemmPath, round_activations: bool, tol: f32) -> (f32, 
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let gpu = Model::load(&dir, CudaBackend::new(0).unwrap(), None).unwrap();
         gpu.backend().set_gemm_path(path);
+        // The precise path: split GEMMs and the f32 prefill kernels.
+        if path == GemmPath::CublasSplit {
+            gpu.backend().set_prefill_path(PrefillPath::F32);
+        }
         let reference =
             Model::load(&dir, Bf16Reference { cpu: CpuBackend::new(), round_activations }, None).unwrap();
         let vocab = gpu.config.vocab_size;
@@ -630,6 +842,7 @@ fn continuation_equals_one_long_prefill() {
     let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
     let model = Model::load(&dir, g, None).unwrap();
     model.backend().set_gemm_path(GemmPath::CublasSplit);
+    model.backend().set_prefill_path(PrefillPath::F32);
     let case = cases(&dir).into_iter().find(|c| c.len == 130).unwrap();
     let mut all_ids = case.ids.clone();
     all_ids.extend(&case.greedy);
@@ -685,15 +898,27 @@ fn synthetic_model_with_real_head_shapes_matches_cpu() {
         .unwrap();
         let gpu = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
         gpu.backend().set_gemm_path(path);
+        // The default path also runs the prompt's attention and delta rule on the tensor cores
+        // (bf16 operands), which the CPU does not emulate: FAST_PATH_TOL there.
+        let prompt_tol = if path == GemmPath::CublasSplit {
+            gpu.backend().set_prefill_path(PrefillPath::F32);
+            BF16_TOL
+        } else {
+            FAST_PATH_TOL
+        };
         let (mut sc, mut sg) = (cpu.new_session(256), gpu.new_session(256));
         let lc = cpu.forward(&mut sc, &prompt, Logits::All).unwrap();
         let lg = gpu.forward(&mut sg, &prompt, Logits::All).unwrap();
-        check(&format!("synthetic {path:?} prompt logits"), &lg, &lc, BF16_TOL);
+        check(&format!("synthetic {path:?} prompt logits"), &lg, &lc, prompt_tol);
+        if path == GemmPath::Auto {
+            let counts = gpu.backend().path_counts();
+            assert!(counts.flash_attention > 0 && counts.gdn_chunked_tc > 0, "{counts}");
+        }
         let mut next = argmax(&lc[129 * c.vocab_size..]);
         for step in 0..5 {
             let lc = cpu.forward(&mut sc, &[next], Logits::Last).unwrap();
             let lg = gpu.forward(&mut sg, &[next], Logits::Last).unwrap();
-            check(&format!("synthetic {path:?} decode step {step}"), &lg, &lc, BF16_TOL);
+            check(&format!("synthetic {path:?} decode step {step}"), &lg, &lc, prompt_tol);
             next = argmax(&lc);
         }
         println!("synthetic {path:?}: {}", gpu.backend().path_counts());

@@ -187,13 +187,17 @@ mod tests {
             println!("skipped: NVRTC is not installed");
             return;
         }
-        use crate::backend::cuda::{attention, deltanet, elementwise, matmul, quant};
+        use crate::backend::cuda::{
+            attention, deltanet, deltanet_chunked, elementwise, flash_attention, matmul, quant,
+        };
         for (name, src) in [
             ("elementwise", elementwise::SOURCE),
             ("matmul", matmul::SOURCE),
             ("deltanet", deltanet::SOURCE),
             ("attention", attention::SOURCE),
             ("quant", quant::SOURCE),
+            ("flash_attention", flash_attention::SOURCE),
+            ("deltanet_chunked", deltanet_chunked::SOURCE),
         ] {
             let cubin = compile(name, &full_source(name, src), &options("sm_90")).unwrap();
             assert!(cubin.starts_with(b"\x7fELF"), "{name}: not an ELF cubin");

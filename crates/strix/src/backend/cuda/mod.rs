@@ -7,7 +7,10 @@
 //! - `compile.rs` turns the `.cu` sources kept beside their launchers into cubins with NVRTC,
 //!   for the device's architecture, cached on disk;
 //! - `elementwise.rs`, `matmul.rs`, `deltanet.rs` and `attention.rs` launch the kernels of
-//!   their `.cu` files; `quant.rs` the matmuls and embedding gather on packed weights.
+//!   their `.cu` files; `quant.rs` the matmuls and embedding gather on packed weights;
+//! - `flash_attention.rs` and `deltanet_chunked.rs` run prompts (prefill) on the tensor cores:
+//!   causal attention and the chunked delta rule with bf16 operands and f32 accumulation
+//!   ([`PrefillPath`] picks them or the f32 kernels).
 //!
 //! The KV caches are the trait's `f32` buffers; a bf16 cache needs a cache type of its own in
 //! the trait.
@@ -27,8 +30,10 @@
 mod attention;
 mod compile;
 mod deltanet;
+mod deltanet_chunked;
 mod device;
 mod elementwise;
+mod flash_attention;
 mod graph;
 mod matmul;
 mod quant;
@@ -46,6 +51,16 @@ pub use matmul::GemmPath;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 
 use device::{cuda_error, Device};
+
+/// Which kernels run prompts (attention of many tokens, the chunked delta rule).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillPath {
+    /// The tensor-core kernels (bf16 operands, f32 accumulation) wherever they take the shape,
+    /// the f32 kernels elsewhere. The default.
+    Auto = 0,
+    /// Always the f32 kernels.
+    F32 = 1,
+}
 
 /// How many times each kernel path ran since the backend was made (or last reset).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,11 +80,19 @@ pub struct PathCounts {
     /// Causal conv on the time-parallel kernel.
     pub conv_parallel: u64,
     pub gdn_recurrent: u64,
+    /// Chunked delta-rule calls (either kernel).
     pub gdn_chunked: u64,
     /// Decode-batch DeltaNet cores (conv, delta rule, gated norm) in one fused kernel.
     pub gdn_decode_fused: u64,
-    /// Attention calls (key-split kernel and merge).
+    /// Of those, the calls on the tensor-core kernels (`deltanet_chunked.rs`).
+    pub gdn_chunked_tc: u64,
+    /// Attention calls (every kernel).
     pub attention: u64,
+    /// Of those, prompt runs on the tensor-core flash kernel (`flash_attention.rs`).
+    pub flash_attention: u64,
+    /// Prompt runs (attention of at least 2 tokens, chunked delta rule) on the f32 kernels:
+    /// shapes the tensor-core kernels do not take, or [`PrefillPath::F32`].
+    pub prefill_f32: u64,
     /// Attention calls whose longest row was split into more than one key range.
     pub attention_multi_split: u64,
     /// Decode-batch calls (`*_rows` ops: matmul, conv, delta rule, attention).
@@ -105,7 +128,7 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 26] {
+    pub fn named(&self) -> [(&'static str, u64); 29] {
         [
             ("gemv", self.gemv),
             ("gemv_fused", self.gemv_fused),
@@ -117,7 +140,10 @@ impl PathCounts {
             ("gdn_recurrent", self.gdn_recurrent),
             ("gdn_chunked", self.gdn_chunked),
             ("gdn_decode_fused", self.gdn_decode_fused),
+            ("gdn_chunked_tc", self.gdn_chunked_tc),
             ("attention", self.attention),
+            ("flash_attention", self.flash_attention),
+            ("prefill_f32", self.prefill_f32),
             ("attention_multi_split", self.attention_multi_split),
             ("batch_rows", self.batch_rows),
             ("graph_replays", self.graph_replays),
@@ -142,7 +168,8 @@ impl std::fmt::Display for PathCounts {
         write!(
             f,
             "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
-             gdn recurrent {} chunked {} fused decode {} | attention {} (multi-split {}) | batch rows {} | \
+             gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
+             prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
              packed gemv {} rows {} fused {} dequant-gemm {} embed {} | sampled on device {} host {}",
             self.gemv,
@@ -154,9 +181,12 @@ impl std::fmt::Display for PathCounts {
             self.conv_parallel,
             self.gdn_recurrent,
             self.gdn_chunked,
+            self.gdn_chunked_tc,
             self.gdn_decode_fused,
             self.attention,
             self.attention_multi_split,
+            self.flash_attention,
+            self.prefill_f32,
             self.batch_rows,
             self.graph_replays,
             self.graph_captures,
@@ -187,7 +217,10 @@ struct Counters {
     gdn_recurrent: AtomicU64,
     gdn_chunked: AtomicU64,
     gdn_decode_fused: AtomicU64,
+    gdn_chunked_tc: AtomicU64,
     attention: AtomicU64,
+    flash_attention: AtomicU64,
+    prefill_f32: AtomicU64,
     attention_multi_split: AtomicU64,
     batch_rows: AtomicU64,
     graph_replays: AtomicU64,
@@ -217,8 +250,11 @@ pub struct CudaBackend {
     q: quant::Kernels,
     dn: deltanet::Kernels,
     at: attention::Kernels,
+    fa: flash_attention::Kernels,
+    dtc: deltanet_chunked::Kernels,
     blas: Option<matmul::Blas>,
     gemm_path: AtomicU8,
+    prefill_path: AtomicU8,
     counters: Counters,
     graphs: Mutex<graph::Recordings>,
     use_graphs: AtomicBool,
@@ -244,6 +280,9 @@ impl CudaBackend {
         let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
         let q = quant::Kernels::load(&module("quant", quant::SOURCE)?, &dev)?;
+        let fa = flash_attention::Kernels::load(&module("flash_attention", flash_attention::SOURCE)?, &dev)?;
+        let dtc =
+            deltanet_chunked::Kernels::load(&module("deltanet_chunked", deltanet_chunked::SOURCE)?, &dev)?;
         let blas = matmul::Blas::open(&dev)?;
         // STRIX_CUDA_GRAPHS=0 runs every decode step op by op (for profiling and comparison).
         let use_graphs = std::env::var("STRIX_CUDA_GRAPHS").map_or(true, |v| v != "0");
@@ -254,8 +293,11 @@ impl CudaBackend {
             q,
             dn,
             at,
+            fa,
+            dtc,
             blas,
             gemm_path: AtomicU8::new(0),
+            prefill_path: AtomicU8::new(0),
             counters,
             graphs: Mutex::default(),
             use_graphs: AtomicBool::new(use_graphs),
@@ -299,6 +341,16 @@ impl CudaBackend {
         self.gemm_path.store(v, Ordering::Relaxed);
     }
 
+    /// Chooses the kernels for prompt runs of attention and the chunked delta rule (tests
+    /// force the f32 ones to hold them to f32 tolerances).
+    pub fn set_prefill_path(&self, path: PrefillPath) {
+        self.prefill_path.store(path as u8, Ordering::Relaxed);
+    }
+
+    fn tensor_core_prefill(&self) -> bool {
+        self.prefill_path.load(Ordering::Relaxed) == PrefillPath::Auto as u8
+    }
+
     fn gemm_path(&self) -> GemmPath {
         match self.gemm_path.load(Ordering::Relaxed) {
             1 => GemmPath::Cublas,
@@ -322,7 +374,10 @@ impl CudaBackend {
             gdn_recurrent: g(&c.gdn_recurrent),
             gdn_chunked: g(&c.gdn_chunked),
             gdn_decode_fused: g(&c.gdn_decode_fused),
+            gdn_chunked_tc: g(&c.gdn_chunked_tc),
             attention: g(&c.attention),
+            flash_attention: g(&c.flash_attention),
+            prefill_f32: g(&c.prefill_f32),
             attention_multi_split: g(&c.attention_multi_split),
             batch_rows: g(&c.batch_rows),
             graph_replays: g(&c.graph_replays),
@@ -355,7 +410,10 @@ impl CudaBackend {
             &c.gdn_recurrent,
             &c.gdn_chunked,
             &c.gdn_decode_fused,
+            &c.gdn_chunked_tc,
             &c.attention,
+            &c.flash_attention,
+            &c.prefill_f32,
             &c.attention_multi_split,
             &c.batch_rows,
             &c.graph_replays,
@@ -660,11 +718,17 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
+        if mode == DeltaRuleMode::Chunked {
+            bump(&self.counters.gdn_chunked);
+            if self.tensor_core_prefill() && self.dtc.supports(shape, tokens) {
+                self.dtc.gated_delta_rule(&self.dev, shape, qkv, a, b, a_log, dt_bias, tokens, state, out);
+                return bump(&self.counters.gdn_chunked_tc);
+            }
+            bump(&self.counters.prefill_f32);
+        } else {
+            bump(&self.counters.gdn_recurrent);
+        }
         self.dn.gated_delta_rule(&self.dev, shape, mode, qkv, a, b, a_log, dt_bias, tokens, state, out);
-        bump(match mode {
-            DeltaRuleMode::Recurrent => &self.counters.gdn_recurrent,
-            DeltaRuleMode::Chunked => &self.counters.gdn_chunked,
-        });
     }
 
     fn gated_rms_norm(
@@ -710,8 +774,20 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
-        let splits = self.at.attention(&self.dev, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
         bump(&self.counters.attention);
+        if self.tensor_core_prefill() && self.fa.supports(shape, tokens) {
+            let splits =
+                self.fa.attention(&self.dev, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
+            bump(&self.counters.flash_attention);
+            if splits > 1 {
+                bump(&self.counters.attention_multi_split);
+            }
+            return;
+        }
+        if tokens > 1 {
+            bump(&self.counters.prefill_f32);
+        }
+        let splits = self.at.attention(&self.dev, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
         if splits > 1 {
             bump(&self.counters.attention_multi_split);
         }
