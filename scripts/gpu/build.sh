@@ -18,11 +18,13 @@ for l in sys.stdin:
 tests=$(test_binary strix cuda)
 quant_tests=$(test_binary strix cuda_quant)
 cli_tests=$(test_binary strix-cli cli)
-cargo build --release -p strix --example cuda_decode_bench --example cuda_quant_bench
+cargo build --release -p strix --example cuda_decode_bench --example cuda_quant_bench --example cuda_gemv_bench
 cargo build --release -p strix-cli
 cp "$tests" .gpu/cuda-tests
 cp "$quant_tests" .gpu/cuda-quant-tests
 cp "$cli_tests" .gpu/cli-tests
-cp target/release/examples/cuda_decode_bench target/release/examples/cuda_quant_bench target/release/strix .gpu/
-strip .gpu/cuda-tests .gpu/cuda-quant-tests .gpu/cli-tests .gpu/cuda_decode_bench .gpu/cuda_quant_bench .gpu/strix
+cp target/release/examples/cuda_decode_bench target/release/examples/cuda_quant_bench \
+  target/release/examples/cuda_gemv_bench target/release/strix .gpu/
+strip .gpu/cuda-tests .gpu/cuda-quant-tests .gpu/cli-tests .gpu/cuda_decode_bench .gpu/cuda_quant_bench \
+  .gpu/cuda_gemv_bench .gpu/strix
 du -sh .gpu

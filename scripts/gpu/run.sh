@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU suite from prebuilt binaries (scripts/gpu/build.sh), on a CUDA 13 machine:
 # the CUDA tests (every kernel against the CPU backend, the transformers fixtures), the decode
-# benchmark, the `strix` CLI on the GPU (`--device cuda` against the goldens of the bf16
-# fixtures), and `strix bench --device cuda` on the 0.8B and 9B shapes (JSON in
-# LOGDIR/bench-0.8b.json, bench-9b.json; tables in the .log beside them).
+# benchmark, the bf16 GEMV benchmark (tensor-core vs CUDA-core kernels), the `strix` CLI on
+# the GPU (`--device cuda` against the goldens of the bf16 fixtures), and `strix bench --device
+# cuda` on the 0.8B and 9B shapes (JSON in LOGDIR/bench-0.8b.json, bench-9b.json; tables in
+# the .log beside them).
 # Usage: scripts/gpu/run.sh LOGDIR  — full logs go to LOGDIR, a summary to stdout.
 # SANITIZE=SECONDS also runs compute-sanitizer memcheck over the op tests; SKIP_DECODE_BENCH=1
 # skips the per-op decode benchmark; QUANTS="q8_0 q4_0 q4_k" adds 9B decode with quantized weights.
@@ -24,6 +25,9 @@ if [ -z "${SKIP_DECODE_BENCH:-}" ]; then
   timeout 300 ./.gpu/cuda_decode_bench ${BENCH_ARGS:-} > "$logs/bench.log" 2>&1 || status=1
   tail -25 "$logs/bench.log"
 fi
+echo "== bf16 GEMV benchmark (tensor-core vs CUDA-core, every tiling)"
+timeout 120 ./.gpu/cuda_gemv_bench --quick > "$logs/gemv-bench.log" 2>&1 || status=1
+grep -E "cuda-core|tensor-core" "$logs/gemv-bench.log"
 echo "== packed-weight GEMV benchmark"
 timeout 200 ./.gpu/cuda_quant_bench > "$logs/quant-bench.log" 2>&1 || status=1
 tail -30 "$logs/quant-bench.log"

@@ -1294,6 +1294,113 @@ fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
     assert!(g.path_counts().gemv_fused > 0, "{}", g.path_counts());
 }
 
+/// The tensor-core GEMV on awkward shapes (one row, rows not a multiple of the 16-row tile,
+/// widths below one 32-column step, odd widths and widths off the 16-byte loads, and row
+/// counts that split K over 8, 4, 2 and 1 warps per tile on an H200's 132 SMs), for every batch
+/// from 1 to 70 (n-tiles of 8 tokens, several token groups; a subset for the tallest matrices)
+/// and every compiled tiling: each token bitwise what the one-token matmul gives it, fused
+/// projections (segments of different splits) bitwise their separate matmuls, and all of it
+/// within the f32 tolerance of the CPU.
+#[test]
+fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(23);
+    const MAX_BATCH: usize = 70;
+    let shapes = [
+        (1usize, 8usize),
+        (17, 40),
+        (5, 37),
+        (33, 1000),
+        (300, 2052),
+        (1025, 96),
+        (64, 24),
+        (8192, 256),
+        (3, 4104),
+        (9000, 40),
+        (17000, 24),
+        (52000, 16),
+    ];
+    for &(rows, cols) in &shapes {
+        let wv = rng.vec(rows * cols, 1.0 / (cols as f32).sqrt());
+        let t = tensor(DType::BF16, rows, cols, &wv);
+        let (wg, wc) = (g.weight(&t, rows, cols).unwrap(), cpu.weight(&t, rows, cols).unwrap());
+        let x = rng.vec(MAX_BATCH * cols, 1.0);
+        let mut reference = vec![0.0; MAX_BATCH * rows];
+        cpu.matmul(&x, MAX_BATCH, &wc, &mut reference);
+        let before = g.path_counts();
+        let alone: Vec<Vec<f32>> = (0..MAX_BATCH)
+            .map(|i| {
+                let mut one = poison(&g, rows);
+                g.matmul(&g.upload(&x[i * cols..(i + 1) * cols]), 1, &wg, &mut one);
+                down(&g, &one)
+            })
+            .collect();
+        let ran = g.path_counts().gemv_mma - before.gemv_mma;
+        assert_eq!(ran, MAX_BATCH as u64, "one-token matmuls off the tensor-core GEMV: {}", g.path_counts());
+        check(&format!("mma gemv {rows}x{cols} one token"), &alone.concat(), &reference, F32_TOL);
+        let batches: Vec<usize> =
+            if rows > 8192 { vec![1, 2, 8, 9, 16, 17, 33, 64, 70] } else { (1..=MAX_BATCH).collect() };
+        for n in batches {
+            let xg = g.upload(&x[..n * cols]);
+            // Every compiled tiling: each token still bitwise its one-token self.
+            let tilings =
+                std::iter::once(None).chain(CudaBackend::gemv_tile_configs().iter().map(|&c| Some(c)));
+            for tiles in tilings {
+                assert!(g.set_gemv_tiles(tiles));
+                let before = g.path_counts().gemv_mma;
+                let mut out = poison(&g, n * rows);
+                g.matmul_rows(&xg, n, &wg, &mut out);
+                assert_eq!(g.path_counts().gemv_mma, before + 1, "batch {n} off the tensor-core GEMV");
+                let batched = down(&g, &out);
+                for (i, one) in alone.iter().enumerate().take(n) {
+                    assert_eq!(
+                        &batched[i * rows..(i + 1) * rows],
+                        &one[..],
+                        "mma gemv {rows}x{cols} batch {n} tiles {tiles:?} token {i}"
+                    );
+                }
+            }
+        }
+        g.set_gemv_tiles(None);
+        let mut out = poison(&g, MAX_BATCH * rows);
+        g.matmul_rows(&g.upload(&x), MAX_BATCH, &wg, &mut out);
+        check(&format!("mma gemv {rows}x{cols} batch {MAX_BATCH}"), &down(&g, &out), &reference, F32_TOL);
+    }
+    assert!(!g.set_gemv_tiles(Some((3, 3, 3))), "a tiling that is not compiled was taken");
+    // Fused projections: each segment split as it is alone, so bitwise the separate matmul.
+    let cols = 520;
+    let seg_rows = [17usize, 1, 20000, 300];
+    let ws: Vec<_> = seg_rows
+        .iter()
+        .map(|&r| g.weight(&tensor(DType::BF16, r, cols, &rng.vec(r * cols, 0.05)), r, cols).unwrap())
+        .collect();
+    let wr: Vec<_> = ws.iter().collect();
+    let x = rng.vec(MAX_BATCH * cols, 1.0);
+    for n in [1usize, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 70] {
+        let xg = g.upload(&x[..n * cols]);
+        // The fused launch on one tiling, the separate ones on the default: a token's outputs
+        // depend on neither.
+        let tiles = CudaBackend::gemv_tile_configs()[n % CudaBackend::gemv_tile_configs().len()];
+        assert!(g.set_gemv_tiles(Some(tiles)));
+        let before = g.path_counts();
+        let mut fused: Vec<_> = seg_rows.iter().map(|&r| poison(&g, n * r)).collect();
+        g.matmul_many(&xg, n, &wr, &mut fused.iter_mut().collect::<Vec<_>>(), true);
+        let after = g.path_counts();
+        assert_eq!(
+            (after.gemv_fused - before.gemv_fused, after.gemv_mma - before.gemv_mma),
+            (1, 1),
+            "batch {n}: {after}"
+        );
+        g.set_gemv_tiles(None);
+        for (j, w) in ws.iter().enumerate() {
+            let mut alone = poison(&g, n * seg_rows[j]);
+            g.matmul_rows(&xg, n, w, &mut alone);
+            assert_eq!(down(&g, &fused[j]), down(&g, &alone), "fused segment {j} batch {n} tiles {tiles:?}");
+        }
+    }
+}
+
 /// The device's greedy pick is the host sampler's: NaN as −∞, ties to the lowest index, 0 for
 /// a row where nothing beats −∞; and a greedy decode batch picks the argmax of its logits.
 #[test]

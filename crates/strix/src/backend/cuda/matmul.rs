@@ -1,8 +1,15 @@
-//! `out = x · Wᵀ` on the GPU, weights in bf16, accumulation in f32, by one of three paths:
+//! `out = x · Wᵀ` on the GPU, weights in bf16, accumulation in f32, by one of these paths:
 //!
-//! - **GEMV** (`gemv_bf16_s*` in `matmul.cu`), one token: the decode path, bound by the bytes
-//!   of `W`. One warp per weight row (up to eight for matrices of few rows, so they still cover
-//!   the GPU), 16-byte streaming loads, eight in flight per lane.
+//! - **Tensor-core GEMV** (`gemv_mma_*` in `matmul.cu`), one token or a decode batch: the
+//!   decode path, bound by the bytes of `W`, which it reads once for up to 64 tokens.
+//!   `mma.sync` m16n8k16 with the weights as the 16-row operand and the tokens as the 8 columns;
+//!   x enters as two bf16 halves (hi + lo), so products keep ~16 mantissa bits. K is walked in
+//!   an order fixed by the matrix shape, and mma columns are independent, so a token's outputs
+//!   are bitwise the same whatever the batch (one token included) and whether its projections
+//!   are fused into one launch or not.
+//! - **CUDA-core GEMV** (`gemv_bf16_s*`, `gemv_bf16_rows_s*`, `gemv_multi*`), the same calls
+//!   when `STRIX_CUDA_GEMV=simt` (for comparison): one token's dot products per warp, weights
+//!   re-read every 4 tokens of a batch.
 //! - **cuBLAS** (`cublasGemmEx`, bf16 × bf16 → f32 on the tensor cores), several tokens: the
 //!   activations are rounded to bf16 first (one pass over `x`), as every bf16 engine does.
 //! - **cuBLAS split** (opt-in): the activations as a pair of bf16 `hi + lo` and two accumulating
@@ -15,6 +22,7 @@
 //! Which one ran is counted in the backend's path counters.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -43,7 +51,10 @@ pub enum GemmPath {
 /// What [`Kernels::matmul`] ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Ran {
+    /// One token on the CUDA-core GEMV.
     Gemv,
+    /// One token on the tensor-core GEMV.
+    GemvMma,
     Cublas,
     CublasSplit,
     Fallback,
@@ -78,7 +89,92 @@ pub(super) struct Kernels {
     gemv_multi: [CudaFunction; 4],
     gemv_multi_rows: [CudaFunction; 4],
     gemm_tiled: CudaFunction,
+    /// `gemv_mma_n*_r*_u*` by [`MMA_CONFIGS`] index, `gemv_mma_n*_r1_u8_any` by log2 of the
+    /// n-tiles, `gemv_mma_multi_n*_r*_u*` by [`MMA_CONFIGS`] index.
+    mma: Vec<CudaFunction>,
+    mma_any: [CudaFunction; 4],
+    mma_multi: Vec<CudaFunction>,
+    /// Whether the GEMVs run on the tensor cores (else the CUDA-core kernels).
+    use_mma: AtomicBool,
+    /// The [`MMA_CONFIGS`] index forced for every batch (`STRIX_CUDA_MMA_TILES=NTxRTxU`, or
+    /// [`Kernels::set_mma_tiles`]), [`NO_OVERRIDE`] for the choice by batch size.
+    mma_forced: AtomicUsize,
     sm_count: usize,
+}
+
+/// The tensor-core GEMV's compiled configurations, (n-tiles of 8 tokens, row tiles of 16 rows,
+/// 32-column steps in flight) per warp, as `MMA_ALIGNED` instantiates them in `matmul.cu`.
+const MMA_CONFIGS: [(usize, usize, usize); 14] = [
+    (1, 1, 8),
+    (2, 1, 8),
+    (4, 1, 8),
+    (8, 1, 8),
+    (1, 2, 4),
+    (2, 2, 4),
+    (4, 2, 4),
+    (8, 2, 4),
+    (1, 4, 2),
+    (2, 4, 2),
+    (4, 4, 2),
+    (1, 1, 4),
+    (1, 2, 2),
+    (1, 4, 1),
+];
+
+/// Warps per tensor-core GEMV block (`MMA_WARPS`).
+const MMA_WARPS: usize = 8;
+
+/// `MmaSegs` of `matmul.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MmaSegs {
+    w: [u64; MAX_SEGMENTS],
+    out: [u64; MAX_SEGMENTS],
+    rows: [i32; MAX_SEGMENTS],
+    block_end: [i32; MAX_SEGMENTS],
+    split_log2: [i32; MAX_SEGMENTS],
+}
+
+/// Warps that share a 16-row tile of the tensor-core GEMV, as log2 (1 to 8 warps, each taking
+/// every S-th 32-column step of K): one, unless the matrix has too few row tiles to give every
+/// SM 16 warps. It depends on the shape alone: it fixes each output's order of summation, which
+/// must not change with the batch.
+fn mma_split_log2(rows: usize, sm_count: usize) -> usize {
+    let tiles = rows.div_ceil(16);
+    let target = sm_count * 16;
+    let mut log2 = 0;
+    while log2 < 3 && (tiles << log2) < target {
+        log2 += 1;
+    }
+    log2
+}
+
+/// The configuration for a batch of `tokens` (unless one is forced): the fewest n-tiles that
+/// hold it, up to 8 (64 tokens), and two row tiles per warp, the best or within 5 % of the best
+/// of the compiled tilings at batch 1, 16 and 64 on the 9B shapes (BENCHMARKS.md).
+fn mma_config(tokens: usize, forced: Option<usize>) -> usize {
+    let want = match (tokens, forced) {
+        (_, Some(i)) => return i,
+        (0..=8, None) => (1, 2, 4),
+        (9..=16, None) => (2, 2, 4),
+        (17..=32, None) => (4, 2, 4),
+        (_, None) => (8, 2, 4),
+    };
+    MMA_CONFIGS.iter().position(|&c| c == want).expect("a compiled configuration")
+}
+
+/// `mma_forced` when the configuration is chosen by batch size.
+const NO_OVERRIDE: usize = usize::MAX;
+
+/// `STRIX_CUDA_MMA_TILES=NTxRTxU` (e.g. `8x2x4`), one of [`MMA_CONFIGS`], for tuning.
+fn mma_override() -> usize {
+    let parse = || {
+        let v = std::env::var("STRIX_CUDA_MMA_TILES").ok()?;
+        let mut it = v.split('x').map(|n| n.trim().parse().ok());
+        let c = (it.next()??, it.next()??, it.next()??);
+        MMA_CONFIGS.iter().position(|&k| k == c)
+    };
+    parse().unwrap_or(NO_OVERRIDE)
 }
 
 /// `GEMV_MAX_SEGS`: weights one fused GEMV launch takes.
@@ -129,8 +225,90 @@ impl Kernels {
             gemv_multi: by_split("gemv_multi_s")?,
             gemv_multi_rows: by_split("gemv_multi_rows_s")?,
             gemm_tiled: f("gemm_bf16_tiled")?,
+            mma: MMA_CONFIGS
+                .iter()
+                .map(|(n, r, u)| f(&format!("gemv_mma_n{n}_r{r}_u{u}")))
+                .collect::<Result<_>>()?,
+            mma_any: [
+                f("gemv_mma_n1_r1_u8_any")?,
+                f("gemv_mma_n2_r1_u8_any")?,
+                f("gemv_mma_n4_r1_u8_any")?,
+                f("gemv_mma_n8_r1_u8_any")?,
+            ],
+            mma_multi: MMA_CONFIGS
+                .iter()
+                .map(|(n, r, u)| f(&format!("gemv_mma_multi_n{n}_r{r}_u{u}")))
+                .collect::<Result<_>>()?,
+            use_mma: AtomicBool::new(std::env::var("STRIX_CUDA_GEMV").map_or(true, |v| v != "simt")),
+            mma_forced: AtomicUsize::new(mma_override()),
             sm_count: dev.sm_count as usize,
         })
+    }
+
+    /// Whether the GEMVs run on the tensor cores (`STRIX_CUDA_GEMV=simt` turns them off).
+    pub fn uses_mma(&self) -> bool {
+        self.use_mma.load(Ordering::Relaxed)
+    }
+
+    /// Tensor-core (`true`) or CUDA-core GEMVs from the next call on.
+    pub fn set_mma(&self, on: bool) {
+        self.use_mma.store(on, Ordering::Relaxed);
+    }
+
+    /// The tensor-core GEMV's (n-tiles, row tiles, steps in flight) per warp for every batch;
+    /// `None` restores the choice by batch size. False for a configuration that is not
+    /// compiled (see [`Kernels::mma_configs`]).
+    pub fn set_mma_tiles(&self, tiles: Option<(usize, usize, usize)>) -> bool {
+        let i = match tiles {
+            None => NO_OVERRIDE,
+            Some(c) => match MMA_CONFIGS.iter().position(|&k| k == c) {
+                Some(i) => i,
+                None => return false,
+            },
+        };
+        self.mma_forced.store(i, Ordering::Relaxed);
+        true
+    }
+
+    /// The compiled (n-tiles, row tiles, steps in flight) configurations of the tensor-core GEMV.
+    pub fn mma_configs() -> &'static [(usize, usize, usize)] {
+        &MMA_CONFIGS
+    }
+
+    fn mma_config(&self, tokens: usize) -> usize {
+        let forced = self.mma_forced.load(Ordering::Relaxed);
+        mma_config(tokens, (forced != NO_OVERRIDE).then_some(forced))
+    }
+
+    /// Row blocks of the tensor-core GEMV for `rows` at `split_log2` and configuration `cfg`.
+    fn mma_row_blocks(rows: usize, split_log2: usize, cfg: usize) -> usize {
+        let tiles_per_block = (MMA_WARPS >> split_log2) * MMA_CONFIGS[cfg].1;
+        rows.div_ceil(16).div_ceil(tiles_per_block)
+    }
+
+    /// `out = x · Wᵀ` for `tokens` tokens on the tensor-core GEMV (any shape; `tokens`,
+    /// `rows` and `cols` positive).
+    fn mma_gemv(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        let (rows, cols) = (w.rows(), w.cols());
+        let split = mma_split_log2(rows, self.sm_count);
+        let aligned = cols.is_multiple_of(8);
+        let mut cfg = self.mma_config(tokens);
+        if !aligned && MMA_CONFIGS[cfg].1 != 1 {
+            // The unaligned kernels exist with one row tile per warp only.
+            cfg = MMA_CONFIGS.iter().position(|&c| c == (MMA_CONFIGS[cfg].0, 1, 8)).expect("compiled");
+        }
+        let nt = MMA_CONFIGS[cfg].0;
+        let f = if aligned { &self.mma[cfg] } else { &self.mma_any[nt.trailing_zeros() as usize] };
+        let blocks = Self::mma_row_blocks(rows, split, cfg);
+        assert!(blocks <= 65535, "matmul: {rows} rows are more than one tensor-core GEMV launch covers");
+        dev.launch(
+            "gemv_mma",
+            f,
+            (tokens.div_ceil(8 * nt) as u32, blocks as u32, 1),
+            ((MMA_WARPS * 32) as u32, 1, 1),
+            0,
+            kernel_args![w.ptr(), x.ptr(), out.ptr(), rows as i32, cols as i32, tokens as i32, split as i32],
+        );
     }
 
     /// The GEMV kernel (one-token or batched) for `rows`, and its blocks along the rows.
@@ -156,6 +334,9 @@ impl Kernels {
         if cols == 0 {
             dev.memset_zero(out.ptr(), tokens * rows * 4);
             return;
+        }
+        if self.uses_mma() {
+            return self.mma_gemv(dev, x, tokens, w, out);
         }
         if tokens == 1 {
             // The one-token kernel: a token's arithmetic is the same in both (see matmul.cu).
@@ -203,6 +384,9 @@ impl Kernels {
         if tokens == 0 {
             return;
         }
+        if self.uses_mma() {
+            return self.mma_many(dev, x, tokens, ws, outs);
+        }
         let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
         let log2 = gemv_split_log2(total_rows, self.sm_count);
         let rows_per_block = GEMV_WARPS as usize >> log2;
@@ -245,6 +429,56 @@ impl Kernels {
         );
     }
 
+    /// [`Kernels::matmul_many_rows`] on the tensor-core GEMV: each segment split as its matrix
+    /// is alone (so bitwise what [`Kernels::matmul_rows`] gives it).
+    fn mma_many(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaBuf],
+    ) {
+        let cols = ws[0].cols();
+        let cfg = self.mma_config(tokens);
+        let mut segs = MmaSegs {
+            w: [0; MAX_SEGMENTS],
+            out: [0; MAX_SEGMENTS],
+            rows: [0; MAX_SEGMENTS],
+            block_end: [0; MAX_SEGMENTS],
+            split_log2: [0; MAX_SEGMENTS],
+        };
+        let mut end = 0usize;
+        for (j, (w, out)) in ws.iter().zip(outs.iter()).enumerate() {
+            assert!(
+                out.len() >= tokens * w.rows(),
+                "matmul_many_rows: out {j} holds {} floats, not [{tokens}, {}]",
+                out.len(),
+                w.rows()
+            );
+            let split = mma_split_log2(w.rows(), self.sm_count);
+            end += Self::mma_row_blocks(w.rows(), split, cfg);
+            segs.w[j] = w.ptr();
+            segs.out[j] = out.ptr();
+            segs.rows[j] = w.rows() as i32;
+            segs.block_end[j] = end as i32;
+            segs.split_log2[j] = split as i32;
+        }
+        // Unused segments end where the last one does, so no block looks past it.
+        for j in ws.len()..MAX_SEGMENTS {
+            segs.block_end[j] = end as i32;
+        }
+        assert!(end <= 65535, "matmul_many_rows: more rows than one tensor-core GEMV launch covers");
+        dev.launch(
+            "gemv_mma_multi",
+            &self.mma_multi[cfg],
+            (tokens.div_ceil(8 * MMA_CONFIGS[cfg].0) as u32, end as u32, 1),
+            ((MMA_WARPS * 32) as u32, 1, 1),
+            0,
+            kernel_args![segs, x.ptr(), cols as i32, tokens as i32],
+        );
+    }
+
     /// Whether [`Kernels::matmul_many_rows`] takes these weights: 2 to [`MAX_SEGMENTS`] bf16
     /// ones (packed formats run their own GEMVs), all of one width (a multiple of 8, so rows stream in 16-byte loads), none empty.
     pub fn can_fuse(ws: &[&CudaWeight]) -> bool {
@@ -280,6 +514,11 @@ impl Kernels {
         if cols == 0 {
             dev.memset_zero(out.ptr(), tokens * rows * 4);
             return Ran::Gemv;
+        }
+        if tokens == 1 && self.uses_mma() {
+            // The decode batch's kernel: a sequence decoded alone gets bitwise its batch outputs.
+            self.mma_gemv(dev, x, 1, w, out);
+            return Ran::GemvMma;
         }
         if tokens == 1 {
             let (f, blocks) = self.gemv_for(&self.gemv, rows);

@@ -65,8 +65,11 @@ pub enum PrefillPath {
 /// How many times each kernel path ran since the backend was made (or last reset).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PathCounts {
-    /// One-token matmuls on the bf16 GEMV kernel.
+    /// One-token matmuls on a bf16 GEMV kernel (tensor-core or CUDA-core).
     pub gemv: u64,
+    /// bf16 GEMV launches on the tensor cores: one-token matmuls, decode-batch matmuls and
+    /// fused projections alike (`STRIX_CUDA_GEMV=simt` sends them to the CUDA-core kernels).
+    pub gemv_mma: u64,
     /// Decode-batch projections of one input fused into one GEMV launch.
     pub gemv_fused: u64,
     /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
@@ -128,9 +131,10 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 29] {
+    pub fn named(&self) -> [(&'static str, u64); 30] {
         [
             ("gemv", self.gemv),
+            ("gemv_mma", self.gemv_mma),
             ("gemv_fused", self.gemv_fused),
             ("gemm_cublas", self.gemm_cublas),
             ("gemm_cublas_split", self.gemm_cublas_split),
@@ -167,13 +171,14 @@ impl std::fmt::Display for PathCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "gemv {} fused {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
+            "gemv {} fused {} tensor-core {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
              packed gemv {} rows {} fused {} dequant-gemm {} embed {} | sampled on device {} host {}",
             self.gemv,
             self.gemv_fused,
+            self.gemv_mma,
             self.gemm_cublas,
             self.gemm_cublas_split,
             self.gemm_fallback,
@@ -208,6 +213,7 @@ impl std::fmt::Display for PathCounts {
 #[derive(Default)]
 struct Counters {
     gemv: AtomicU64,
+    gemv_mma: AtomicU64,
     gemv_fused: AtomicU64,
     gemm_cublas: AtomicU64,
     gemm_cublas_split: AtomicU64,
@@ -360,11 +366,32 @@ impl CudaBackend {
         }
     }
 
+    /// Runs the bf16 GEMVs on the tensor cores (the default) or, with `false`, on the
+    /// CUDA-core kernels (as `STRIX_CUDA_GEMV=simt` does), for comparison.
+    pub fn set_tensor_core_gemv(&self, on: bool) {
+        self.mm.set_mma(on);
+    }
+
+    /// The tensor-core GEMV's (n-tiles of 8 tokens, row tiles of 16 rows, 32-column steps in
+    /// flight) per warp for every batch, for tuning (as `STRIX_CUDA_MMA_TILES=NTxRTxU` does); `None`
+    /// restores the choice by batch size. A token's outputs do not depend on it. False, and
+    /// nothing changes, for a configuration that is not one of [`CudaBackend::gemv_tile_configs`].
+    pub fn set_gemv_tiles(&self, tiles: Option<(usize, usize, usize)>) -> bool {
+        self.mm.set_mma_tiles(tiles)
+    }
+
+    /// The (n-tiles, row tiles, steps in flight) configurations [`CudaBackend::set_gemv_tiles`]
+    /// takes.
+    pub fn gemv_tile_configs() -> &'static [(usize, usize, usize)] {
+        matmul::Kernels::mma_configs()
+    }
+
     pub fn path_counts(&self) -> PathCounts {
         let c = &self.counters;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PathCounts {
             gemv: g(&c.gemv),
+            gemv_mma: g(&c.gemv_mma),
             gemv_fused: g(&c.gemv_fused),
             gemm_cublas: g(&c.gemm_cublas),
             gemm_cublas_split: g(&c.gemm_cublas_split),
@@ -401,6 +428,7 @@ impl CudaBackend {
         let c = &self.counters;
         for a in [
             &c.gemv,
+            &c.gemv_mma,
             &c.gemv_fused,
             &c.gemm_cublas,
             &c.gemm_cublas_split,
@@ -646,8 +674,11 @@ impl Backend for CudaBackend {
         } else {
             self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out)
         };
+        if ran == matmul::Ran::GemvMma {
+            bump(&self.counters.gemv_mma);
+        }
         bump(match ran {
-            matmul::Ran::Gemv => &self.counters.gemv,
+            matmul::Ran::Gemv | matmul::Ran::GemvMma => &self.counters.gemv,
             matmul::Ran::Cublas => &self.counters.gemm_cublas,
             matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
             matmul::Ran::Fallback => &self.counters.gemm_fallback,
@@ -828,6 +859,9 @@ impl Backend for CudaBackend {
             self.mm.matmul_many_rows(&self.dev, x, tokens, &dense_w, &mut dense_o);
             bump(&self.counters.batch_rows);
             bump(&self.counters.gemv_fused);
+            if self.mm.uses_mma() {
+                bump(&self.counters.gemv_mma);
+            }
         } else {
             crate::backend::matmul_each(self, x, tokens, &dense_w, &mut dense_o, decode_batch);
         }
@@ -840,6 +874,9 @@ impl Backend for CudaBackend {
             bump(if tokens == 1 { &self.counters.gemv_quant } else { &self.counters.gemv_quant_rows });
         } else {
             self.mm.matmul_rows(&self.dev, x, tokens, w, out);
+            if self.mm.uses_mma() && tokens > 0 && w.rows() > 0 && w.cols() > 0 {
+                bump(&self.counters.gemv_mma);
+            }
         }
         bump(&self.counters.batch_rows);
     }
