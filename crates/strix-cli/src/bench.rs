@@ -300,6 +300,9 @@ fn bench_with<B: DeviceInfo>(
     let context = args.prompt_len + args.gen;
     let prompt = pseudo_random_ids(args.prompt_len, c.vocab_size, SEED);
 
+    // Single-stream figures (the headline, decode by context) as `strix run` decodes, batch
+    // figures as `strix serve` does: each with the kernels tuned for it.
+    let single_kernels = model.backend().tune_for_single_stream(true);
     // The headline. The warm-up faults in every weight page (CPU), starts the thread pool and
     // loads the kernels (CUDA).
     run_once(&model, &prompt[..prompt.len().min(16)], 2, &mut peak)?;
@@ -333,6 +336,7 @@ fn bench_with<B: DeviceInfo>(
         note(format!("decode at context {ctx}: {:.2} tok/s", m.median()));
         decode_sweep.push((ctx, m));
     }
+    let batch_kernels = model.backend().tune_for_single_stream(false);
     let mut batch_sweep = Vec::new();
     for &batch in &plan.batches {
         let m = decode_runs(&model, batch, args.batch_context, args.gen, args.repeats, &mut peak)?;
@@ -370,6 +374,8 @@ fn bench_with<B: DeviceInfo>(
         "gen": args.gen,
         "context": context,
         "batch": 1,
+        "single_stream_kernels": single_kernels,
+        "batch_kernels": batch_kernels,
         "repeats": args.repeats,
         "prefill_tok_s": prefill_tok_s,
         "decode_tok_s": decode_tok_s,
@@ -429,6 +435,7 @@ fn bench_with<B: DeviceInfo>(
     row("prefill", format!("{prefill_tok_s:.1} tok/s (median of {})", args.repeats));
     row("decode", format!("{decode_tok_s:.2} tok/s (median of {})", args.repeats));
     paths_row(&headline);
+    row("kernels", format!("{single_kernels} for one sequence, {batch_kernels} for --batches"));
     row("weights read per token", human_bytes(bytes_per_token as f64));
     match (bandwidth, roofline_pct(decode_tok_s)) {
         (Some(bw), Some(pct)) => {

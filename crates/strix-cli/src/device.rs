@@ -148,6 +148,13 @@ pub trait DeviceInfo: Backend {
     /// The kernel-path counters since the backend was made, by name (`None` when the backend
     /// keeps none).
     fn path_counts(&self) -> Option<Map<String, Value>>;
+
+    /// Tunes the decode kernels for one sequence at a time (`true`: `strix run`, `chat`) or
+    /// for batches (`false`: `strix serve`, the default). On CUDA this picks the CUDA-core
+    /// GEMV, which streams faster at batch 1, or the tensor-core one, which reads the weights
+    /// once for many sequences. Either is bitwise batch-invariant on its own, so within a
+    /// process a sequence's tokens never depend on the batch. Returns what the report calls it.
+    fn tune_for_single_stream(&self, single: bool) -> &'static str;
 }
 
 impl DeviceInfo for CpuBackend {
@@ -177,6 +184,10 @@ impl DeviceInfo for CpuBackend {
 
     fn path_counts(&self) -> Option<Map<String, Value>> {
         None
+    }
+
+    fn tune_for_single_stream(&self, _single: bool) -> &'static str {
+        "cpu kernels"
     }
 }
 
@@ -209,6 +220,15 @@ impl DeviceInfo for CudaBackend {
     fn path_counts(&self) -> Option<Map<String, Value>> {
         let fields = CudaBackend::path_counts(self).named();
         Some(fields.into_iter().map(|(k, v)| (k.to_string(), Value::from(v))).collect())
+    }
+
+    fn tune_for_single_stream(&self, single: bool) -> &'static str {
+        self.set_tensor_core_gemv(!single);
+        if single {
+            "CUDA-core GEMV (single stream)"
+        } else {
+            "tensor-core GEMV (batches)"
+        }
     }
 }
 

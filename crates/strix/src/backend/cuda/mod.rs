@@ -366,8 +366,10 @@ impl CudaBackend {
         }
     }
 
-    /// Runs the bf16 GEMVs on the tensor cores (the default) or, with `false`, on the
-    /// CUDA-core kernels (as `STRIX_CUDA_GEMV=simt` does), for comparison.
+    /// Runs the bf16 GEMVs on the tensor cores (the default: a batch reads the weights once)
+    /// or, with `false`, on the CUDA-core kernels (as `STRIX_CUDA_GEMV=simt` does), which
+    /// stream faster for a single sequence. Each choice is bitwise batch-invariant; decode
+    /// steps recorded under the other one are not replayed.
     pub fn set_tensor_core_gemv(&self, on: bool) {
         self.mm.set_mma(on);
     }
@@ -586,6 +588,8 @@ impl Backend for CudaBackend {
         read: &mut dyn FnMut(&CudaBuf),
     ) {
         self.dev.bind();
+        // A recording holds the GEMV kernels of the mode it was made in.
+        let key = if self.mm.uses_mma() { key } else { key ^ (1 << 63) };
         let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
             bump(&self.counters.steps_eager);
             read(&step());
