@@ -114,6 +114,50 @@ __device__ __forceinline__ float parts_sum(float v) {
     return v;
 }
 
+// One token of the delta rule on the state column a group of GDN_PARTS lanes holds (lane part
+// keeps rows part, part + GDN_PARTS, ... in s): q and k (raw, in shared memory) are
+// L2-normalised, the column decays and moves by beta (v - S^T k) k, and o = S^T q q_scale is
+// returned to every lane of the group.
+template <int DK, bool EXACT>
+__device__ __forceinline__ float gdn_token(float (&s)[DK / GDN_PARTS], const float* qs, const float* ks, float v,
+                                           float decay, float beta, float q_scale, int dk, int part) {
+    constexpr int ROWS = DK / GDN_PARTS;
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (EXACT || i < dk) {
+            sq += qs[i] * qs[i];
+            sk += ks[i] * ks[i];
+        }
+    }
+    sq = parts_sum(sq);
+    sk = parts_sum(sk);
+    const float iq = 1.f / sqrtf(sq + 1e-6f);
+    const float ik = 1.f / sqrtf(sk + 1e-6f);
+    float kv = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (EXACT || i < dk) {
+            s[r] *= decay;
+            kv += s[r] * (ks[i] * ik);
+        }
+    }
+    kv = parts_sum(kv);
+    const float delta = (v - kv) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const int i = r * GDN_PARTS + part;
+        if (EXACT || i < dk) {
+            s[r] += (ks[i] * ik) * delta;
+            o += s[r] * ((qs[i] * iq) * q_scale);
+        }
+    }
+    return parts_sum(o);
+}
+
 template <int DK, bool EXACT>
 __device__ __forceinline__ void gdn_recurrent_body(const float* qkv, const float* a,
                                                    const float* b, const float* a_log,
@@ -148,43 +192,10 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* qkv, const float
             ks[i] = row[key_dim + kh * dk + i];
         }
         __syncthreads();
-        float sq = 0.f, sk = 0.f;
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const int i = r * GDN_PARTS + part;
-            if (EXACT || i < dk) {
-                sq += qs[i] * qs[i];
-                sk += ks[i] * ks[i];
-            }
-        }
-        sq = parts_sum(sq);
-        sk = parts_sum(sk);
-        const float iq = 1.f / sqrtf(sq + 1e-6f);
-        const float ik = 1.f / sqrtf(sk + 1e-6f);
         const float beta = sigmoid_f(b[(i64)t * nv + h]);
         const float decay = expf(decay_rate * softplus_f(a[(i64)t * nv + h] + dtb));
-        float kv = 0.f;
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const int i = r * GDN_PARTS + part;
-            if (EXACT || i < dk) {
-                s[r] *= decay;
-                kv += s[r] * (ks[i] * ik);
-            }
-        }
-        kv = parts_sum(kv);
         const float v = active ? row[2 * key_dim + h * dv + j] : 0.f;
-        const float delta = (v - kv) * beta;
-        float o = 0.f;
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const int i = r * GDN_PARTS + part;
-            if (EXACT || i < dk) {
-                s[r] += (ks[i] * ik) * delta;
-                o += s[r] * ((qs[i] * iq) * q_scale);
-            }
-        }
-        o = parts_sum(o);
+        const float o = gdn_token<DK, EXACT>(s, qs, ks, v, decay, beta, q_scale, dk, part);
         if (active && part == 0) out[(i64)t * value_dim + h * dv + j] = o;
     }
 #pragma unroll
@@ -492,42 +503,10 @@ __device__ __forceinline__ void gdn_decode_fused_body(
     __syncthreads();
 
     // The delta rule, as gdn_recurrent_body does one token.
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const int i = r * GDN_PARTS + part;
-        if (EXACT || i < dk) {
-            sq += qs[i] * qs[i];
-            sk += ks[i] * ks[i];
-        }
-    }
-    sq = parts_sum(sq);
-    sk = parts_sum(sk);
-    const float iq = 1.f / sqrtf(sq + 1e-6f);
-    const float ik = 1.f / sqrtf(sk + 1e-6f);
     const float beta = sigmoid_f(b[h]);
     const float decay = expf(-expf(a_log[h]) * softplus_f(a[h] + dt_bias[h]));
-    float kv = 0.f;
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const int i = r * GDN_PARTS + part;
-        if (EXACT || i < dk) {
-            s[r] *= decay;
-            kv += s[r] * (ks[i] * ik);
-        }
-    }
-    kv = parts_sum(kv);
-    const float delta = ((active ? vs[threadIdx.x / GDN_PARTS] : 0.f) - kv) * beta;
-    float o = 0.f;
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const int i = r * GDN_PARTS + part;
-        if (EXACT || i < dk) {
-            s[r] += (ks[i] * ik) * delta;
-            o += s[r] * ((qs[i] * iq) * q_scale);
-        }
-    }
-    o = parts_sum(o);
+    const float v = active ? vs[threadIdx.x / GDN_PARTS] : 0.f;
+    const float o = gdn_token<DK, EXACT>(s, qs, ks, v, decay, beta, q_scale, dk, part);
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int i = r * GDN_PARTS + part;

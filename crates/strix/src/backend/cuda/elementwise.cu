@@ -95,6 +95,35 @@ extern "C" __global__ void f32_to_bf16_split(const float* x, bf16_t* hi,
     }
 }
 
+// The better of two (value, index) candidates as the host's greedy pick sees it: the higher
+// value, ties to the lower index (NaN never wins: it compares false).
+__device__ __forceinline__ void argmax_take(float& bv, int& bi, float ov, int oi) {
+    if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+    }
+}
+
+// The block's best (value, index), returned to every thread. `sv`, `si`: 32 slots of shared
+// memory each.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi, float* sv, int* si) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    const int nw = (blockDim.x + 31) >> 5;
+    bv = lane < nw ? sv[lane] : NEG_INF;
+    bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+}
+
 // Row-wise argmax of x: [rows, cols] into idx[rows], as the host's greedy pick: NaN counts as
 // -inf, ties go to the lowest column, and a row where nothing beats -inf gives 0.
 // grid rows, block 1024.
@@ -112,36 +141,8 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* x, u
             bi = c;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        sv[warp] = bv;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = (blockDim.x + 31) >> 5;
-        bv = lane < nw ? sv[lane] : NEG_INF;
-        bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        if (lane == 0) idx[blockIdx.x] = bv > NEG_INF ? (u32)bi : 0u;
-    }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) idx[blockIdx.x] = bv > NEG_INF ? (u32)bi : 0u;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     __shared__ u32 s_prefix, s_remaining, s_count;
     const SampleRow r = rows[blockIdx.x];
     float* l = logits + r.row * vocab;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
 
     for (int e = tid; e < r.pen_count; e += blockDim.x) {
         const u32 t = penalties[2 * (r.pen_at + e)], flags = penalties[2 * (r.pen_at + e) + 1];
@@ -241,28 +242,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
             bi = c;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    if (lane == 0) {
-        bv_s[warp] = bv;
-        bi_s[warp] = bi;
-    }
-    __syncthreads();
-    bv = bv_s[0];
-    bi = bi_s[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
-        if (bv_s[w] > bv || (bv_s[w] == bv && bi_s[w] < bi)) {
-            bv = bv_s[w];
-            bi = bi_s[w];
-        }
-    }
+    block_argmax(bv, bi, bv_s, bi_s);
     if (r.uniform < 0.0 || !(bv > NEG_INF)) {
         if (tid == 0) out[blockIdx.x] = bv > NEG_INF ? (u32)bi : 0u;
         return;
