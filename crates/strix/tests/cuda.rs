@@ -1254,8 +1254,11 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
 fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(17);
-    for (cols, rows) in [(64usize, vec![1usize, 33, 7]), (1024, vec![6144, 2048, 16, 16]), (256, vec![3, 5])]
-    {
+    // Both GEMV kinds: the tensor-core one (batches, `serve`) and the CUDA-core one (`run`).
+    for (tensor_core, (cols, rows)) in [true, false].into_iter().flat_map(|tc| {
+        [(64usize, vec![1usize, 33, 7]), (1024, vec![6144, 2048, 16, 16]), (256, vec![3, 5])].map(|c| (tc, c))
+    }) {
+        g.set_tensor_core_gemv(tensor_core);
         let ws: Vec<_> = rows
             .iter()
             .map(|&r| g.weight(&tensor(DType::BF16, r, cols, &rng.vec(r * cols, 0.1)), r, cols).unwrap())
@@ -1269,7 +1272,7 @@ fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
                 let mut alone = poison(&g, batch * rows[j]);
                 g.matmul_rows(&x, batch, w, &mut alone);
                 check(
-                    &format!("fused cols {cols} seg {j} batch {batch}"),
+                    &format!("fused cols {cols} seg {j} batch {batch} tensor-core {tensor_core}"),
                     &down(&g, &fused[j]),
                     &down(&g, &alone),
                     F32_TOL,
@@ -1291,6 +1294,7 @@ fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
             }
         }
     }
+    g.set_tensor_core_gemv(true);
     assert!(g.path_counts().gemv_fused > 0, "{}", g.path_counts());
 }
 

@@ -159,14 +159,23 @@ struct GemvSegs {
 template <int NT, int S>
 __device__ __forceinline__ void gemv_multi_body(const GemvSegs& segs, const float* x, int cols,
                                                 int tokens) {
-    int seg = 0;
-    while (seg < GEMV_MAX_SEGS - 1 && (int)blockIdx.x >= segs.block_end[seg]) seg++;
-    const int blk = blockIdx.x - (seg ? segs.block_end[seg - 1] : 0);
+    // Selected with constant indices only: indexing the parameter struct by a variable copies
+    // it to a local stack frame.
+    unsigned long long w = segs.w[0], out = segs.out[0];
+    int rows = segs.rows[0], first = 0;
+#pragma unroll
+    for (int k = 1; k < GEMV_MAX_SEGS; k++) {
+        if ((int)blockIdx.x >= segs.block_end[k - 1]) {
+            w = segs.w[k];
+            out = segs.out[k];
+            rows = segs.rows[k];
+            first = segs.block_end[k - 1];
+        }
+    }
     const int t0 = blockIdx.y * NT;
-    const int rows = segs.rows[seg];
-    gemv_rows_body<NT, S>(reinterpret_cast<const bf16_t*>(segs.w[seg]), x + (i64)t0 * cols,
-                          reinterpret_cast<float*>(segs.out[seg]) + (i64)t0 * rows, rows, cols,
-                          imin(NT, tokens - t0), blk);
+    gemv_rows_body<NT, S>(reinterpret_cast<const bf16_t*>(w), x + (i64)t0 * cols,
+                          reinterpret_cast<float*>(out) + (i64)t0 * rows, rows, cols, imin(NT, tokens - t0),
+                          (int)blockIdx.x - first);
 }
 // grid (total blocks, ceil(tokens / NT)); NT = 1 for one token, GEMV_NT for a batch (a token's
 // arithmetic is the same either way).
