@@ -173,6 +173,10 @@ impl Plan {
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     common::init_threads(args.threads)?;
+    common::on_pool(|| bench_on_pool(args))
+}
+
+fn bench_on_pool(args: BenchArgs) -> Result<()> {
     if args.prompt_len == 0 || args.gen == 0 || args.repeats == 0 || args.batch_context == 0 {
         bail!("--prompt-len, --gen, --repeats and --batch-context must each be at least 1");
     }

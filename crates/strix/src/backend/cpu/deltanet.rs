@@ -223,7 +223,55 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
     });
 }
 
-/// The delta rule in chunks of [`CHUNK`] tokens (`torch_chunk_gated_delta_rule`).
+/// `dst = alpha · dst + beta · lhs · rhs` (`dst` not read when `read_dst` is false) for an
+/// `m × n` row-major `dst` with row stride `ldd`; `lhs` element `(i, p)` is at
+/// `i · lrs + p · lcs`, `rhs` element `(p, j)` at `p · rrs + j · rcs`. Single-threaded: the
+/// heads already run in parallel.
+#[allow(clippy::too_many_arguments)]
+fn mm(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    ldd: usize,
+    (read_dst, alpha): (bool, f32),
+    (lhs, lrs, lcs): (&[f32], usize, usize),
+    (rhs, rrs, rcs): (&[f32], usize, usize),
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(k > 0 && n <= ldd && dst.len() >= (m - 1) * ldd + n, "mm: dst");
+    assert!(lhs.len() > (m - 1) * lrs + (k - 1) * lcs, "mm: lhs");
+    assert!(rhs.len() > (k - 1) * rrs + (n - 1) * rcs, "mm: rhs");
+    // SAFETY: the asserts above keep every element the strides reach inside its slice, and
+    // `dst` is borrowed mutably, apart from `lhs` and `rhs`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ldd as isize,
+            read_dst,
+            lhs.as_ptr(),
+            lcs as isize,
+            lrs as isize,
+            rhs.as_ptr(),
+            rcs as isize,
+            rrs as isize,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The delta rule in chunks of [`CHUNK`] tokens (`torch_chunk_gated_delta_rule`), its
+/// products of whole chunks as small matrix multiplications.
 pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
     let tokens = inputs.tokens;
@@ -233,8 +281,7 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
         let mut a = vec![0.0f32; CHUNK * CHUNK];
         let mut u = vec![0.0f32; CHUNK * dv];
         let mut w = vec![0.0f32; CHUNK * dk];
-        let mut kbeta = vec![0.0f32; dk];
-        let mut qs = vec![0.0f32; dk];
+        let mut kb = vec![0.0f32; CHUNK * dk];
         for start in (0..tokens).step_by(CHUNK) {
             let len = CHUNK.min(tokens - start);
             let q = &x.q[start * dk..(start + len) * dk];
@@ -248,11 +295,14 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
             }
             // A[i][j] = (β_i k_i · k_j) exp(γ_i − γ_j) for j < i.
             for i in 0..len {
-                for (kb, &ki) in kbeta.iter_mut().zip(&k[i * dk..(i + 1) * dk]) {
+                for (kb, &ki) in kb[i * dk..(i + 1) * dk].iter_mut().zip(&k[i * dk..(i + 1) * dk]) {
                     *kb = ki * beta[i];
                 }
+            }
+            mm((len, len, dk), &mut a, CHUNK, (false, 0.0), (&kb, dk, 1), (k, 1, dk), 1.0);
+            for i in 0..len {
                 for j in 0..i {
-                    a[i * CHUNK + j] = dot(&kbeta, &k[j * dk..(j + 1) * dk]) * (cum[i] - cum[j]).exp();
+                    a[i * CHUNK + j] *= (cum[i] - cum[j]).exp();
                 }
             }
             // Forward substitution through the unit lower-triangular (I + A):
@@ -276,40 +326,33 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
                 }
             }
             // v' = U − W S, in place in `u`.
+            mm((len, dv, dk), &mut u, dv, (true, 1.0), (&w, dk, 1), (s, dv, 1), -1.0);
+            // o = (q exp(γ)) S + (q kᵀ ⊙ exp(γ_i − γ_j))_{j≤i} v'; `w` and `a` are free now.
             for i in 0..len {
-                let ui = &mut u[i * dv..(i + 1) * dv];
-                for (r, row) in s.chunks(dv).enumerate() {
-                    axpy(ui, -w[i * dk + r], row);
-                }
-            }
-            // o_i = (q_i exp(γ_i)) S + Σ_{j≤i} (q_i · k_j) exp(γ_i − γ_j) v'_j
-            for i in 0..len {
-                let oi = &mut o[(start + i) * dv..(start + i + 1) * dv];
-                oi.fill(0.0);
                 let e = cum[i].exp();
-                for (qv, &qi) in qs.iter_mut().zip(&q[i * dk..(i + 1) * dk]) {
-                    *qv = qi * e;
-                }
-                for (r, row) in s.chunks(dv).enumerate() {
-                    axpy(oi, qs[r], row);
-                }
-                let qi = &q[i * dk..(i + 1) * dk];
-                for j in 0..=i {
-                    let c = dot(qi, &k[j * dk..(j + 1) * dk]) * (cum[i] - cum[j]).exp();
-                    axpy(oi, c, &u[j * dv..(j + 1) * dv]);
+                for (qe, &qi) in w[i * dk..(i + 1) * dk].iter_mut().zip(&q[i * dk..(i + 1) * dk]) {
+                    *qe = qi * e;
                 }
             }
-            // S ← S exp(γ_L) + Σ_j (k_j exp(γ_L − γ_j)) ⊗ v'_j
+            let oc = &mut o[start * dv..(start + len) * dv];
+            mm((len, dv, dk), oc, dv, (false, 0.0), (&w, dk, 1), (s, dv, 1), 1.0);
+            mm((len, len, dk), &mut a, CHUNK, (false, 0.0), (q, dk, 1), (k, 1, dk), 1.0);
+            for i in 0..len {
+                for j in 0..len {
+                    let p = &mut a[i * CHUNK + j];
+                    *p = if j <= i { *p * (cum[i] - cum[j]).exp() } else { 0.0 };
+                }
+            }
+            mm((len, dv, len), oc, dv, (true, 1.0), (&a, CHUNK, 1), (&u, dv, 1), 1.0);
+            // S ← S exp(γ_L) + (k exp(γ_L − γ))ᵀ v'
             let last = cum[len - 1];
-            scale(s, last.exp());
             for j in 0..len {
                 let e = (last - cum[j]).exp();
-                let kj = &k[j * dk..(j + 1) * dk];
-                let vj = &u[j * dv..(j + 1) * dv];
-                for (r, row) in s.chunks_mut(dv).enumerate() {
-                    axpy(row, kj[r] * e, vj);
+                for (kb, &kj) in kb[j * dk..(j + 1) * dk].iter_mut().zip(&k[j * dk..(j + 1) * dk]) {
+                    *kb = kj * e;
                 }
             }
+            mm((dk, dv, len), s, dv, (true, last.exp()), (&kb, 1, dk), (&u, dv, 1), 1.0);
         }
     });
 }
