@@ -59,23 +59,14 @@ impl Kern {
 
 pub use super::qpacked::{Packed, PackedKind};
 
-/// From this many tokens on, [`matmul`] dequantizes weight tiles into the f32 `gemm` path.
-pub const GEMM_MIN_TOKENS: usize = usize::MAX;
-
-/// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`; `out` is overwritten. Up to
-/// [`GEMM_MIN_TOKENS`] tokens with `x` quantized to 8 bits per block as the module describes,
-/// beyond that with `x` in f32 against dequantized weight tiles.
+/// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`; `out` is overwritten; `x` quantized
+/// to 8 bits per block as the module describes.
 pub fn matmul(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
-    if tokens >= GEMM_MIN_TOKENS {
-        gemm_with(x, tokens, w, out)
-    } else {
-        w.matmul(Kern::detect(), x, tokens, out)
-    }
+    w.matmul(Kern::detect(), x, tokens, out)
 }
 
-/// [`matmul`] for a decode batch: always the int8 kernels, where every (row, token) result is
-/// computed by the same sequence of operations whatever the batch, so row `t` is bitwise the
-/// result of multiplying it alone.
+/// [`matmul`] for a decode batch: every (row, token) result is computed by the same sequence
+/// of operations whatever the batch, so row `t` is bitwise the result of multiplying it alone.
 pub fn matmul_rows(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
     w.matmul(Kern::detect(), x, tokens, out)
 }
@@ -101,8 +92,9 @@ impl OutPtr {
     }
 }
 
-/// Prefill: blocks of weight rows dequantized into a thread-local f32 tile and multiplied by
-/// the `gemm` crate; the unquantized activations are used as they are.
+/// The alternative for prefill that [`matmul`] was measured against (kept for
+/// `examples/qmatmul_bench.rs`): blocks of weight rows dequantized into a thread-local f32
+/// tile and multiplied by the `gemm` crate, the activations used unquantized.
 pub fn gemm_with(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
     use std::cell::RefCell;
     thread_local! {
