@@ -170,8 +170,8 @@ pub fn init_threads(threads: Option<usize>) -> Result<()> {
         }
         builder = builder.num_threads(n);
     }
-    match builder.build_global() {
-        Err(e) if threads.is_some() => Err(anyhow!("cannot start {} worker threads: {e}", threads.unwrap_or(0))),
+    match (builder.build_global(), threads) {
+        (Err(e), Some(n)) => Err(anyhow!("cannot start {n} worker threads: {e}")),
         // Without --threads a pool that already exists will do.
         _ => Ok(()),
     }

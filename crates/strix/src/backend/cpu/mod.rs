@@ -125,7 +125,13 @@ impl Backend for CpuBackend {
         };
         if let Some(kind) = kind {
             let packed = Packed::pack(kind, t.bytes.as_slice(), rows, cols);
-            return Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: Bytes::owned(&[]), packed: Some(packed) });
+            return Ok(CpuWeight {
+                dtype: t.dtype,
+                rows,
+                cols,
+                bytes: Bytes::owned(&[]),
+                packed: Some(packed),
+            });
         }
         Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.align()), packed: None })
     }

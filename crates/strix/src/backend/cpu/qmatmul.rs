@@ -264,7 +264,6 @@ impl Acts {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -462,7 +461,13 @@ mod tests {
                     matmul_with(isa, &x, tokens, &pack(ty, &w, rows, cols), &mut batched);
                     for t in 0..tokens {
                         let mut one = vec![f32::NAN; rows];
-                        matmul_with(isa, &x[t * cols..(t + 1) * cols], 1, &pack(ty, &w, rows, cols), &mut one);
+                        matmul_with(
+                            isa,
+                            &x[t * cols..(t + 1) * cols],
+                            1,
+                            &pack(ty, &w, rows, cols),
+                            &mut one,
+                        );
                         let same =
                             one.iter().zip(&batched[t * rows..]).all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{ty} {isa:?} tokens={tokens}: token {t} alone differs from the batch");

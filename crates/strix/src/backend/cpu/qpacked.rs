@@ -432,7 +432,8 @@ fn unpack_block(kind: PackedKind, src: &[u8], r: usize, dst: &mut [u8]) {
                     let c = |c: usize| q[128 * h + 32 * c + l];
                     ql[64 * h + l] = (c(0) & 0x0f) | ((c(2) & 0x0f) << 4);
                     ql[64 * h + l + 32] = (c(1) & 0x0f) | ((c(3) & 0x0f) << 4);
-                    qh[32 * h + l] = (c(0) >> 4) | ((c(1) >> 4) << 2) | ((c(2) >> 4) << 4) | ((c(3) >> 4) << 6);
+                    qh[32 * h + l] =
+                        (c(0) >> 4) | ((c(1) >> 4) << 2) | ((c(2) >> 4) << 4) | ((c(3) >> 4) << 6);
                 }
             }
         }
@@ -603,7 +604,10 @@ macro_rules! x86_kernels {
             /// acc + (d · dx) · f32(sumi), unfused.
             #[inline(always)]
             unsafe fn step(acc: __m256, d: __m256, dx: f32, sumi: __m256i) -> __m256 {
-                _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi)))
+                _mm256_add_ps(
+                    acc,
+                    _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi)),
+                )
             }
 
             #[inline(always)]
@@ -616,7 +620,11 @@ macro_rules! x86_kernels {
             }
 
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn q8<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
+            pub(super) unsafe fn q8<const T: usize>(
+                w: &[u8],
+                nb: usize,
+                xs: &[ActRow; T],
+            ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q8_0.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
                 let ones = _mm256_set1_epi16(1);
@@ -642,7 +650,10 @@ macro_rules! x86_kernels {
                             let aq = _mm256_sign_epi8(q, q);
                             for (t, x) in t.iter_mut().zip(xs) {
                                 let y = _mm256_sign_epi8(bcast(x.qs.as_ptr().add(32 * b + 4 * j)), q);
-                                *t = _mm256_add_epi32(*t, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, y), ones));
+                                *t = _mm256_add_epi32(
+                                    *t,
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(aq, y), ones),
+                                );
                             }
                         }
                     }
@@ -655,7 +666,11 @@ macro_rules! x86_kernels {
             }
 
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn q4<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
+            pub(super) unsafe fn q4<const T: usize>(
+                w: &[u8],
+                nb: usize,
+                xs: &[ActRow; T],
+            ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q4_0.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
                 let low = _mm256_set1_epi8(0x0f);
@@ -684,7 +699,11 @@ macro_rules! x86_kernels {
             }
 
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn q4k<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
+            pub(super) unsafe fn q4k<const T: usize>(
+                w: &[u8],
+                nb: usize,
+                xs: &[ActRow; T],
+            ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q4_K.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
                 let mut accm = [_mm256_setzero_ps(); T];
@@ -736,7 +755,11 @@ macro_rules! x86_kernels {
             }
 
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn q6k<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
+            pub(super) unsafe fn q6k<const T: usize>(
+                w: &[u8],
+                nb: usize,
+                xs: &[ActRow; T],
+            ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q6_K.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
                 let low = _mm256_set1_epi8(0x0f);
@@ -760,7 +783,10 @@ macro_rules! x86_kernels {
                             let ql0 = load(base.add(32 * m));
                             let ql4 = load(base.add(32 * (m + 4)));
                             let u = [
-                                _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16::<4>(qh), top)),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(ql0, low),
+                                    _mm256_and_si256(_mm256_slli_epi16::<4>(qh), top),
+                                ),
                                 _mm256_or_si256(_mm256_and_si256(ql4, low), _mm256_and_si256(qh, top)),
                                 _mm256_or_si256(
                                     _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low),
@@ -771,7 +797,12 @@ macro_rules! x86_kernels {
                                     _mm256_and_si256(_mm256_srli_epi16::<2>(qh), top),
                                 ),
                             ];
-                            let offs = [32 * ca + 4 * m, 32 * ca + 16 + 4 * m, 32 * cb + 4 * m, 32 * cb + 16 + 4 * m];
+                            let offs = [
+                                32 * ca + 4 * m,
+                                32 * ca + 16 + 4 * m,
+                                32 * cb + 4 * m,
+                                32 * cb + 16 + 4 * m,
+                            ];
                             for (a4, x) in acc4.iter_mut().zip(xs) {
                                 let y = x.qs.as_ptr().add(QK_K * b);
                                 for k in 0..4 {
@@ -780,7 +811,8 @@ macro_rules! x86_kernels {
                             }
                         }
                         for k in 0..4 {
-                            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(Q6_SC + 8 * groups[k]).cast()));
+                            let sc =
+                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(Q6_SC + 8 * groups[k]).cast()));
                             for (s, a4) in sumi.iter_mut().zip(&acc4) {
                                 *s = _mm256_add_epi32(*s, _mm256_mullo_epi32(a4[k], sc));
                             }
