@@ -32,38 +32,40 @@ pub fn causal_conv1d_silu(
     assert_eq!(qkv.len(), tokens * channels);
     assert_eq!(weight.len(), channels * k);
     assert_eq!(state.len(), channels * hist);
-    let raw = qkv.to_vec();
-    // Input j steps back from token t: the raw input, or the carried state before the call.
-    let input = |t: usize, back: usize, c: usize| -> f32 {
-        if back <= t {
-            raw[(t - back) * channels + c]
-        } else {
-            state[c * hist + (hist - (back - t))]
-        }
-    };
-    qkv.par_chunks_mut(channels).enumerate().for_each(|(t, row)| {
-        for (c, out) in row.iter_mut().enumerate() {
-            let w = &weight[c * k..(c + 1) * k];
-            let mut acc = 0.0f32;
-            for (j, &wj) in w.iter().enumerate() {
-                acc += wj * input(t, k - 1 - j, c);
-            }
-            *out = silu(acc);
-        }
-    });
-    // The new state is the last `hist` inputs, old state included when the run was short.
-    let mut next = vec![0.0f32; state.len()];
+    // Every input the taps reach, as rows: the `hist` carried ones, then the new ones. Tap `j`
+    // of token `t` reads row `t + j`.
+    let mut x = vec![0.0f32; (hist + tokens) * channels];
     for c in 0..channels {
         for i in 0..hist {
-            let back = hist - i; // 1 = the newest input
-            next[c * hist + i] = if back <= tokens {
-                raw[(tokens - back) * channels + c]
-            } else {
-                state[c * hist + (hist - (back - tokens))]
-            };
+            x[i * channels + c] = state[c * hist + i];
         }
     }
-    state.copy_from_slice(&next);
+    x[hist * channels..].copy_from_slice(qkv);
+    // The weights tap-major, so that each tap is a contiguous row over the channels.
+    let mut taps = vec![0.0f32; k * channels];
+    for c in 0..channels {
+        for j in 0..k {
+            taps[j * channels + c] = weight[c * k + j];
+        }
+    }
+    qkv.par_chunks_mut(channels).enumerate().for_each(|(t, row)| {
+        // The same sum as one accumulator per channel taking the taps in order.
+        row.fill(0.0);
+        for (j, w) in taps.chunks_exact(channels).enumerate() {
+            for ((o, &w), &x) in row.iter_mut().zip(w).zip(&x[(t + j) * channels..(t + j + 1) * channels]) {
+                *o += w * x;
+            }
+        }
+        for o in row.iter_mut() {
+            *o = silu(*o);
+        }
+    });
+    // The new state is the last `hist` input rows (old state included when the run was short).
+    for c in 0..channels {
+        for i in 0..hist {
+            state[c * hist + i] = x[(tokens + i) * channels + c];
+        }
+    }
 }
 
 /// The per-token, per-head quantities of the delta rule, laid out head-major so each head's
