@@ -98,10 +98,6 @@ fn rms_scale(x: &[f32], eps: f32) -> f32 {
     1.0 / (ss / x.len() as f32 + eps).sqrt()
 }
 
-pub(crate) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
 pub(crate) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
@@ -238,9 +234,7 @@ impl Backend for CpuBackend {
             .zip(gate[..len].par_chunks(16384))
             .zip(up[..len].par_chunks(16384))
             .for_each(|((o, g), u)| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = silu(g) * u;
-                }
+                simd::swiglu(simd::Isa::detect(), g, u, o);
             });
     }
 
@@ -334,9 +328,7 @@ impl Backend for CpuBackend {
         x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
             for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {
                 let s = rms_scale(x, eps);
-                for ((x, &z), &w) in x.iter_mut().zip(z).zip(weight) {
-                    *x = w * (*x * s) * silu(z);
-                }
+                simd::gated_scale(simd::Isa::detect(), x, z, weight, s);
             }
         });
     }
