@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::sigmoid;
-use super::simd::{axpy, dot, scale, silu_in_place, Isa};
+use super::simd::{axpy, decay_and_read, dot, scale, silu_in_place, update_and_read, Isa};
 use crate::backend::DeltaNetShape;
 
 /// Tokens per chunk of the chunked form (the reference's `chunk_size`).
@@ -197,6 +197,7 @@ fn for_each_head(
 pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
     let tokens = inputs.tokens;
+    let isa = Isa::detect();
     for_each_head(shape, tokens, state, out, |h, s, o| {
         let x = inputs.head(shape, h);
         let mut kv_mem = vec![0.0f32; dv];
@@ -208,8 +209,7 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
             let decay = x.g[t].exp();
             kv_mem.fill(0.0);
             for (i, row) in s.chunks_mut(dv).enumerate() {
-                scale(row, decay);
-                axpy(&mut kv_mem, k[i], row);
+                decay_and_read(isa, row, decay, k[i], &mut kv_mem);
             }
             for ((d, &v), &m) in delta.iter_mut().zip(v).zip(&kv_mem) {
                 *d = (v - m) * x.beta[t];
@@ -217,8 +217,7 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
             let ot = &mut o[t * dv..(t + 1) * dv];
             ot.fill(0.0);
             for (i, row) in s.chunks_mut(dv).enumerate() {
-                axpy(row, k[i], &delta);
-                axpy(ot, q[i], row);
+                update_and_read(isa, row, k[i], &delta, q[i], ot);
             }
         }
     });

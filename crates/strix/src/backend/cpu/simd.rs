@@ -220,6 +220,28 @@ elementwise! {
     }
 }
 
+elementwise! {
+    /// The delta rule's first pass over a state row: `row *= decay`, then
+    /// `kv += k · row` (one read of the row instead of two).
+    decay_and_read(row: &mut [f32], decay: f32, k: f32, kv: &mut [f32]) {
+        for (r, kv) in row.iter_mut().zip(kv.iter_mut()) {
+            *r *= decay;
+            *kv = k.mul_add(*r, *kv);
+        }
+    }
+}
+
+elementwise! {
+    /// The delta rule's second pass over a state row: `row += k · delta`, then
+    /// `out += q · row`.
+    update_and_read(row: &mut [f32], k: f32, delta: &[f32], q: f32, out: &mut [f32]) {
+        for ((r, &d), o) in row.iter_mut().zip(delta).zip(out.iter_mut()) {
+            *r = k.mul_add(d, *r);
+            *o = q.mul_add(*r, *o);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     //! Every function here requires AVX2, FMA and F16C; callers check [`super::Isa`] first.
