@@ -73,7 +73,7 @@ the repeats. % of roofline = weight bytes read per step x steps/s / measured ban
 The sweeps default to 512,4096 / 128,4096 / 1,16,64 on CUDA (less any longer than the model's
 context) and to none on the CPU; `none` turns one off.")]
 pub struct BenchArgs {
-    /// Model directory, or a Hugging Face repo id
+    /// Model directory, GGUF file, or a Hugging Face repo id
     #[arg(short, long, value_name = "PATH", required_unless_present = "preset", conflicts_with = "preset")]
     pub model: Option<String>,
 
@@ -173,6 +173,10 @@ impl Plan {
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     common::init_threads(args.threads)?;
+    common::on_pool(|| bench_on_pool(args))
+}
+
+fn bench_on_pool(args: BenchArgs) -> Result<()> {
     if args.prompt_len == 0 || args.gen == 0 || args.repeats == 0 || args.batch_context == 0 {
         bail!("--prompt-len, --gen, --repeats and --batch-context must each be at least 1");
     }
@@ -181,7 +185,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         (Some(name), _) => (preset(name)?, Source::Preset(name.clone())),
         (None, Some(m)) => {
             let dir = common::resolve_model(Some(m))?;
-            (ModelConfig::from_model_dir(&dir)?, Source::Dir(dir))
+            let config = if strix::model::is_gguf_path(&dir) {
+                strix::gguf::Qwen35Gguf::open(&dir)?.config().clone()
+            } else {
+                ModelConfig::from_model_dir(&dir)?
+            };
+            (config, Source::Dir(dir))
         }
         (None, None) => bail!("give --model PATH or --preset NAME ({})", PRESETS.join(", ")),
     };
@@ -615,7 +624,21 @@ fn cpu_name() -> String {
 }
 
 /// The dtype of a checkpoint's MLP weights (the bulk of the bytes), e.g. `bf16`.
+/// A GGUF file's main type: that of layer 0's `ffn_gate` (Q4_K_M promotes some `ffn_down`
+/// matrices to Q6_K, never `ffn_gate`).
+fn gguf_dtype(path: &Path) -> Result<String> {
+    let file = strix::gguf::GgufFile::open(path)?;
+    let info = ["blk.0.ffn_gate.weight", "blk.0.ffn_down.weight"]
+        .into_iter()
+        .find_map(|n| file.tensor_info(n).ok())
+        .ok_or_else(|| anyhow!("no layer 0 MLP weight"))?;
+    Ok(info.ty.name().to_ascii_lowercase())
+}
+
 fn checkpoint_dtype(dir: &Path, c: &ModelConfig) -> String {
+    if strix::model::is_gguf_path(dir) {
+        return gguf_dtype(dir).unwrap_or_else(|_| "unknown".to_string());
+    }
     let dtype = || -> Result<String> {
         let ckpt = Checkpoint::open_dir(dir)?;
         let name =

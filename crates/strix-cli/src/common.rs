@@ -160,18 +160,32 @@ fn random_seed() -> u64 {
     h.finish()
 }
 
-/// Sizes rayon's global pool; must run before anything touches rayon.
+/// Sizes rayon's global pool; must run before anything touches rayon. The workers get the
+/// main thread's stack size, since [`on_pool`] runs whole commands on one of them.
 pub fn init_threads(threads: Option<usize>) -> Result<()> {
+    let mut builder = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK);
     if let Some(n) = threads {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .map_err(|e| anyhow!("cannot start {n} worker threads: {e}"))?;
+        builder = builder.num_threads(n);
     }
-    Ok(())
+    match (builder.build_global(), threads) {
+        (Err(e), Some(n)) => Err(anyhow!("cannot start {n} worker threads: {e}")),
+        // Without --threads a pool that already exists will do.
+        _ => Ok(()),
+    }
+}
+
+const WORKER_STACK: usize = 8 << 20;
+
+/// Runs `f` on a worker of rayon's global pool and waits for it. The model's parallel ops
+/// then run as fork-join work on the calling worker, which takes part in them, instead of
+/// each being sent from the main thread to the pool and waited for on a lock: on the 2-core
+/// CPU that round trip (two thread wake-ups per op, hundreds of ops per token) cost about a
+/// tenth of the decode time.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
 }
 
 /// `owner/name`, as Hugging Face spells repo ids: one slash, no path-like pieces.

@@ -77,6 +77,10 @@ const PRESET_SEED: u64 = 0x5EED;
 
 pub fn perplexity(args: PerplexityArgs) -> Result<()> {
     common::init_threads(args.model.threads)?;
+    common::on_pool(|| perplexity_on_pool(args))
+}
+
+fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }

@@ -74,6 +74,10 @@ pub struct RunArgs {
 
 pub fn run(args: RunArgs) -> Result<()> {
     common::init_threads(args.model.threads)?;
+    common::on_pool(|| run_on_pool(args))
+}
+
+fn run_on_pool(args: RunArgs) -> Result<()> {
     if !args.chat && (args.template.system.is_some() || args.template.enable_thinking().is_some()) {
         bail!("--system, --think and --no-think apply to the chat template: add --chat");
     }

@@ -1,7 +1,8 @@
-//! Throughput of the packed-block matmul kernels (`backend::cpu::qmatmul`) on Qwen3.5-0.8B
-//! shapes, and the alternative for prefill that the module's choice was measured against:
-//! dequantizing blocks of weight rows to f32 and multiplying with the `gemm` crate (as the
-//! float prefill path does). Prints one line per case.
+//! Throughput of the packed-block matmul kernels (`backend::cpu::qmatmul`, weights repacked
+//! into interleaved row groups as the CPU backend stores them) on Qwen3.5-0.8B shapes, and
+//! the alternative for prefill that the module's choice was measured against: dequantizing
+//! blocks of weight rows to f32 and multiplying with the `gemm` crate (`qmatmul::gemm_with`).
+//! Prints one line per case.
 //!
 //! `cargo run --release -p strix --example qmatmul_bench`
 //!
@@ -11,17 +12,17 @@
 
 use std::time::Instant;
 
-use rayon::prelude::*;
-use strix::backend::cpu::qmatmul::{matmul, QuantRef};
-use strix::quant::{dequantize_row, quantize_row, QuantType};
+use strix::backend::cpu::qmatmul::{gemm_with, matmul, Packed, PackedKind};
+use strix::quant::{quantize_row, QuantType};
 
-fn qref(ty: QuantType, b: &[u8]) -> QuantRef<'_> {
-    match ty {
-        QuantType::Q8_0 => QuantRef::Q8_0(b),
-        QuantType::Q4_0 => QuantRef::Q4_0(b),
-        QuantType::Q4_K => QuantRef::Q4_K(b),
-        _ => QuantRef::Q6_K(b),
-    }
+fn pack(ty: QuantType, b: &[u8], rows: usize, cols: usize) -> Packed {
+    let kind = match ty {
+        QuantType::Q8_0 => PackedKind::Q8_0,
+        QuantType::Q4_0 => PackedKind::Q4_0,
+        QuantType::Q4_K => PackedKind::Q4_K,
+        _ => PackedKind::Q6_K,
+    };
+    Packed::pack(kind, b, rows, cols)
 }
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
@@ -39,55 +40,6 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
-}
-
-/// Prefill by dequantizing 128-row blocks to f32 and calling gemm on each (per thread).
-fn dequant_gemm(
-    ty: QuantType,
-    w: &[u8],
-    x: &[f32],
-    tokens: usize,
-    rows: usize,
-    cols: usize,
-    out: &mut [f32],
-) {
-    let row_bytes = ty.row_size(cols).unwrap();
-    let block = 128;
-    struct P(*mut f32);
-    unsafe impl Send for P {}
-    unsafe impl Sync for P {}
-    let o = P(out.as_mut_ptr());
-    let o = &o;
-    (0..rows.div_ceil(block)).into_par_iter().for_each(|b| {
-        let (r0, r1) = (b * block, ((b + 1) * block).min(rows));
-        let n = r1 - r0;
-        let mut tile = vec![0f32; n * cols];
-        dequantize_row(ty, &w[r0 * row_bytes..r1 * row_bytes], &mut tile).unwrap();
-        // SAFETY: the block writes output columns r0..r1 only.
-        unsafe {
-            gemm::gemm(
-                tokens,
-                n,
-                cols,
-                o.0.add(r0),
-                1,
-                rows as isize,
-                false,
-                x.as_ptr(),
-                1,
-                cols as isize,
-                tile.as_ptr(),
-                cols as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-    });
 }
 
 /// Calibration on the same machine state: the bf16 GEMV (cold) and gemm prefill.
@@ -143,22 +95,24 @@ fn main() {
             };
             // Decode: cycle through copies totalling ~512 MiB.
             let copies = ((512usize << 20) / one.len()).max(2);
-            let ws: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
+            let ws: Vec<Packed> = (0..copies).map(|_| pack(ty, &one, rows, cols)).collect();
             let x = random(cols, 3);
             let mut out = vec![0f32; rows];
             let mut times = Vec::new();
             for i in 0..copies.max(40) {
                 let t = Instant::now();
-                matmul(&x, 1, qref(ty, &ws[i % copies]), rows, cols, &mut out);
+                matmul(&x, 1, &ws[i % copies], &mut out);
                 times.push(t.elapsed().as_secs_f64());
             }
             let gemv = one.len() as f64 / median(times) / 1e9;
             drop(ws);
             let hot_rows = 256;
+            let hot_w = pack(ty, &one[..hot_rows * row_bytes], hot_rows, cols);
+            let one = pack(ty, &one, rows, cols);
             let mut hot = Vec::new();
             for _ in 0..200 {
                 let t = Instant::now();
-                matmul(&x, 1, qref(ty, &one[..hot_rows * row_bytes]), hot_rows, cols, &mut out[..hot_rows]);
+                matmul(&x, 1, &hot_w, &mut out[..hot_rows]);
                 hot.push(t.elapsed().as_secs_f64());
             }
             let hot = 2.0 * (hot_rows * cols) as f64 / median(hot) / 1e9;
@@ -171,10 +125,10 @@ fn main() {
             let mut deq = Vec::new();
             for _ in 0..3 {
                 let t = Instant::now();
-                matmul(&x, tokens, qref(ty, &one), rows, cols, &mut out);
+                matmul(&x, tokens, &one, &mut out);
                 int8.push(t.elapsed().as_secs_f64());
                 let t = Instant::now();
-                dequant_gemm(ty, &one, &x, tokens, rows, cols, &mut out);
+                gemm_with(&x, tokens, &one, &mut out);
                 deq.push(t.elapsed().as_secs_f64());
             }
             println!(

@@ -28,10 +28,12 @@ const TOLERANCE: f32 = 1e-4;
 /// For each llama-quantize output of `causal-bf16-gdn3x`, against the bf16 file: the largest
 /// logits error allowed and the smallest share of positions whose top-1 token must agree.
 /// Measured with the CPU's packed kernels (the files themselves are read exactly, see
-/// `quantized_ggufs_match_transformers_on_their_weights`): Q8_0 6.5e-2 and 99/100, Q4_0 0.70
-/// and 65/100, Q4_K_M (Q5_0/Q8_0 rows here: 64-wide rows are not whole Q4_K blocks) 0.74 and
-/// 76/100. The tiny random model amplifies weight noise: per-matrix Q8_0 errors are 0.4%.
-const QUANT_BOUNDS: [(&str, f32, f32); 3] = [("q8_0", 0.12, 0.95), ("q4_0", 1.0, 0.5), ("q4_k_m", 1.0, 0.6)];
+/// `quantized_ggufs_match_transformers_on_their_weights`), which quantize the activations to
+/// 8 bits in prefill too, as llama.cpp does: Q8_0 0.138 and 96/100 (6.5e-2 and 99/100 when
+/// the 97-token prompt's prefill took f32 activations), Q4_0 0.70 and 65/100, Q4_K_M
+/// (Q5_0/Q8_0 rows here: 64-wide rows are not whole Q4_K blocks) 0.74 and 76/100. The tiny
+/// random model amplifies weight noise: per-matrix Q8_0 errors are 0.4%.
+const QUANT_BOUNDS: [(&str, f32, f32); 3] = [("q8_0", 0.2, 0.95), ("q4_0", 1.0, 0.5), ("q4_k_m", 1.0, 0.6)];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")

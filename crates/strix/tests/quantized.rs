@@ -4,13 +4,15 @@
 //!
 //! Tolerances are max |Δ| / max |ref| over every logit of a prompt, against a reference that
 //! runs the same quantized weights dequantized to f32 with the activations rounded as the
-//! kernels round them (`FakeQuant`; see `VS_FAKE_QUANT` for the bound); the kernels alone are
-//! checked to 1e-5 in `backend::cpu::qmatmul`. The figures reached are printed.
+//! kernels round them (`FakeQuant`; see `VS_FAKE_QUANT` for one token, and
+//! `VS_FAKE_QUANT_INT8_PROMPT` for whole prompts, where 8-bit rounding flips accumulate); the
+//! kernels alone are checked to 1e-5 in `backend::cpu::qmatmul`. The figures reached are
+//! printed.
 
 mod common;
 
 use common::{argmax, cases, fixtures, rel_err};
-use strix::backend::cpu::{qmatmul, CpuBackend, CpuWeight};
+use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::Backend;
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{Logits, Model};
@@ -118,9 +120,8 @@ impl Backend for FakeQuant {
         self.0.embed(&table.0, ids, dim, out)
     }
     fn matmul(&self, x: &Vec<f32>, tokens: usize, w: &FakeWeight, out: &mut Vec<f32>) {
-        // Prefill-sized products go through dequantized tiles with f32 activations.
-        let block = if tokens >= qmatmul::GEMM_MIN_TOKENS { 0 } else { w.1 };
-        self.fake_matmul(x, tokens, w, block, out)
+        // Prefill too takes the int8 kernels, whatever the token count.
+        self.fake_matmul(x, tokens, w, w.1, out)
     }
     fn matmul_rows(&self, x: &Vec<f32>, tokens: usize, w: &FakeWeight, out: &mut Vec<f32>) {
         self.fake_matmul(x, tokens, w, w.1, out)
@@ -129,17 +130,18 @@ impl Backend for FakeQuant {
     common::delegate_activation_ops_to_cpu!(0);
 }
 
-/// Logits of the quantized model vs [`FakeQuant`] over the same quantized weights: f32
-/// summation order apart, the same arithmetic (reached: 1e-7 … 6e-6, printed). The bound
+/// Logits of one token of the quantized model vs [`FakeQuant`] over the same quantized
+/// weights: f32 summation order apart, the same arithmetic (reached: 1.2e-7 … 3.3e-7). The bound
 /// leaves room for an activation that lies within f32 rounding of an 8-bit rounding boundary
 /// and lands on the other side in one of the two: these tiny random models amplify any
 /// perturbation ~30× (the bf16 → Q8_0 change of the weights alone moves their logits by
 /// 5–15 %), so one such flip can show as 1e-3. A wrong block, row or scale is O(1).
 const VS_FAKE_QUANT: f32 = 1e-3;
 
-/// The same over a prompt fed in short pieces, all through the int8 kernels: 8-bit rounding
-/// of ~70 × 256-wide activation rows per matmul makes a boundary flip likely (reached
-/// 5e-3 … 2e-2 on the k-quant shape), so this only catches gross errors.
+/// The same over a whole prompt (every prefill goes through the int8 kernels): 8-bit rounding
+/// of ~70–100 activation rows per matmul makes a boundary flip likely (reached 5e-3 … 2e-2
+/// on the k-quant shape and the fixtures), so this only catches gross errors; the kernels
+/// themselves are checked exactly in `backend::cpu::qmatmul`'s tests.
 const VS_FAKE_QUANT_INT8_PROMPT: f32 = 1e-1;
 
 /// Every fixture under every scheme: the weights really are quantized, prompt logits match
@@ -173,10 +175,21 @@ fn fixtures_run_quantized() {
                 &q.forward(&mut sq, &[next], Logits::Last).unwrap(),
                 &fake.forward(&mut sf, &[next], Logits::Last).unwrap(),
             );
+            // One token from a fresh session: no earlier flips to inherit.
+            let one = rel_err(
+                &q.forward(&mut q.new_session(8), &case.ids[..1], Logits::All).unwrap(),
+                &fake.forward(&mut fake.new_session(8), &case.ids[..1], Logits::All).unwrap(),
+            );
+            assert!(one <= VS_FAKE_QUANT, "{name} {scheme}: first token {one:.2e}");
             let vs_float = rel_err(&got, &base);
-            println!("{name} {scheme}: vs fake-quant prompt {e:.2e} decode {d:.2e}; vs float weights {vs_float:.2e}");
+            println!(
+                "{name} {scheme}: vs fake-quant first token {one:.2e} prompt {e:.2e} decode {d:.2e}; \
+                 vs float weights {vs_float:.2e}"
+            );
             assert!(vs_float > 0.0, "{name} {scheme}: identical to the float model");
-            assert!(e <= VS_FAKE_QUANT && d <= VS_FAKE_QUANT, "{name} {scheme}: {e:.2e} / {d:.2e}");
+            // The decode step starts from the prompt's state, so it inherits the prompt's flips.
+            assert!(e <= VS_FAKE_QUANT_INT8_PROMPT, "{name} {scheme}: prompt {e:.2e}");
+            assert!(d <= VS_FAKE_QUANT_INT8_PROMPT, "{name} {scheme}: decode {d:.2e}");
         }
     }
 }
@@ -200,9 +213,9 @@ fn k_quants_end_to_end() {
         let want = fake.forward(&mut fake.new_session(128), &ids, Logits::All).unwrap();
         let e = rel_err(&got, &want);
         println!("k-quant shape {scheme}: prompt logits vs fake-quant {e:.2e}");
-        assert!(e <= VS_FAKE_QUANT, "{scheme}: {e:.2e}");
-        // The same tokens fed in pieces below the prefill threshold (int8 tiles of four, and
-        // single tokens), against the reference fed the same pieces.
+        assert!(e <= VS_FAKE_QUANT_INT8_PROMPT, "{scheme}: {e:.2e}");
+        // The same tokens fed in pieces (int8 tiles of four, and single tokens), against the
+        // reference fed the same pieces.
         let e = rel_err(&split_forward(&q, &ids), &split_forward(&fake, &ids));
         println!("k-quant shape {scheme}: split prefill vs fake-quant {e:.2e}");
         assert!(e <= VS_FAKE_QUANT_INT8_PROMPT, "{scheme}: split prefill {e:.2e}");
@@ -295,7 +308,10 @@ fn perplexity_and_kl_over_real_forward_passes() {
     let same = ppl::kl_divergence(&model, &base, 512, |_, _| {}).unwrap().report();
     println!("self KL {:.3e}, top-1 {:.1}%", same.kld.0, 100.0 * same.same_top.0);
     assert_eq!(same.count, 45);
-    assert!(same.kld.0.abs() < 1e-6, "{:?}", same.kld);
+    // Not exactly 0: the base was written from passes of 7 tokens, this run takes whole
+    // windows (other delta-rule chunk boundaries, so other f32 rounding; reached 1.0e-6),
+    // and the base file holds log-probs rounded to 16 bits. Quantized runs give >= 1e-3.
+    assert!(same.kld.0.abs() < 1e-5, "{:?}", same.kld);
     assert_eq!(same.same_top.0, 1.0);
     assert!((same.ppl.0 / stats.ppl() - 1.0).abs() < 1e-5);
 

@@ -11,8 +11,8 @@
 
 use rayon::prelude::*;
 
-use super::simd::{axpy, dot, scale};
-use super::{sigmoid, silu};
+use super::sigmoid;
+use super::simd::{axpy, decay_and_read, dot, scale, silu_in_place, update_and_read, Isa};
 use crate::backend::DeltaNetShape;
 
 /// Tokens per chunk of the chunked form (the reference's `chunk_size`).
@@ -32,38 +32,39 @@ pub fn causal_conv1d_silu(
     assert_eq!(qkv.len(), tokens * channels);
     assert_eq!(weight.len(), channels * k);
     assert_eq!(state.len(), channels * hist);
-    let raw = qkv.to_vec();
-    // Input j steps back from token t: the raw input, or the carried state before the call.
-    let input = |t: usize, back: usize, c: usize| -> f32 {
-        if back <= t {
-            raw[(t - back) * channels + c]
-        } else {
-            state[c * hist + (hist - (back - t))]
-        }
-    };
-    qkv.par_chunks_mut(channels).enumerate().for_each(|(t, row)| {
-        for (c, out) in row.iter_mut().enumerate() {
-            let w = &weight[c * k..(c + 1) * k];
-            let mut acc = 0.0f32;
-            for (j, &wj) in w.iter().enumerate() {
-                acc += wj * input(t, k - 1 - j, c);
-            }
-            *out = silu(acc);
-        }
-    });
-    // The new state is the last `hist` inputs, old state included when the run was short.
-    let mut next = vec![0.0f32; state.len()];
+    // Every input the taps reach, as rows: the `hist` carried ones, then the new ones. Tap `j`
+    // of token `t` reads row `t + j`.
+    let mut x = vec![0.0f32; (hist + tokens) * channels];
     for c in 0..channels {
         for i in 0..hist {
-            let back = hist - i; // 1 = the newest input
-            next[c * hist + i] = if back <= tokens {
-                raw[(tokens - back) * channels + c]
-            } else {
-                state[c * hist + (hist - (back - tokens))]
-            };
+            x[i * channels + c] = state[c * hist + i];
         }
     }
-    state.copy_from_slice(&next);
+    x[hist * channels..].copy_from_slice(qkv);
+    // The weights tap-major, so that each tap is a contiguous row over the channels.
+    let mut taps = vec![0.0f32; k * channels];
+    for c in 0..channels {
+        for j in 0..k {
+            taps[j * channels + c] = weight[c * k + j];
+        }
+    }
+    let isa = Isa::detect();
+    qkv.par_chunks_mut(channels).enumerate().for_each(|(t, row)| {
+        // The same sum as one accumulator per channel taking the taps in order.
+        row.fill(0.0);
+        for (j, w) in taps.chunks_exact(channels).enumerate() {
+            for ((o, &w), &x) in row.iter_mut().zip(w).zip(&x[(t + j) * channels..(t + j + 1) * channels]) {
+                *o += w * x;
+            }
+        }
+        silu_in_place(isa, row);
+    });
+    // The new state is the last `hist` input rows (old state included when the run was short).
+    for c in 0..channels {
+        for i in 0..hist {
+            state[c * hist + i] = x[(tokens + i) * channels + c];
+        }
+    }
 }
 
 /// The per-token, per-head quantities of the delta rule, laid out head-major so each head's
@@ -196,6 +197,7 @@ fn for_each_head(
 pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
     let tokens = inputs.tokens;
+    let isa = Isa::detect();
     for_each_head(shape, tokens, state, out, |h, s, o| {
         let x = inputs.head(shape, h);
         let mut kv_mem = vec![0.0f32; dv];
@@ -207,8 +209,7 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
             let decay = x.g[t].exp();
             kv_mem.fill(0.0);
             for (i, row) in s.chunks_mut(dv).enumerate() {
-                scale(row, decay);
-                axpy(&mut kv_mem, k[i], row);
+                decay_and_read(isa, row, decay, k[i], &mut kv_mem);
             }
             for ((d, &v), &m) in delta.iter_mut().zip(v).zip(&kv_mem) {
                 *d = (v - m) * x.beta[t];
@@ -216,14 +217,61 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
             let ot = &mut o[t * dv..(t + 1) * dv];
             ot.fill(0.0);
             for (i, row) in s.chunks_mut(dv).enumerate() {
-                axpy(row, k[i], &delta);
-                axpy(ot, q[i], row);
+                update_and_read(isa, row, k[i], &delta, q[i], ot);
             }
         }
     });
 }
 
-/// The delta rule in chunks of [`CHUNK`] tokens (`torch_chunk_gated_delta_rule`).
+/// `dst = alpha · dst + beta · lhs · rhs` (`dst` not read when `read_dst` is false) for an
+/// `m × n` row-major `dst` with row stride `ldd`; `lhs` element `(i, p)` is at
+/// `i · lrs + p · lcs`, `rhs` element `(p, j)` at `p · rrs + j · rcs`. Single-threaded: the
+/// heads already run in parallel.
+#[allow(clippy::too_many_arguments)]
+fn mm(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    ldd: usize,
+    (read_dst, alpha): (bool, f32),
+    (lhs, lrs, lcs): (&[f32], usize, usize),
+    (rhs, rrs, rcs): (&[f32], usize, usize),
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(k > 0 && n <= ldd && dst.len() >= (m - 1) * ldd + n, "mm: dst");
+    assert!(lhs.len() > (m - 1) * lrs + (k - 1) * lcs, "mm: lhs");
+    assert!(rhs.len() > (k - 1) * rrs + (n - 1) * rcs, "mm: rhs");
+    // SAFETY: the asserts above keep every element the strides reach inside its slice, and
+    // `dst` is borrowed mutably, apart from `lhs` and `rhs`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ldd as isize,
+            read_dst,
+            lhs.as_ptr(),
+            lcs as isize,
+            lrs as isize,
+            rhs.as_ptr(),
+            rcs as isize,
+            rrs as isize,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The delta rule in chunks of [`CHUNK`] tokens (`torch_chunk_gated_delta_rule`), its
+/// products of whole chunks as small matrix multiplications.
 pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
     let tokens = inputs.tokens;
@@ -233,8 +281,7 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
         let mut a = vec![0.0f32; CHUNK * CHUNK];
         let mut u = vec![0.0f32; CHUNK * dv];
         let mut w = vec![0.0f32; CHUNK * dk];
-        let mut kbeta = vec![0.0f32; dk];
-        let mut qs = vec![0.0f32; dk];
+        let mut kb = vec![0.0f32; CHUNK * dk];
         for start in (0..tokens).step_by(CHUNK) {
             let len = CHUNK.min(tokens - start);
             let q = &x.q[start * dk..(start + len) * dk];
@@ -248,11 +295,14 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
             }
             // A[i][j] = (β_i k_i · k_j) exp(γ_i − γ_j) for j < i.
             for i in 0..len {
-                for (kb, &ki) in kbeta.iter_mut().zip(&k[i * dk..(i + 1) * dk]) {
+                for (kb, &ki) in kb[i * dk..(i + 1) * dk].iter_mut().zip(&k[i * dk..(i + 1) * dk]) {
                     *kb = ki * beta[i];
                 }
+            }
+            mm((len, len, dk), &mut a, CHUNK, (false, 0.0), (&kb, dk, 1), (k, 1, dk), 1.0);
+            for i in 0..len {
                 for j in 0..i {
-                    a[i * CHUNK + j] = dot(&kbeta, &k[j * dk..(j + 1) * dk]) * (cum[i] - cum[j]).exp();
+                    a[i * CHUNK + j] *= (cum[i] - cum[j]).exp();
                 }
             }
             // Forward substitution through the unit lower-triangular (I + A):
@@ -276,40 +326,33 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
                 }
             }
             // v' = U − W S, in place in `u`.
+            mm((len, dv, dk), &mut u, dv, (true, 1.0), (&w, dk, 1), (s, dv, 1), -1.0);
+            // o = (q exp(γ)) S + (q kᵀ ⊙ exp(γ_i − γ_j))_{j≤i} v'; `w` and `a` are free now.
             for i in 0..len {
-                let ui = &mut u[i * dv..(i + 1) * dv];
-                for (r, row) in s.chunks(dv).enumerate() {
-                    axpy(ui, -w[i * dk + r], row);
-                }
-            }
-            // o_i = (q_i exp(γ_i)) S + Σ_{j≤i} (q_i · k_j) exp(γ_i − γ_j) v'_j
-            for i in 0..len {
-                let oi = &mut o[(start + i) * dv..(start + i + 1) * dv];
-                oi.fill(0.0);
                 let e = cum[i].exp();
-                for (qv, &qi) in qs.iter_mut().zip(&q[i * dk..(i + 1) * dk]) {
-                    *qv = qi * e;
-                }
-                for (r, row) in s.chunks(dv).enumerate() {
-                    axpy(oi, qs[r], row);
-                }
-                let qi = &q[i * dk..(i + 1) * dk];
-                for j in 0..=i {
-                    let c = dot(qi, &k[j * dk..(j + 1) * dk]) * (cum[i] - cum[j]).exp();
-                    axpy(oi, c, &u[j * dv..(j + 1) * dv]);
+                for (qe, &qi) in w[i * dk..(i + 1) * dk].iter_mut().zip(&q[i * dk..(i + 1) * dk]) {
+                    *qe = qi * e;
                 }
             }
-            // S ← S exp(γ_L) + Σ_j (k_j exp(γ_L − γ_j)) ⊗ v'_j
+            let oc = &mut o[start * dv..(start + len) * dv];
+            mm((len, dv, dk), oc, dv, (false, 0.0), (&w, dk, 1), (s, dv, 1), 1.0);
+            mm((len, len, dk), &mut a, CHUNK, (false, 0.0), (q, dk, 1), (k, 1, dk), 1.0);
+            for i in 0..len {
+                for j in 0..len {
+                    let p = &mut a[i * CHUNK + j];
+                    *p = if j <= i { *p * (cum[i] - cum[j]).exp() } else { 0.0 };
+                }
+            }
+            mm((len, dv, len), oc, dv, (true, 1.0), (&a, CHUNK, 1), (&u, dv, 1), 1.0);
+            // S ← S exp(γ_L) + (k exp(γ_L − γ))ᵀ v'
             let last = cum[len - 1];
-            scale(s, last.exp());
             for j in 0..len {
                 let e = (last - cum[j]).exp();
-                let kj = &k[j * dk..(j + 1) * dk];
-                let vj = &u[j * dv..(j + 1) * dv];
-                for (r, row) in s.chunks_mut(dv).enumerate() {
-                    axpy(row, kj[r] * e, vj);
+                for (kb, &kj) in kb[j * dk..(j + 1) * dk].iter_mut().zip(&k[j * dk..(j + 1) * dk]) {
+                    *kb = kj * e;
                 }
             }
+            mm((dk, dv, len), s, dv, (true, last.exp()), (&kb, 1, dk), (&u, dv, 1), 1.0);
         }
     });
 }
@@ -397,7 +440,8 @@ mod tests {
         assert_eq!(st, st2);
         // Token 0 sees only itself: silu(w[c][3] * x0[c]).
         for ch in 0..c {
-            let expect = silu(w[ch * 4 + 3] * x[ch]);
+            let v = w[ch * 4 + 3] * x[ch];
+            let expect = v / (1.0 + (-v).exp());
             assert!((whole[ch] - expect).abs() < 1e-6);
         }
     }

@@ -1,11 +1,14 @@
 //! The CPU backend: f32 arithmetic on all cores (rayon), SIMD kernels in [`matmul`] (float
-//! weights), [`qmatmul`] (GGML block formats, integer dot products) and [`simd`], weights read
-//! in place from the memory-mapped checkpoint in their stored dtype, packed blocks included.
+//! weights), [`qmatmul`] / [`qpacked`] (GGML block formats, integer dot products) and
+//! [`simd`]. Float weights are read in place from the memory-mapped checkpoint in their
+//! stored dtype; GGML block weights are repacked at load into groups of eight interleaved
+//! rows ([`qpacked::Packed`]).
 
 pub mod attention;
 pub mod deltanet;
 pub mod matmul;
 pub mod qmatmul;
+pub mod qpacked;
 pub mod simd;
 
 use rayon::prelude::*;
@@ -14,7 +17,7 @@ use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
 use crate::tensor::{Bytes, DType, HostTensor};
 use matmul::WeightRef;
-use qmatmul::QuantRef;
+use qpacked::{Packed, PackedKind};
 
 /// Runs every op on the host CPU.
 #[derive(Clone, Copy, Debug, Default)]
@@ -26,24 +29,27 @@ impl CpuBackend {
     }
 }
 
-/// A `[rows, cols]` matrix kept in its checkpoint dtype (a view into the mapped file), float
-/// or packed GGML blocks.
+/// A `[rows, cols]` matrix: float elements kept in their checkpoint dtype (a view into the
+/// mapped file), or GGML blocks repacked into interleaved row groups.
 pub struct CpuWeight {
     dtype: DType,
     rows: usize,
     cols: usize,
     bytes: Bytes,
+    packed: Option<Packed>,
 }
 
 impl CpuWeight {
     /// The matrix as the matmul kernels take it.
     pub fn kernel_view(&self) -> KernelRef<'_> {
+        if let Some(p) = &self.packed {
+            return KernelRef::Quant(p);
+        }
         let b = self.bytes.as_slice();
         match self.dtype {
-            DType::Q8_0 => KernelRef::Quant(QuantRef::Q8_0(b)),
-            DType::Q4_0 => KernelRef::Quant(QuantRef::Q4_0(b)),
-            DType::Q4_K => KernelRef::Quant(QuantRef::Q4_K(b)),
-            DType::Q6_K => KernelRef::Quant(QuantRef::Q6_K(b)),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
+                unreachable!("CpuBackend::weight packs every block format")
+            }
             // SAFETY: `CpuBackend::weight` checked the length and `Bytes::aligned` the
             // alignment for the element type; safetensors data is little-endian, as are the
             // hosts we build for.
@@ -76,7 +82,7 @@ impl CpuWeight {
 #[derive(Clone, Copy)]
 pub enum KernelRef<'a> {
     Float(WeightRef<'a>),
-    Quant(QuantRef<'a>),
+    Quant(&'a Packed),
 }
 
 #[cfg(not(target_endian = "little"))]
@@ -90,10 +96,6 @@ fn rows_per_task(dim: usize) -> usize {
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
     let ss = simd::dot(x, x);
     1.0 / (ss / x.len() as f32 + eps).sqrt()
-}
-
-pub(crate) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 pub(crate) fn sigmoid(x: f32) -> f32 {
@@ -110,7 +112,24 @@ impl Backend for CpuBackend {
 
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CpuWeight> {
         t.check_matrix(rows, cols)?;
-        Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.align()) })
+        let kind = match t.dtype {
+            DType::Q8_0 => Some(PackedKind::Q8_0),
+            DType::Q4_0 => Some(PackedKind::Q4_0),
+            DType::Q4_K => Some(PackedKind::Q4_K),
+            DType::Q6_K => Some(PackedKind::Q6_K),
+            DType::BF16 | DType::F16 | DType::F32 => None,
+        };
+        if let Some(kind) = kind {
+            let packed = Packed::pack(kind, t.bytes.as_slice(), rows, cols);
+            return Ok(CpuWeight {
+                dtype: t.dtype,
+                rows,
+                cols,
+                bytes: Bytes::owned(&[]),
+                packed: Some(packed),
+            });
+        }
+        Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.align()), packed: None })
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {
@@ -130,7 +149,7 @@ impl Backend for CpuBackend {
     }
 
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
-        w.bytes.len()
+        w.packed.as_ref().map_or(w.bytes.len(), |p| p.bytes())
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
@@ -138,7 +157,7 @@ impl Backend for CpuBackend {
         let view = table.kernel_view();
         out[..ids.len() * dim].par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(row, &id)| match view {
             KernelRef::Float(w) => matmul::row_to_f32(w, dim, id as usize, row),
-            KernelRef::Quant(w) => qmatmul::row_to_f32(w, dim, id as usize, row),
+            KernelRef::Quant(w) => qmatmul::row_to_f32(w, id as usize, row),
         });
     }
 
@@ -146,7 +165,7 @@ impl Backend for CpuBackend {
         let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
         match w.kernel_view() {
             KernelRef::Float(v) => matmul::matmul(x, tokens, v, w.rows, w.cols, out),
-            KernelRef::Quant(v) => qmatmul::matmul(x, tokens, v, w.rows, w.cols, out),
+            KernelRef::Quant(v) => qmatmul::matmul(x, tokens, v, out),
         }
     }
 
@@ -154,7 +173,7 @@ impl Backend for CpuBackend {
         let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
         match w.kernel_view() {
             KernelRef::Float(v) => matmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
-            KernelRef::Quant(v) => qmatmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
+            KernelRef::Quant(v) => qmatmul::matmul_rows(x, tokens, v, out),
         }
     }
 
@@ -215,9 +234,7 @@ impl Backend for CpuBackend {
             .zip(gate[..len].par_chunks(16384))
             .zip(up[..len].par_chunks(16384))
             .for_each(|((o, g), u)| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = silu(g) * u;
-                }
+                simd::swiglu(simd::Isa::detect(), g, u, o);
             });
     }
 
@@ -311,9 +328,7 @@ impl Backend for CpuBackend {
         x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
             for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {
                 let s = rms_scale(x, eps);
-                for ((x, &z), &w) in x.iter_mut().zip(z).zip(weight) {
-                    *x = w * (*x * s) * silu(z);
-                }
+                simd::gated_scale(simd::Isa::detect(), x, z, weight, s);
             }
         });
     }
