@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 use strix::checkpoint::Checkpoint;
 use strix::config::ModelConfig;
 use strix::model::{Logits, Model};
-use strix::sampling::argmax;
+use strix::sampling::{argmax, Sampler, SamplingParams};
 use strix::session::Session;
 use strix::synthetic::{preset, SyntheticWeights, PRESETS};
 
@@ -113,6 +113,12 @@ pub struct BenchArgs {
     /// the CPU]
     #[arg(long, value_name = "N,..")]
     pub batches: Option<SizeList>,
+
+    /// Also time batch-1 decode with sampling at each --contexts length, as Qwen3.5's
+    /// generation config samples (temperature 0.6, top-k 20, top-p 0.95): the draw finished
+    /// next to the logits (only ids come back), and with the logits copied to the host
+    #[arg(long)]
+    pub sampled: bool,
 
     /// Prompt tokens each sequence of a --batches measurement is prefilled with
     #[arg(long, value_name = "N", default_value_t = 128)]
@@ -341,14 +347,23 @@ fn bench_with<B: DeviceInfo>(
     }
     let mut decode_sweep = Vec::new();
     for &ctx in &plan.contexts {
-        let m = decode_runs(&model, 1, ctx, args.gen, args.repeats, &mut peak)?;
+        let m = decode_runs(&model, 1, ctx, args.gen, args.repeats, Draw::Greedy, &mut peak)?;
         note(format!("decode at context {ctx}: {:.2} tok/s", m.median()));
         decode_sweep.push((ctx, m));
+    }
+    let mut sampled_sweep = Vec::new();
+    for &ctx in plan.contexts.iter().filter(|_| args.sampled) {
+        for draw in [Draw::Prepared, Draw::Host] {
+            let m = decode_runs(&model, 1, ctx, args.gen, args.repeats, draw, &mut peak)?;
+            note(format!("sampled decode ({draw:?}) at context {ctx}: {:.2} tok/s", m.median()));
+            sampled_sweep.push((ctx, draw, m));
+        }
     }
     let batch_kernels = model.backend().tune_for_single_stream(false);
     let mut batch_sweep = Vec::new();
     for &batch in &plan.batches {
-        let m = decode_runs(&model, batch, args.batch_context, args.gen, args.repeats, &mut peak)?;
+        let m =
+            decode_runs(&model, batch, args.batch_context, args.gen, args.repeats, Draw::Greedy, &mut peak)?;
         note(format!("batch {batch} at context {}: {:.1} tok/s", args.batch_context, m.median()));
         batch_sweep.push((batch, m));
     }
@@ -410,6 +425,15 @@ fn bench_with<B: DeviceInfo>(
             "runs": m.runs,
             "paths": paths_json(m),
         })).collect::<Vec<_>>(),
+        "sampled": sampled_sweep.iter().map(|(ctx, draw, m)| json!({
+            "context": ctx,
+            "draw": if *draw == Draw::Prepared { "device" } else { "host" },
+            "sampling": qwen_sampling(),
+            "tok_s": m.median(),
+            "ms_per_token": 1e3 / m.median(),
+            "runs": m.runs,
+            "paths": paths_json(m),
+        })).collect::<Vec<_>>(),
         "batched": batch_sweep.iter().map(|(batch, m)| json!({
             "batch": batch,
             "context": args.batch_context,
@@ -444,7 +468,9 @@ fn bench_with<B: DeviceInfo>(
     row("prefill", format!("{prefill_tok_s:.1} tok/s (median of {})", args.repeats));
     row("decode", format!("{decode_tok_s:.2} tok/s (median of {})", args.repeats));
     paths_row(&headline);
-    row("kernels", format!("{single_kernels} for one sequence, {batch_kernels} for --batches"));
+    if single_kernels != batch_kernels {
+        row("kernels", format!("{single_kernels} for one sequence, {batch_kernels} for --batches"));
+    }
     row("weights read per token", human_bytes(bytes_per_token as f64));
     match (bandwidth, roofline_pct(decode_tok_s)) {
         (Some(bw), Some(pct)) => {
@@ -465,6 +491,16 @@ fn bench_with<B: DeviceInfo>(
             &format!("decode at context {ctx}"),
             format!("{t:.2} tok/s, {:.3} ms/token{}", 1e3 / t, pct(roofline_pct(t))),
         );
+        paths_row(m);
+    }
+    for (ctx, draw, m) in &sampled_sweep {
+        let t = m.median();
+        let place = if *draw == Draw::Prepared {
+            "draw finished by the backend"
+        } else {
+            "logits copied to the sampler"
+        };
+        row(&format!("sampled at context {ctx}"), format!("{t:.2} tok/s, {:.3} ms/token ({place})", 1e3 / t));
         paths_row(m);
     }
     for (batch, m) in &batch_sweep {
@@ -548,12 +584,30 @@ fn prefill_runs<B: DeviceInfo>(
 /// Aggregate decode speeds of `batch` sequences, each prefilled (untimed) with `context`
 /// pseudo-random tokens of its own, then stepped greedily together: `repeats` timed runs of
 /// `gen` steps after [`WARM_STEPS`] untimed ones, through `Model::decode_batch_greedy`.
+/// How a decode measurement picks its tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Draw {
+    /// Greedy, on the device (`strix run --temperature 0`).
+    Greedy,
+    /// Sampled, the draw finished next to the logits (`Model::decode_batch_prepared`).
+    Prepared,
+    /// Sampled, the logits copied to the host and drawn there (`Model::decode_batch`).
+    Host,
+}
+
+/// The sampling of `--sampled`: Qwen3.5's `generation_config.json`, seeded.
+fn qwen_sampling() -> SamplingParams {
+    SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, seed: Some(SEED), ..SamplingParams::default() }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn decode_runs<B: DeviceInfo>(
     model: &Model<B>,
     batch: usize,
     context: usize,
     gen: usize,
     repeats: usize,
+    draw: Draw,
     peak: &mut PeakMemory,
 ) -> Result<Measured> {
     let vocab = model.config.vocab_size;
@@ -565,8 +619,35 @@ fn decode_runs<B: DeviceInfo>(
         next.push(argmax(&model.forward(session, &prompt, Logits::Last)?));
     }
     let mut refs: Vec<&mut Session<B>> = sessions.iter_mut().collect();
-    // Greedy steps, each token picked on the device (only ids come back).
-    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> { Ok(model.decode_batch_greedy(&mut refs, tokens)?) };
+    let mut samplers: Vec<Sampler> =
+        (0..batch).map(|_| Sampler::new(qwen_sampling())).collect::<strix::Result<_>>()?;
+    let mut generated: Vec<Vec<u32>> = vec![Vec::new(); batch];
+    let mut step = |tokens: &[u32]| -> Result<Vec<u32>> {
+        let ids = match draw {
+            Draw::Greedy => model.decode_batch_greedy(&mut refs, tokens)?,
+            Draw::Prepared => {
+                let rows: Vec<_> = samplers
+                    .iter_mut()
+                    .zip(&generated)
+                    .map(|(s, g)| s.prepare(&[], g).expect("top-k 20 is prepared"))
+                    .collect();
+                model.decode_batch_prepared(&mut refs, tokens, &rows)?
+            }
+            Draw::Host => {
+                let mut logits = model.decode_batch(&mut refs, tokens)?;
+                samplers
+                    .iter_mut()
+                    .zip(logits.chunks_mut(vocab))
+                    .zip(&generated)
+                    .map(|((s, row), g)| s.sample(row, &[], g))
+                    .collect()
+            }
+        };
+        for (g, &id) in generated.iter_mut().zip(&ids) {
+            g.push(id);
+        }
+        Ok(ids)
+    };
     for _ in 0..WARM_STEPS {
         next = step(&next)?;
     }
