@@ -275,10 +275,21 @@ pub trait Backend: Send + Sync {
         states: &mut [&mut Self::Buf],
         out: &mut Self::Buf,
     ) {
-        self.causal_conv1d_silu_rows(shape, qkv, conv_weight, convs);
-        self.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
-        let rows = states.len() * shape.num_v_heads;
-        self.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
+        deltanet_decode_each(
+            self,
+            shape,
+            qkv,
+            z,
+            a,
+            b,
+            conv_weight,
+            a_log,
+            dt_bias,
+            norm,
+            convs,
+            states,
+            out,
+        );
     }
 
     /// The gated delta rule over `tokens` tokens, from the convolved `qkv`, the raw `a` and `b`
@@ -371,6 +382,30 @@ pub trait Backend: Send + Sync {
         positions: &[usize],
         out: &mut Self::Buf,
     );
+}
+
+/// [`Backend::deltanet_decode_rows`] as its three ops: the default, and a backend's fallback
+/// for shapes its fused kernel does not take.
+#[allow(clippy::too_many_arguments)]
+pub fn deltanet_decode_each<B: Backend + ?Sized>(
+    be: &B,
+    shape: &DeltaNetShape,
+    qkv: &mut B::Buf,
+    z: &B::Buf,
+    a: &B::Buf,
+    b: &B::Buf,
+    conv_weight: &B::Buf,
+    a_log: &B::Buf,
+    dt_bias: &B::Buf,
+    norm: &B::Buf,
+    convs: &mut [&mut B::Buf],
+    states: &mut [&mut B::Buf],
+    out: &mut B::Buf,
+) {
+    be.causal_conv1d_silu_rows(shape, qkv, conv_weight, convs);
+    be.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
+    let rows = states.len() * shape.num_v_heads;
+    be.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
 }
 
 /// [`Backend::matmul_many`] one product at a time: the default, and a backend's fallback for

@@ -135,6 +135,34 @@ struct MmaSegs {
     split_log2: [i32; MAX_SEGMENTS],
 }
 
+/// The `block_end` of a fused GEMV's segment table (matmul.cu, quant.cu) for segments of
+/// `blocks` row blocks each: where each segment's blocks end along the grid, the unused
+/// segments ending where the last one does so that no block looks past it; and the total.
+pub(super) fn segment_ends(blocks: impl IntoIterator<Item = usize>) -> ([i32; MAX_SEGMENTS], usize) {
+    let mut ends = [0i32; MAX_SEGMENTS];
+    let mut end = 0usize;
+    let mut used = 0;
+    for (j, n) in blocks.into_iter().enumerate() {
+        end += n;
+        ends[j] = end as i32;
+        used = j + 1;
+    }
+    ends[used..].fill(end as i32);
+    (ends, end)
+}
+
+/// Every output of a fused GEMV holds `[tokens, rows]` of its weight.
+pub(super) fn check_segment_outputs(ws: &[&CudaWeight], outs: &[&mut CudaBuf], tokens: usize) {
+    for (j, (w, out)) in ws.iter().zip(outs).enumerate() {
+        assert!(
+            out.len() >= tokens * w.rows(),
+            "matmul_many_rows: out {j} holds {} floats, not [{tokens}, {}]",
+            out.len(),
+            w.rows()
+        );
+    }
+}
+
 /// Warps that share a 16-row tile of the tensor-core GEMV, as log2 (1 to 8 warps, each taking
 /// every S-th 32-column step of K): one, unless the matrix has too few row tiles to give every
 /// SM 16 warps. It depends on the shape alone: it fixes each output's order of summation, which
@@ -396,24 +424,14 @@ impl Kernels {
             rows: [0; MAX_SEGMENTS],
             block_end: [0; MAX_SEGMENTS],
         };
-        let mut end = 0usize;
+        check_segment_outputs(ws, outs, tokens);
         for (j, (w, out)) in ws.iter().zip(outs.iter()).enumerate() {
-            assert!(
-                out.len() >= tokens * w.rows(),
-                "matmul_many_rows: out {j} holds {} floats, not [{tokens}, {}]",
-                out.len(),
-                w.rows()
-            );
-            end += w.rows().div_ceil(rows_per_block);
             segs.w[j] = w.ptr();
             segs.out[j] = out.ptr();
             segs.rows[j] = w.rows() as i32;
-            segs.block_end[j] = end as i32;
         }
-        // Unused segments end where the last one does, so no block looks past it.
-        for j in ws.len()..MAX_SEGMENTS {
-            segs.block_end[j] = end as i32;
-        }
+        let end;
+        (segs.block_end, end) = segment_ends(ws.iter().map(|w| w.rows().div_ceil(rows_per_block)));
         let (table, nt, name) = if tokens == 1 {
             (&self.gemv_multi, 1, "gemv_multi")
         } else {
@@ -448,26 +466,19 @@ impl Kernels {
             block_end: [0; MAX_SEGMENTS],
             split_log2: [0; MAX_SEGMENTS],
         };
-        let mut end = 0usize;
+        check_segment_outputs(ws, outs, tokens);
         for (j, (w, out)) in ws.iter().zip(outs.iter()).enumerate() {
-            assert!(
-                out.len() >= tokens * w.rows(),
-                "matmul_many_rows: out {j} holds {} floats, not [{tokens}, {}]",
-                out.len(),
-                w.rows()
-            );
-            let split = mma_split_log2(w.rows(), self.sm_count);
-            end += Self::mma_row_blocks(w.rows(), split, cfg);
             segs.w[j] = w.ptr();
             segs.out[j] = out.ptr();
             segs.rows[j] = w.rows() as i32;
-            segs.block_end[j] = end as i32;
-            segs.split_log2[j] = split as i32;
+            segs.split_log2[j] = mma_split_log2(w.rows(), self.sm_count) as i32;
         }
-        // Unused segments end where the last one does, so no block looks past it.
-        for j in ws.len()..MAX_SEGMENTS {
-            segs.block_end[j] = end as i32;
-        }
+        let end;
+        (segs.block_end, end) = segment_ends(
+            ws.iter()
+                .zip(segs.split_log2)
+                .map(|(w, split)| Self::mma_row_blocks(w.rows(), split as usize, cfg)),
+        );
         assert!(end <= 65535, "matmul_many_rows: more rows than one tensor-core GEMV launch covers");
         dev.launch(
             "gemv_mma_multi",
@@ -641,5 +652,16 @@ pub(super) fn cublas_gemm_at(
         if let Err(e) = r {
             panic!("cuda: cublasGemmEx ({tokens}x{cols} · {rows}x{cols}ᵀ): {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_ends_accumulate_and_pad_with_the_total() {
+        assert_eq!(segment_ends([3, 5]), ([3, 8, 8, 8], 8));
+        assert_eq!(segment_ends([1, 2, 3, 4]), ([1, 3, 6, 10], 10));
     }
 }

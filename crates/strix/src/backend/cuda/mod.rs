@@ -929,10 +929,21 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         if deltanet::Kernels::decode_cluster(shape).is_none() {
-            self.causal_conv1d_silu_rows(shape, qkv, conv_weight, convs);
-            self.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
-            let rows = states.len() * shape.num_v_heads;
-            return self.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
+            return crate::backend::deltanet_decode_each(
+                self,
+                shape,
+                qkv,
+                z,
+                a,
+                b,
+                conv_weight,
+                a_log,
+                dt_bias,
+                norm,
+                convs,
+                states,
+                out,
+            );
         }
         self.dev.bind();
         self.dn.deltanet_decode_rows(

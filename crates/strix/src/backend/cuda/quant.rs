@@ -163,8 +163,8 @@ pub(super) struct Kernels {
     sm_count: usize,
 }
 
-/// `QG_MAX_SEGS`: weights one fused GEMV launch takes.
-const MAX_SEGMENTS: usize = 4;
+// `QG_MAX_SEGS`: weights one fused GEMV launch takes (as many as the bf16 one).
+use matmul::MAX_SEGMENTS;
 
 /// `QSegs` of `quant.cu`, passed by value.
 #[repr(C)]
@@ -316,19 +316,16 @@ impl Kernels {
                     rows: [0; MAX_SEGMENTS],
                     block_end: [0; MAX_SEGMENTS],
                 };
-                let mut end = 0usize;
                 for (k, &j) in group.iter().enumerate() {
                     let w = ws[j];
-                    end += w.rows().div_ceil(rows_per_block);
                     segs.wq[k] = w.ptr();
                     segs.ws[k] = w.ptr() + (w.rows() * planes(dtype, cols).0) as u64;
                     segs.out[k] = outs[j].ptr();
                     segs.rows[k] = w.rows() as i32;
-                    segs.block_end[k] = end as i32;
                 }
-                for k in group.len()..MAX_SEGMENTS {
-                    segs.block_end[k] = end as i32;
-                }
+                let end;
+                (segs.block_end, end) =
+                    matmul::segment_ends(group.iter().map(|&j| ws[j].rows().div_ceil(rows_per_block)));
                 assert!(end <= 65535, "cuda: {total_rows} rows are past the fused GEMV's grid");
                 let (f, nt) = if tokens > 1 {
                     (&self.gemv_multi_rows[fi][log2], QG_NT)
