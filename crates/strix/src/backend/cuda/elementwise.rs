@@ -40,8 +40,8 @@ struct SampleRow {
     frequency: f32,
 }
 
-/// `SAMPLE_MAX_K` of the kernel.
-const SAMPLE_MAX_K: usize = 1024;
+/// `SAMPLE_MAX_K` of the kernel: the top-k a prepared draw may carry.
+const SAMPLE_MAX_K: usize = crate::sampling::PREPARED_TOP_K_MAX;
 
 /// Threads of a block that reduces over one row of `dim`: about four elements each, so a
 /// single row (decode) is not a long serial loop, up to 1024. A function of `dim` alone, so a
@@ -231,7 +231,7 @@ impl Kernels {
                 row: row as i64,
                 pen_at: (penalties.len() / 2) as i64,
                 pen_count: p.penalties.len() as i32,
-                top_k: q.top_k.min(SAMPLE_MAX_K) as i32,
+                top_k: q.top_k as i32,
                 temperature: q.temperature,
                 top_p: q.top_p,
                 min_p_ln: if q.min_p > 0.0 { q.min_p.ln() } else { f32::NEG_INFINITY },
