@@ -722,6 +722,9 @@ impl Backend for Bf16Reference {
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         self.cpu.weight_bytes(w)
     }
+    fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
+        self.cpu.weight_shape(w)
+    }
     fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
         self.cpu.embed(table, ids, dim, out)
     }
@@ -1090,9 +1093,18 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
     if gpu().is_none() {
         return;
     }
+    // Both GEMV kinds; on the CUDA cores a sequence alone takes the gate/up GEMV with the
+    // SwiGLU in it and a batch the separate ops.
+    for tensor_core in [true, false] {
+        decode_batch_rows_equal_single_decodes(tensor_core);
+    }
+}
+
+fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
     let c = small_real_heads();
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    model.backend().set_tensor_core_gemv(tensor_core);
     let mut rng = Rng(10);
     let prompts: Vec<Vec<u32>> = [5usize, 70, 1, 33]
         .iter()
@@ -1110,11 +1122,13 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
         for (i, s) in alone.iter_mut().enumerate() {
             let one = model.forward(s, &[tokens[i]], Logits::Last).unwrap();
             let row = &logits[i * c.vocab_size..(i + 1) * c.vocab_size];
-            assert_eq!(row, &one[..], "step {step}, sequence {i}");
+            assert_eq!(row, &one[..], "step {step}, sequence {i}, tensor-core GEMV {tensor_core}");
             tokens[i] = argmax(&one);
         }
     }
-    println!("decode batch: {}", model.backend().path_counts());
+    let counts = model.backend().path_counts();
+    println!("decode batch (tensor-core GEMV {tensor_core}): {counts}");
+    assert_eq!(counts.gemv_glu > 0, !tensor_core, "{counts}");
 }
 
 /// A session is checked against free device memory when it is made: one that cannot fit is a
@@ -1155,12 +1169,19 @@ fn recorded_decode_steps_equal_eager_steps_bitwise() {
     if gpu().is_none() {
         return;
     }
+    for tensor_core in [true, false] {
+        recorded_decode_steps_equal_eager_steps(tensor_core);
+    }
+}
+
+fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
     let c = small_real_heads();
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
     let mut rng = Rng(14);
     let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
     let g = model.backend();
+    g.set_tensor_core_gemv(tensor_core);
 
     g.set_graphs(false);
     g.reset_path_counts();
@@ -1296,6 +1317,43 @@ fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
     }
     g.set_tensor_core_gemv(true);
     assert!(g.path_counts().gemv_fused > 0, "{}", g.path_counts());
+}
+
+/// A gated MLP's first half for one token on the CUDA-core GEMVs (`Backend::matmul_glu`: gate
+/// and up in one launch with the SwiGLU in its epilogue) is bitwise the fused gate/up GEMV
+/// followed by `swiglu` - what keeps a batch (which takes those) equal to a sequence decoded
+/// alone - for row counts that split a row over 8, 4, 2 and 1 warps and rows that are not a
+/// multiple of a block's, and within the f32 tolerance of the CPU.
+#[test]
+fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(29);
+    g.set_tensor_core_gemv(false);
+    g.reset_path_counts();
+    let shapes = [(8usize, 1usize), (40, 5), (1024, 17), (1024, 3584), (4096, 300), (4096, 12288)];
+    for &(cols, rows) in &shapes {
+        let (gh, uh) = (rng.vec(rows * cols, 0.1), rng.vec(rows * cols, 0.1));
+        let gpu_w = |v: &[f32]| g.weight(&tensor(DType::BF16, rows, cols, v), rows, cols).unwrap();
+        let cpu_w = |v: &[f32]| cpu.weight(&tensor(DType::BF16, rows, cols, v), rows, cols).unwrap();
+        let (gate, up) = (gpu_w(&gh), gpu_w(&uh));
+        let x = rng.vec(cols, 1.0);
+        let xg = g.upload(&x);
+        let mut ours = poison(&g, rows);
+        g.matmul_glu(&xg, 1, &gate, &up, &mut ours, true);
+        let (mut gt, mut u) = (poison(&g, rows), poison(&g, rows));
+        g.matmul_many(&xg, 1, &[&gate, &up], &mut [&mut gt, &mut u], true);
+        let mut theirs = poison(&g, rows);
+        g.swiglu(&gt, &u, rows, &mut theirs);
+        let what = format!("gate/up {rows}x{cols} + swiglu");
+        assert_eq!(down(&g, &ours), down(&g, &theirs), "{what}");
+        let mut reference = vec![0.0; rows];
+        cpu.matmul_glu(&x, 1, &cpu_w(&gh), &cpu_w(&uh), &mut reference, true);
+        check(&what, &down(&g, &ours), &reference, F32_TOL);
+    }
+    let counts = g.path_counts();
+    g.set_tensor_core_gemv(true);
+    assert_eq!(counts.gemv_glu, shapes.len() as u64, "{counts}");
 }
 
 /// The tensor-core GEMV on awkward shapes (one row, rows not a multiple of the 16-row tile,

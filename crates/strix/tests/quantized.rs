@@ -116,6 +116,9 @@ impl Backend for FakeQuant {
     fn weight_bytes(&self, w: &FakeWeight) -> usize {
         self.0.weight_bytes(&w.0)
     }
+    fn weight_shape(&self, w: &FakeWeight) -> (usize, usize) {
+        self.0.weight_shape(&w.0)
+    }
     fn embed(&self, table: &FakeWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
         self.0.embed(&table.0, ids, dim, out)
     }

@@ -126,6 +126,8 @@ pub trait Backend: Send + Sync {
     }
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
+    /// A weight's `(rows, cols)`.
+    fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 
     // --- decode steps -------------------------------------------------------------------------
 
@@ -194,6 +196,23 @@ pub trait Backend: Send + Sync {
         decode_batch: bool,
     ) {
         matmul_each(self, x, tokens, ws, outs, decode_batch);
+    }
+    /// The first half of a gated MLP: `act = silu(x · gateᵀ) * (x · upᵀ)` (`[tokens, rows]`),
+    /// which a backend may compute in one pass (the SwiGLU in the GEMV's epilogue). The default
+    /// is [`Backend::matmul_many`] into two scratch buffers and [`Backend::swiglu`];
+    /// `decode_batch` as for `matmul_many`, and the result must equal the default's (bitwise
+    /// where the backend's batch invariance depends on it).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_glu(
+        &self,
+        x: &Self::Buf,
+        tokens: usize,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        act: &mut Self::Buf,
+        decode_batch: bool,
+    ) {
+        matmul_glu_each(self, x, tokens, gate, up, act, decode_batch);
     }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
@@ -406,6 +425,23 @@ pub fn deltanet_decode_each<B: Backend + ?Sized>(
     be.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
     let rows = states.len() * shape.num_v_heads;
     be.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
+}
+
+/// [`Backend::matmul_glu`] as [`Backend::matmul_many`] into two scratch buffers and
+/// [`Backend::swiglu`]: the default, and a backend's fallback.
+pub fn matmul_glu_each<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    tokens: usize,
+    gate: &B::Weight,
+    up: &B::Weight,
+    act: &mut B::Buf,
+    decode_batch: bool,
+) {
+    let n = tokens * b.weight_shape(gate).0;
+    let (mut g, mut u) = (b.scratch(n), b.scratch(n));
+    b.matmul_many(x, tokens, &[gate, up], &mut [&mut g, &mut u], decode_batch);
+    b.swiglu(&g, &u, n, act);
 }
 
 /// [`Backend::matmul_many`] one product at a time: the default, and a backend's fallback for

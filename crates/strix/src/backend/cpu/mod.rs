@@ -152,6 +152,10 @@ impl Backend for CpuBackend {
         w.packed.as_ref().map_or(w.bytes.len(), |p| p.bytes())
     }
 
+    fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
     fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
         assert_eq!(table.cols, dim);
         let view = table.kernel_view();

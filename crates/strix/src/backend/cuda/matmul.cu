@@ -41,9 +41,18 @@ __device__ __forceinline__ float dot8(v4u w, const float* x) {
 // batched kernel matches the one-token kernel bit for bit, given the same S).
 #define GEMV_WARPS 8
 
-template <int NT, int S>
-__device__ __forceinline__ void gemv_rows_body(const bf16_t* w, const float* x,
-                                               float* out, int rows, int cols, int tokens, int blk) {
+// Where a row's result goes: `out[t * rows + row]`.
+struct OutStore {
+    float* out;
+    int rows;
+    __device__ __forceinline__ void operator()(int t, i64 row, float v) const { out[(i64)t * rows + row] = v; }
+};
+
+// The body of every CUDA-core GEMV: rows of `w` (one per S warps) against NT tokens of `x`,
+// each row's result handed to `store`.
+template <int NT, int S, class Store>
+__device__ __forceinline__ void gemv_core(const bf16_t* w, const float* x, Store store, int rows, int cols,
+                                          int tokens, int blk) {
     __shared__ float partial[GEMV_WARPS][NT];
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -104,7 +113,7 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* w, const float* x,
     for (int t = 0; t < NT; t++) {
         const float acc = warp_sum(acc0[t] + acc1[t]);
         if (S == 1) {
-            if (live && lane == 0 && t < tokens) out[(i64)t * rows + row] = acc;
+            if (live && lane == 0 && t < tokens) store(t, row, acc);
         } else if (lane == 0) {
             partial[warp][t] = acc;
         }
@@ -115,9 +124,15 @@ __device__ __forceinline__ void gemv_rows_body(const bf16_t* w, const float* x,
             float sum = partial[warp][lane];
 #pragma unroll
             for (int k = 1; k < S; k++) sum += partial[warp + k][lane];
-            out[(i64)lane * rows + row] = sum;
+            store(lane, row, sum);
         }
     }
+}
+
+template <int NT, int S>
+__device__ __forceinline__ void gemv_rows_body(const bf16_t* w, const float* x, float* out, int rows, int cols,
+                                               int tokens, int blk) {
+    gemv_core<NT, S>(w, x, OutStore{out, rows}, rows, cols, tokens, blk);
 }
 
 // One token: grid ceil(rows / (GEMV_WARPS / S)), block GEMV_WARPS * 32.
@@ -192,6 +207,33 @@ GEMV_MULTI(1)
 GEMV_MULTI(2)
 GEMV_MULTI(4)
 GEMV_MULTI(8)
+
+// The first half of a gated MLP for one token, act = silu(x·gateᵀ) * (x·upᵀ), in one launch:
+// a block computes its gate rows, then the same rows of up, into shared memory (each row with
+// the arithmetic gemv_multi_s* gives it for the pair, same S), then their SwiGLU as the swiglu
+// kernel does, so the result is bitwise the fused GEMV followed by swiglu.
+// grid ceil(rows / (GEMV_WARPS / S)), block GEMV_WARPS * 32.
+struct SmemStore {
+    float* sm;
+    i64 first;
+    __device__ __forceinline__ void operator()(int, i64 row, float v) const { sm[row - first] = v; }
+};
+#define GEMV_GLU(S)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemv_glu_s##S(const bf16_t* gate, const bf16_t* up, const float* x, float* act, int rows, int cols) { \
+        __shared__ float g[GEMV_WARPS / S], u[GEMV_WARPS / S];                                               \
+        const i64 first = (i64)blockIdx.x * (GEMV_WARPS / S);                                                \
+        gemv_core<1, S>(gate, x, SmemStore{g, first}, rows, cols, 1, blockIdx.x);                            \
+        __syncthreads(); /* gemv_core's partial sums are reused */                                           \
+        gemv_core<1, S>(up, x, SmemStore{u, first}, rows, cols, 1, blockIdx.x);                              \
+        __syncthreads();                                                                                     \
+        if (threadIdx.x < GEMV_WARPS / S && first + threadIdx.x < rows)                                      \
+            act[first + threadIdx.x] = silu_f(g[threadIdx.x]) * u[threadIdx.x];                              \
+    }
+GEMV_GLU(1)
+GEMV_GLU(2)
+GEMV_GLU(4)
+GEMV_GLU(8)
 
 // ---- Tensor-core GEMV (one token or a decode batch) -------------------------------------------
 // out[t, r] = sum_k W[r, k] x[t, k] with mma.sync m16n8k16 (bf16 in, f32 accumulate): the

@@ -100,6 +100,8 @@ pub(super) struct Kernels {
     /// [`Kernels::set_mma_tiles`]), [`NO_OVERRIDE`] for the choice by batch size.
     mma_forced: AtomicUsize,
     sm_count: usize,
+    /// `gemv_glu_s*` by split, as `gemv`.
+    gemv_glu: [CudaFunction; 4],
 }
 
 /// The tensor-core GEMV's compiled configurations, (n-tiles of 8 tokens, row tiles of 16 rows,
@@ -270,6 +272,7 @@ impl Kernels {
             use_mma: AtomicBool::new(std::env::var("STRIX_CUDA_GEMV").map_or(true, |v| v != "simt")),
             mma_forced: AtomicUsize::new(mma_override()),
             sm_count: dev.sm_count as usize,
+            gemv_glu: by_split("gemv_glu_s")?,
         })
     }
 
@@ -444,6 +447,33 @@ impl Kernels {
             (GEMV_WARPS * 32, 1, 1),
             0,
             kernel_args![segs, x.ptr(), cols as i32, tokens as i32],
+        );
+    }
+
+    /// Whether [`Kernels::gemv_glu`] takes `gate` and `up`: the CUDA-core GEMVs are selected
+    /// and the pair would fuse as a projection ([`Kernels::can_fuse`]) with equal row counts.
+    pub fn can_glu(&self, gate: &CudaWeight, up: &CudaWeight) -> bool {
+        !self.uses_mma() && gate.rows() == up.rows() && Self::can_fuse(&[gate, up])
+    }
+
+    /// One token of a gated MLP's first half, `act = silu(x · gateᵀ) * (x · upᵀ)` in one
+    /// launch: bitwise [`Kernels::matmul_many_rows`] of the pair followed by `swiglu`. The
+    /// caller checks [`Kernels::can_glu`].
+    pub fn gemv_glu(&self, dev: &Device, x: &CudaBuf, gate: &CudaWeight, up: &CudaWeight, act: &mut CudaBuf) {
+        assert!(self.can_glu(gate, up), "gemv_glu: gate and up do not pair");
+        let (rows, cols) = (gate.rows(), gate.cols());
+        assert!(x.len() >= cols, "gemv_glu: x holds {} floats, not [1, {cols}]", x.len());
+        assert!(act.len() >= rows, "gemv_glu: act holds {} floats, not [1, {rows}]", act.len());
+        // The split the pair gets as a fused projection, so each row's sum is bitwise that one.
+        let log2 = gemv_split_log2(2 * rows, self.sm_count);
+        let blocks = rows.div_ceil(GEMV_WARPS as usize >> log2) as u32;
+        dev.launch(
+            "gemv_glu",
+            &self.gemv_glu[log2],
+            (blocks, 1, 1),
+            (GEMV_WARPS * 32, 1, 1),
+            0,
+            kernel_args![gate.ptr(), up.ptr(), x.ptr(), act.ptr(), rows as i32, cols as i32],
         );
     }
 

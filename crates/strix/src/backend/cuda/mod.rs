@@ -72,6 +72,9 @@ pub struct PathCounts {
     pub gemv_mma: u64,
     /// Decode-batch projections of one input fused into one GEMV launch.
     pub gemv_fused: u64,
+    /// Of those, one-token gate/up projections with the MLP's SwiGLU in the same launch
+    /// (`Backend::matmul_glu` on the CUDA-core GEMVs).
+    pub gemv_glu: u64,
     /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
     pub gemm_cublas: u64,
     /// Multi-token matmuls on cuBLAS with split (hi + lo bf16) activations.
@@ -131,11 +134,12 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 30] {
+    pub fn named(&self) -> [(&'static str, u64); 31] {
         [
             ("gemv", self.gemv),
             ("gemv_mma", self.gemv_mma),
             ("gemv_fused", self.gemv_fused),
+            ("gemv_glu", self.gemv_glu),
             ("gemm_cublas", self.gemm_cublas),
             ("gemm_cublas_split", self.gemm_cublas_split),
             ("gemm_fallback", self.gemm_fallback),
@@ -171,13 +175,14 @@ impl std::fmt::Display for PathCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "gemv {} fused {} tensor-core {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
+            "gemv {} fused {} (with swiglu {}) tensor-core {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
              packed gemv {} rows {} fused {} dequant-gemm {} embed {} | sampled on device {} host {}",
             self.gemv,
             self.gemv_fused,
+            self.gemv_glu,
             self.gemv_mma,
             self.gemm_cublas,
             self.gemm_cublas_split,
@@ -215,6 +220,7 @@ struct Counters {
     gemv: AtomicU64,
     gemv_mma: AtomicU64,
     gemv_fused: AtomicU64,
+    gemv_glu: AtomicU64,
     gemm_cublas: AtomicU64,
     gemm_cublas_split: AtomicU64,
     gemm_fallback: AtomicU64,
@@ -395,6 +401,7 @@ impl CudaBackend {
             gemv: g(&c.gemv),
             gemv_mma: g(&c.gemv_mma),
             gemv_fused: g(&c.gemv_fused),
+            gemv_glu: g(&c.gemv_glu),
             gemm_cublas: g(&c.gemm_cublas),
             gemm_cublas_split: g(&c.gemm_cublas_split),
             gemm_fallback: g(&c.gemm_fallback),
@@ -432,6 +439,7 @@ impl CudaBackend {
             &c.gemv,
             &c.gemv_mma,
             &c.gemv_fused,
+            &c.gemv_glu,
             &c.gemm_cublas,
             &c.gemm_cublas_split,
             &c.gemm_fallback,
@@ -577,6 +585,10 @@ impl Backend for CudaBackend {
 
     fn weight_bytes(&self, w: &CudaWeight) -> usize {
         w.bytes()
+    }
+
+    fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
+        (w.rows(), w.cols())
     }
 
     fn decode_step(
@@ -869,6 +881,29 @@ impl Backend for CudaBackend {
         } else {
             crate::backend::matmul_each(self, x, tokens, &dense_w, &mut dense_o, decode_batch);
         }
+    }
+
+    fn matmul_glu(
+        &self,
+        x: &CudaBuf,
+        tokens: usize,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        act: &mut CudaBuf,
+        decode_batch: bool,
+    ) {
+        // One token on the CUDA-core GEMVs: gate, up and the SwiGLU in one launch.
+        if tokens == 1 && self.mm.can_glu(gate, up) {
+            self.dev.bind();
+            self.mm.gemv_glu(&self.dev, x, gate, up, act);
+            bump(&self.counters.gemv_fused);
+            bump(&self.counters.gemv_glu);
+            if decode_batch {
+                bump(&self.counters.batch_rows);
+            }
+            return;
+        }
+        crate::backend::matmul_glu_each(self, x, tokens, gate, up, act, decode_batch);
     }
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
