@@ -1,11 +1,19 @@
-//! Bandwidth of the CUDA matmuls on packed weights (Q8_0, Q4_0, Q4_K, Q6_K, and bf16 for
-//! comparison) at the Qwen3.5-9B shapes: measures the device's copy bandwidth (read + write),
-//! then per format and shape times the decode GEMV (batch 1, `matmul`) and the decode batch
-//! (batch 16, `matmul_rows`) as the model calls them (activation quantization included), and
-//! prints GB/s of weight bytes read and the % of the measured bandwidth; then the prefill path
-//! (dequantize + cuBLAS) at 512 tokens in TFLOP/s.
+//! Bandwidth of the CUDA decode GEMVs on packed weights (Q8_0, Q4_0, Q4_K, Q6_K, and bf16 for
+//! comparison) at the Qwen3.5-9B and 0.8B shapes: measures the device's copy bandwidth (read +
+//! write), then per format and matrix (or fused projection set, one launch as the model makes
+//! it) times a decode GEMV at batch 1 (`matmul` / `matmul_many`) and batch 16 (`matmul_rows` /
+//! `matmul_many`) as the model calls it, activation quantization included, and prints µs per
+//! call, GB/s of weight bytes read and the % of the measured bandwidth.
 //!
-//! `cargo run --release --example cuda_quant_bench -- [--quick]`
+//! `cargo run --release --example cuda_quant_bench -- [--quick] [--bf16] [--variants] [--eager] [--prefill]`
+//!
+//! Calls are recorded into a CUDA graph (as a decode step is: launches chained by programmatic
+//! dependent launch) and the graph is replayed, so the figures are what a decode step sees,
+//! without the host's launch overhead; `--eager` adds the calls timed back to back on the host.
+//! `--variants` times the one-token GEMV also with 1, 2 and 4 rows a warp forced (by default the
+//! launcher picks per shape). `--quick`: the 9B shapes only. `--bf16` adds bf16 weights (the
+//! bf16 GEMVs) for comparison. `--prefill` adds the prefill path (dequantize + cuBLAS) at 512
+//! tokens, in TFLOP/s.
 //!
 //! The weights are random blocks (any byte pattern is a valid block; scales are set to small
 //! finite values), in enough copies to rotate through several times the L2 cache, so every
@@ -14,15 +22,25 @@
 use std::time::Instant;
 
 use rayon::prelude::*;
-use strix::backend::cuda::{CudaBackend, CudaWeight};
+use strix::backend::cuda::{set_qgemv_rows, CudaBackend, CudaBuf, CudaWeight};
 use strix::backend::Backend;
 use strix::tensor::{Bytes, DType, HostTensor};
 
-const SHAPES: [(usize, usize, &str); 4] = [
-    (12288, 4096, "gate/up 12288x4096"),
-    (4096, 12288, "down 4096x12288"),
-    (4096, 4096, "4096x4096"),
-    (248320, 4096, "lm_head 248320x4096"),
+/// A GEMV launch of the model: the rows of each matrix that reads the same x, and the width.
+const CASES: [(&str, &[usize], usize); 12] = [
+    ("9B gate/up fused 2x12288x4096", &[12288, 12288], 4096),
+    ("9B gdn in_proj fused 4096->8192+4096+32+32", &[8192, 4096, 32, 32], 4096),
+    ("9B down 4096x12288", &[4096], 12288),
+    ("9B out 4096x4096", &[4096], 4096),
+    ("9B gate 12288x4096", &[12288], 4096),
+    ("9B lm_head 248320x4096", &[248320], 4096),
+    ("0.8B gate/up fused 2x3584x1024", &[3584, 3584], 1024),
+    ("0.8B gdn in_proj fused 1024->6144+2048+16+16", &[6144, 2048, 16, 16], 1024),
+    ("0.8B down 1024x3584", &[1024], 3584),
+    ("0.8B out 1024x2048", &[1024], 2048),
+    ("0.8B lm_head 248320x1024", &[248320], 1024),
+    // The fixed cost of a call: activation quantization, the launches, one memory round trip.
+    ("probe 32x4096", &[32], 4096),
 ];
 
 /// Bytes of weights the timed loop rotates through (several times the H200's 50 MB L2).
@@ -68,99 +86,200 @@ fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostTenso
     HostTensor { name: "w".into(), dtype, shape: vec![rows, cols], bytes: Bytes::owned(&bytes) }
 }
 
-/// Seconds per call of `f` over the weights, rotating through them: the median of 5 timed
-/// rounds of `calls` calls each, after a warm-up round.
-fn time_calls(g: &CudaBackend, weights: &[CudaWeight], calls: usize, mut f: impl FnMut(&CudaWeight)) -> f64 {
-    let round = |f: &mut dyn FnMut(&CudaWeight)| {
-        let t = Instant::now();
-        for i in 0..calls {
-            f(&weights[i % weights.len()]);
-        }
-        g.synchronize().unwrap();
-        t.elapsed().as_secs_f64() / calls as f64
-    };
-    round(&mut f);
-    let mut v: Vec<f64> = (0..5).map(|_| round(&mut f)).collect();
+/// Median of 5 timed rounds (after a warm-up round) of `round`, which returns seconds.
+fn median(mut round: impl FnMut() -> f64) -> f64 {
+    round();
+    let mut v: Vec<f64> = (0..5).map(|_| round()).collect();
     v.sort_by(|a, b| a.total_cmp(b));
     v[2]
 }
 
+/// One weight set (the matrices of one launch) per copy.
+type Sets = Vec<Vec<CudaWeight>>;
+
+/// Issues the launch of `set` for `tokens` tokens as the model does: one matrix through
+/// `matmul` (one token) or `matmul_rows`, several through `matmul_many`.
+fn call(g: &CudaBackend, x: &CudaBuf, tokens: usize, set: &[CudaWeight], outs: &mut [CudaBuf]) {
+    if set.len() == 1 {
+        if tokens == 1 {
+            g.matmul(x, 1, &set[0], &mut outs[0]);
+        } else {
+            g.matmul_rows(x, tokens, &set[0], &mut outs[0]);
+        }
+    } else {
+        let ws: Vec<&CudaWeight> = set.iter().collect();
+        let mut os: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+        g.matmul_many(x, tokens, &ws, &mut os, true);
+    }
+}
+
+/// Seconds per call: every copy's launch recorded into one graph (a decode step of its own,
+/// under `key`), replayed `reps` times a round.
+fn time_graph(
+    g: &CudaBackend,
+    key: u64,
+    sets: &Sets,
+    x: &CudaBuf,
+    tokens: usize,
+    outs: &mut [CudaBuf],
+    reps: usize,
+) -> f64 {
+    let mut step = || {
+        for set in sets {
+            call(g, x, tokens, set, outs);
+        }
+        g.scratch(1)
+    };
+    let mut run = || g.decode_step(key, &[0], &[0], &mut step, &mut |_| {});
+    // First sight runs eagerly, the second records.
+    run();
+    run();
+    g.synchronize().unwrap();
+    median(|| {
+        let t = Instant::now();
+        for _ in 0..reps {
+            run();
+        }
+        g.synchronize().unwrap();
+        t.elapsed().as_secs_f64() / (reps * sets.len()) as f64
+    })
+}
+
+/// Seconds per call, the calls issued back to back on the host.
+fn time_eager(
+    g: &CudaBackend,
+    sets: &Sets,
+    x: &CudaBuf,
+    tokens: usize,
+    outs: &mut [CudaBuf],
+    calls: usize,
+) -> f64 {
+    median(|| {
+        let t = Instant::now();
+        for i in 0..calls {
+            call(g, x, tokens, &sets[i % sets.len()], outs);
+        }
+        g.synchronize().unwrap();
+        t.elapsed().as_secs_f64() / calls as f64
+    })
+}
+
 fn main() -> strix::Result<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let arg = |a: &str| std::env::args().any(|x| x == a);
+    let (quick, variants, eager, prefill) =
+        (arg("--quick"), arg("--variants"), arg("--eager"), arg("--prefill"));
+    let bf16 = arg("--bf16");
     let g = CudaBackend::new(0)?;
     println!("device: {} (sm_{}{})", g.device_name(), g.compute_capability().0, g.compute_capability().1);
     let bw = g.measure_copy_bandwidth(2 << 30, 20)?;
     println!("device-to-device copy bandwidth (read + write): {:.0} GB/s", bw / 1e9);
+    println!("(µs per call, GB/s of weights, % of the copy bandwidth; graph-replayed unless marked eager)");
     println!();
-    println!(
-        "{:<6} {:<22} {:>9} {:>10} {:>8} {:>6} {:>10} {:>8} {:>6}",
-        "format", "shape", "MB", "b1 us", "b1 GB/s", "b1 %", "b16 us", "b16 GB/s", "b16 %"
-    );
-    let mut summary = Vec::new();
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K, DType::BF16] {
-        for &(rows, cols, name) in &SHAPES {
-            if quick && rows > 100_000 {
+    // (label, rows a warp for `set_qgemv_rows`, tokens)
+    let mut modes: Vec<(&str, Option<usize>, usize)> = vec![("b1", None, 1)];
+    if variants {
+        modes.extend([("b1 r1", Some(1), 1), ("b1 r2", Some(2), 1), ("b1 r4", Some(4), 1)]);
+    }
+    modes.push(("b16", None, 16));
+    let formats: &[DType] = if bf16 {
+        &[DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K, DType::BF16]
+    } else {
+        &[DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K]
+    };
+    let mut key = 1u64 << 40;
+    // (format, mode, bytes, seconds) of the 9B launches, for the totals.
+    let mut totals: Vec<(DType, &str, usize, f64)> = Vec::new();
+    for &dtype in formats {
+        for &(name, rows, cols) in &CASES {
+            if quick && name.starts_with("0.8B") || dtype == DType::BF16 && name.starts_with("probe") {
                 continue;
             }
-            let bytes = rows * dtype.row_bytes(cols).unwrap();
+            let bytes: usize = rows.iter().map(|&r| r * dtype.row_bytes(cols).unwrap()).sum();
             let copies = ROTATE_BYTES.div_ceil(bytes).clamp(1, 64);
-            let weights: Vec<CudaWeight> = (0..copies)
-                .map(|c| g.weight(&random_weight(dtype, rows, cols, c as u64 + 1), rows, cols))
+            let sets: Sets = (0..copies)
+                .map(|c| {
+                    rows.iter()
+                        .enumerate()
+                        .map(|(j, &r)| {
+                            g.weight(&random_weight(dtype, r, cols, (c * 8 + j) as u64 + 1), r, cols)
+                        })
+                        .collect::<strix::Result<Vec<_>>>()
+                })
                 .collect::<strix::Result<_>>()?;
             let x: Vec<f32> = (0..16 * cols)
                 .map(|i| ((splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32) - 0.5)
                 .collect();
             let x = g.upload(&x);
-            let mut out = g.zeros(16 * rows);
-            let calls = (2 * copies).max((2e9 / bytes as f64) as usize).clamp(4, 400);
-            let t1 = time_calls(&g, &weights, calls, |w| g.matmul(&x, 1, w, &mut out));
-            let t16 = time_calls(&g, &weights, calls, |w| g.matmul_rows(&x, 16, w, &mut out));
-            let (gb1, gb16) = (bytes as f64 / t1 / 1e9, bytes as f64 / t16 / 1e9);
-            println!(
-                "{:<6} {:<22} {:>9.1} {:>10.1} {:>8.0} {:>5.1}% {:>10.1} {:>8.0} {:>5.1}%",
-                dtype.name(),
-                name,
-                bytes as f64 / 1e6,
-                t1 * 1e6,
-                gb1,
-                100.0 * gb1 * 1e9 / bw,
-                t16 * 1e6,
-                gb16,
-                100.0 * gb16 * 1e9 / bw
-            );
-            summary.push((dtype, name, bytes, t1, t16));
+            let mut outs: Vec<CudaBuf> = rows.iter().map(|&r| g.zeros(16 * r)).collect();
+            let reps = (2e9 / (bytes * copies) as f64).ceil().clamp(2.0, 50.0) as usize;
+            let mut line = format!("{:<6} {:<44} {:>8.1} MB |", dtype.name(), name, bytes as f64 / 1e6);
+            for &(label, rpw, tokens) in &modes {
+                if dtype == DType::BF16 && rpw.is_some() {
+                    continue;
+                }
+                assert!(set_qgemv_rows(rpw), "rows a warp {rpw:?} not compiled");
+                key += 1;
+                let t = time_graph(&g, key, &sets, &x, tokens, &mut outs, reps);
+                let gbs = bytes as f64 / t / 1e9;
+                line +=
+                    &format!(" {label} {:.1} us {:.0} GB/s {:.1}% |", t * 1e6, gbs, 100.0 * gbs * 1e9 / bw);
+                if name.starts_with("9B") && name != "9B gate 12288x4096" {
+                    totals.push((dtype, label, bytes, t));
+                }
+            }
+            set_qgemv_rows(None);
+            if eager {
+                let calls = (2 * copies).max((2e9 / bytes as f64) as usize).clamp(4, 400);
+                let t = time_eager(&g, &sets, &x, 1, &mut outs, calls);
+                let gbs = bytes as f64 / t / 1e9;
+                line +=
+                    &format!(" b1 eager {:.1} us {:.0} GB/s {:.1}% |", t * 1e6, gbs, 100.0 * gbs * 1e9 / bw);
+            }
+            println!("{line}");
             // Prefill: 512 tokens through the dequantizing GEMM (bf16: cuBLAS directly).
-            if rows < 100_000 {
+            if prefill && rows.len() == 1 && rows[0] < 100_000 {
                 let tokens = 512;
                 let xp = g.upload(&vec![0.25f32; tokens * cols]);
-                let mut outp = g.zeros(tokens * rows);
-                let tp = time_calls(&g, &weights, 10, |w| g.matmul(&xp, tokens, w, &mut outp));
+                let mut outp = g.zeros(tokens * rows[0]);
+                let tp = median(|| {
+                    let t = Instant::now();
+                    for set in sets.iter().cycle().take(10) {
+                        g.matmul(&xp, tokens, &set[0], &mut outp);
+                    }
+                    g.synchronize().unwrap();
+                    t.elapsed().as_secs_f64() / 10.0
+                });
                 println!(
-                    "{:<6} {:<22} prefill 512 tokens: {:.1} us = {:.0} TFLOP/s",
+                    "{:<6} {:<44} prefill 512 tokens: {:.1} us = {:.0} TFLOP/s",
                     dtype.name(),
                     name,
                     tp * 1e6,
-                    2.0 * (tokens * rows * cols) as f64 / tp / 1e12
+                    2.0 * (tokens * rows[0] * cols) as f64 / tp / 1e12
                 );
             }
         }
     }
-    // Totals over the shapes: bytes of all four matrices over the time of one call of each.
     println!();
     println!("path counts: {}", g.path_counts());
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K, DType::BF16] {
-        let rows: Vec<_> = summary.iter().filter(|r| r.0 == dtype).collect();
-        let bytes: usize = rows.iter().map(|r| r.2).sum();
-        let t1: f64 = rows.iter().map(|r| r.3).sum();
-        let t16: f64 = rows.iter().map(|r| r.4).sum();
-        println!(
-            "{:<6} all shapes: batch 1 {:.0} GB/s ({:.1}%), batch 16 {:.0} GB/s ({:.1}%)",
-            dtype.name(),
-            bytes as f64 / t1 / 1e9,
-            100.0 * bytes as f64 / t1 / bw,
-            bytes as f64 / t16 / 1e9,
-            100.0 * bytes as f64 / t16 / bw
-        );
+    // The 9B step's launches (fused gate/up, fused in_proj, down, out, lm_head): bytes of all of
+    // them over the time of one call of each.
+    for &dtype in formats {
+        for &(label, _, _) in &modes {
+            let rows: Vec<_> = totals.iter().filter(|r| r.0 == dtype && r.1 == label).collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let bytes: usize = rows.iter().map(|r| r.2).sum();
+            let t: f64 = rows.iter().map(|r| r.3).sum();
+            println!(
+                "{:<6} {:<10} 9B launches together: {:.1} us, {:.0} GB/s ({:.1}%)",
+                dtype.name(),
+                label,
+                t * 1e6,
+                bytes as f64 / t / 1e9,
+                100.0 * bytes as f64 / t / bw
+            );
+        }
     }
     Ok(())
 }

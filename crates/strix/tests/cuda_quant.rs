@@ -490,3 +490,74 @@ fn synthetic_model_in_every_format_matches_cpu() {
         compare_model(&format!("synthetic {dtype:?}"), &c, &src, &prompt, GemmPath::CublasSplit);
     }
 }
+
+/// Long rows with many units per lane (where the accumulation order inside a lane matters),
+/// rows not a multiple of any tile, in each split of a row over warps: the one-token GEMV is
+/// bitwise the same with 1, 2 and 4 rows a warp, every token of a decode batch bitwise the
+/// one-token result, and all within `EXACT_TOL` of the int8-activation reference; likewise
+/// for the fused launch of two matrices.
+#[test]
+fn gemv_rows_per_warp_and_long_rows_are_bitwise_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(21);
+    let cols = 256 * 23;
+    let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    for dtype in FORMATS {
+        // 4500 rows: one warp a row (lanes take up to 12 units); 301 and 37: split over warps.
+        for rows in [4500usize, 301, 37] {
+            let (t, deq) = packed(&mut rng, dtype, rows, cols);
+            let w = g.weight(&t, rows, cols).unwrap();
+            let what = format!("{dtype:?} {rows}x{cols}");
+            let n = 5;
+            let x = rng.blocky(n * cols);
+            let xg = g.upload(&x);
+            let mut batched = poison(&g, n * rows);
+            g.matmul_rows(&xg, n, &w, &mut batched);
+            let batched = down(&g, &batched);
+            let r8 = reference(&int8_activations(&x), n, &deq, rows, cols);
+            check(&format!("{what} batch {n} vs int8-x ref"), &batched, &r8, EXACT_TOL);
+            for i in 0..n {
+                let xi = g.upload(&x[i * cols..(i + 1) * cols]);
+                let mut first: Option<Vec<f32>> = None;
+                for rpw in [1usize, 2, 4] {
+                    assert!(strix::backend::cuda::set_qgemv_rows(Some(rpw)));
+                    let mut one = poison(&g, rows);
+                    g.matmul(&xi, 1, &w, &mut one);
+                    let one = down(&g, &one);
+                    assert!(
+                        bitwise(&one, &batched[i * rows..(i + 1) * rows]),
+                        "{what}: {rpw} rows a warp: token {i} of the batch differs from the one-token GEMV"
+                    );
+                    if let Some(f) = &first {
+                        assert!(bitwise(f, &one), "{what}: {rpw} rows a warp differs from 1");
+                    }
+                    first = Some(one);
+                }
+                strix::backend::cuda::set_qgemv_rows(None);
+            }
+            // The same matrix twice in one fused launch: each half as the fused batch gives it.
+            let ws = [&w, &w];
+            let mut outs = [poison(&g, n * rows), poison(&g, n * rows)];
+            g.matmul_many(&xg, n, &ws, &mut outs.iter_mut().collect::<Vec<_>>(), true);
+            let fused: Vec<Vec<f32>> = outs.iter().map(|o| down(&g, o)).collect();
+            for half in &fused {
+                check(&format!("{what} fused batch {n} vs int8-x ref"), half, &r8, EXACT_TOL);
+            }
+            for i in 0..n {
+                let xi = g.upload(&x[i * cols..(i + 1) * cols]);
+                for rpw in [1usize, 2, 4] {
+                    assert!(strix::backend::cuda::set_qgemv_rows(Some(rpw)));
+                    let mut alone = [poison(&g, rows), poison(&g, rows)];
+                    g.matmul_many(&xi, 1, &ws, &mut alone.iter_mut().collect::<Vec<_>>(), true);
+                    for (half, a) in fused.iter().zip(&alone) {
+                        assert!(
+                            bitwise(&down(&g, a), &half[i * rows..(i + 1) * rows]),
+                            "{what}: fused, {rpw} rows a warp: token {i} differs from the batch"
+                        );
+                    }
+                }
+                strix::backend::cuda::set_qgemv_rows(None);
+            }
+        }
+    }
+}

@@ -48,6 +48,7 @@ use crate::tensor::HostTensor;
 
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::GemmPath;
+pub use quant::set_qgemv_rows;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 
 use device::{cuda_error, Device};

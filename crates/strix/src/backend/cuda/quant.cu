@@ -101,12 +101,12 @@ __device__ __forceinline__ v4u ldx(const i8* p) { return *reinterpret_cast<const
 
 // ---------------------------------------------------------------------------------------
 // Formats. `wq` points at the quant planes, `ws` at the scale planes (after all rows' quants).
-// Each has a `Raw` (one unit's loaded bytes), `units(cols)`, `load` and `dot`, and
+// Each has a `Raw` (one unit's loaded bytes), `units(cols)`, `load`, `X` / `loadx` (the
+// activations a unit meets) and `dotx` (the unit's contribution to a row's sum), and
 // `decode` (the exact f32 weights of a unit, as runs of 16 consecutive columns, computed with
 // the same float operations as the CPU's dequantize_row).
 
 struct Q8_0F {
-    static constexpr int UNROLL = 8;
     static constexpr int RUNS = 1;
     struct Raw {
         v4u w;
@@ -121,13 +121,18 @@ struct Q8_0F {
         r.d = ldg16(d + row * (cols >> 5) + (i >> 1));
         return r;
     }
-    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
-        const v4u a = ldx(x.q + 16 * i);
-        int s = dp4a((int)r.w.x, (int)a.x, 0);
-        s = dp4a((int)r.w.y, (int)a.y, s);
-        s = dp4a((int)r.w.z, (int)a.z, s);
-        s = dp4a((int)r.w.w, (int)a.w, s);
-        return __fmul_rn(__fmul_rn(f16_to_f32(r.d), x.d[i >> 1]), (float)s);
+    // The activations unit i meets, loaded once for all the rows a warp takes.
+    struct X {
+        v4u a;
+        float d;
+    };
+    static __device__ __forceinline__ X loadx(int i, const XQ& x) { return X{ldx(x.q + 16 * i), x.d[i >> 1]}; }
+    static __device__ __forceinline__ float dotx(const Raw& r, int i, const X& a) {
+        int s = dp4a((int)r.w.x, (int)a.a.x, 0);
+        s = dp4a((int)r.w.y, (int)a.a.y, s);
+        s = dp4a((int)r.w.z, (int)a.a.z, s);
+        s = dp4a((int)r.w.w, (int)a.a.w, s);
+        return __fmul_rn(__fmul_rn(f16_to_f32(r.d), a.d), (float)s);
     }
     static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
         const float d = f16_to_f32(r.d);
@@ -141,7 +146,6 @@ struct Q8_0F {
 };
 
 struct Q4_0F {
-    static constexpr int UNROLL = 6;
     static constexpr int RUNS = 2;
     struct Raw {
         v4u w;
@@ -156,17 +160,24 @@ struct Q4_0F {
         r.d = ldg16(d + row * (cols >> 5) + i);
         return r;
     }
-    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
-        const v4u a = ldx(x.q + 32 * i), b = ldx(x.q + 32 * i + 16);
+    struct X {
+        v4u a, b;
+        float d;
+        int sum;
+    };
+    static __device__ __forceinline__ X loadx(int i, const XQ& x) {
+        // Two 4-byte loads: the sums are only 4-byte aligned (quantize_x's buffer layout).
+        return X{ldx(x.q + 32 * i), ldx(x.q + 32 * i + 16), x.d[i], x.s[2 * i] + x.s[2 * i + 1]};
+    }
+    static __device__ __forceinline__ float dotx(const Raw& r, int i, const X& x) {
         int s = 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int w = word(r.w, k);
-            s = dp4a(w & 0x0f0f0f0f, word(a, k), s);
-            s = dp4a((w >> 4) & 0x0f0f0f0f, word(b, k), s);
+            s = dp4a(w & 0x0f0f0f0f, word(x.a, k), s);
+            s = dp4a((w >> 4) & 0x0f0f0f0f, word(x.b, k), s);
         }
-        const int sum = x.s[2 * i] + x.s[2 * i + 1];
-        return __fmul_rn(__fmul_rn(f16_to_f32(r.d), x.d[i]), (float)(s - 8 * sum));
+        return __fmul_rn(__fmul_rn(f16_to_f32(r.d), x.d), (float)(s - 8 * x.sum));
     }
     static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
         const float d = f16_to_f32(r.d);
@@ -199,7 +210,6 @@ __device__ __forceinline__ void q4k_scale_min2(int g, u32 a, u32 b, u32 c, int& 
 }
 
 struct Q4_KF {
-    static constexpr int UNROLL = 4;
     static constexpr int RUNS = 2;
     struct Raw {
         v4u w;
@@ -227,22 +237,28 @@ struct Q4_KF {
         d2 = __fmul_rn(d, (float)sc2);
         m2 = __fmul_rn(dmin, (float)mn2);
     }
-    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
+    struct X {
+        v4u a, b;
+        float d1, d2;
+        int s1, s2;
+    };
+    static __device__ __forceinline__ X loadx(int i, const XQ& x) {
+        const int p = (i >> 3) * 256 + 64 * ((i & 7) >> 1) + 16 * (i & 1);
+        return X{ldx(x.q + p), ldx(x.q + p + 32), x.d[p >> 5], x.d[(p >> 5) + 1], x.s[p >> 4], x.s[(p >> 4) + 2]};
+    }
+    static __device__ __forceinline__ float dotx(const Raw& r, int i, const X& x) {
         float d1, m1, d2, m2;
         scales(r, i, d1, m1, d2, m2);
-        const int g = (i & 7) >> 1, h = i & 1;
-        const int p = (i >> 3) * 256 + 64 * g + 16 * h; // first column of the low-nibble run
-        const v4u a = ldx(x.q + p), b = ldx(x.q + p + 32);
         int s1 = 0, s2 = 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int w = word(r.w, k);
-            s1 = dp4a(w & 0x0f0f0f0f, word(a, k), s1);
-            s2 = dp4a((w >> 4) & 0x0f0f0f0f, word(b, k), s2);
+            s1 = dp4a(w & 0x0f0f0f0f, word(x.a, k), s1);
+            s2 = dp4a((w >> 4) & 0x0f0f0f0f, word(x.b, k), s2);
         }
-        const float lo = __fsub_rn(__fmul_rn(d1, (float)s1), __fmul_rn(m1, (float)x.s[p >> 4]));
-        const float hi = __fsub_rn(__fmul_rn(d2, (float)s2), __fmul_rn(m2, (float)x.s[(p >> 4) + 2]));
-        return __fadd_rn(__fmul_rn(x.d[p >> 5], lo), __fmul_rn(x.d[(p >> 5) + 1], hi));
+        const float lo = __fsub_rn(__fmul_rn(d1, (float)s1), __fmul_rn(m1, (float)x.s1));
+        const float hi = __fsub_rn(__fmul_rn(d2, (float)s2), __fmul_rn(m2, (float)x.s2));
+        return __fadd_rn(__fmul_rn(x.d1, lo), __fmul_rn(x.d2, hi));
     }
     static __device__ __forceinline__ void decode(const Raw& r, int i, int* pos, float (*v)[16]) {
         float d1, m1, d2, m2;
@@ -260,7 +276,6 @@ struct Q4_KF {
 };
 
 struct Q6_KF {
-    static constexpr int UNROLL = 2;
     static constexpr int RUNS = 4;
     struct Raw {
         v4u l0, l1, h;
@@ -295,18 +310,32 @@ struct Q6_KF {
     // Unit i: super-block i / 4, half n = (i / 2) % 2, sixteenth j = i % 2; its four runs
     // start at columns 256 sb + 128 n + 16 j + 32 k.
     static __device__ __forceinline__ int first(int i) { return (i >> 2) * 256 + 128 * ((i >> 1) & 1) + 16 * (i & 1); }
-    static __device__ __forceinline__ float dot(const Raw& r, int i, const XQ& x) {
+    struct X {
+        v4u a[4];
+        float d[4];
+        int s[4];
+    };
+    static __device__ __forceinline__ X loadx(int i, const XQ& x) {
         const int p = first(i);
+        X r;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            r.a[k] = ldx(x.q + p + 32 * k);
+            r.d[k] = x.d[(p >> 5) + k];
+            r.s[k] = x.s[(p >> 4) + 2 * k];
+        }
+        return r;
+    }
+    static __device__ __forceinline__ float dotx(const Raw& r, int i, const X& x) {
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const v4u a = ldx(x.q + p + 32 * k);
             int s = 0;
 #pragma unroll
-            for (int w = 0; w < 4; w++) s = dp4a(quants(r, k, w), word(a, w), s);
+            for (int w = 0; w < 4; w++) s = dp4a(quants(r, k, w), word(x.a[k], w), s);
             const int sc = (int)(i8)((r.sc >> (8 * k)) & 0xff);
-            const int q = sc * (s - 32 * x.s[(p >> 4) + 2 * k]);
-            acc = __fadd_rn(acc, __fmul_rn(x.d[(p >> 5) + k], (float)q));
+            const int q = sc * (s - 32 * x.s[k]);
+            acc = __fadd_rn(acc, __fmul_rn(x.d[k], (float)q));
         }
         return __fmul_rn(f16_to_f32(r.d), acc);
     }
@@ -327,99 +356,11 @@ struct Q6_KF {
 };
 
 // ---------------------------------------------------------------------------------------
-// GEMV. Blocks of QG_WARPS warps; S warps share a weight row (warp part s takes units
-// s*32 + lane, s*32 + lane + 32*S, ...), partial sums added in a fixed order. The block's
-// tokens are [blockIdx.x * NT, +NT), its rows blockIdx.y * (QG_WARPS / S) + warp / S: blocks
-// next to each other in launch order share weight rows, so with several token tiles the
-// re-reads of a row come from L2.
-
-template <class F, int NT, int S, int UNROLL>
-__device__ __forceinline__ void qgemv_body(const u8* wq, const u8* ws,
-                                           const i8* xq, const float* xd,
-                                           const int* xs, float* out, int rows,
-                                           int cols, int tokens, int blk) {
-    __shared__ float partial[QG_WARPS][NT];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int part = warp % S;
-    const i64 row = (i64)blk * (QG_WARPS / S) + warp / S;
-    const int t0 = blockIdx.x * NT;
-    const int nt = imin(NT, tokens - t0);
-    const bool live = row < rows;
-    float acc0[NT], acc1[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.f;
-    if (live) {
-        const int n = F::units(cols);
-        for (int base = part * 32 + lane; base < n; base += 32 * S * UNROLL) {
-            typename F::Raw r[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                const int i = base + 32 * S * u;
-                if (i < n) r[u] = F::load(wq, ws, row, rows, cols, i);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                const int i = base + 32 * S * u;
-                if (i < n) {
-#pragma unroll
-                    for (int t = 0; t < NT; t++) {
-                        // Past the last token, recompute the last one (and drop it below):
-                        // no branch around the loads, so all tokens' loads can be in flight.
-                        const i64 tt = NT == 1 ? t0 : t0 + imin(t, nt - 1);
-                        const XQ x{xq + tt * cols, xd + tt * (cols >> 5), xs + tt * (cols >> 4)};
-                        const float d = F::dot(r[u], i, x);
-                        if (u & 1) acc1[t] = __fadd_rn(acc1[t], d);
-                        else acc0[t] = __fadd_rn(acc0[t], d);
-                    }
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        const float acc = warp_sum(__fadd_rn(acc0[t], acc1[t]));
-        if (S == 1) {
-            if (live && lane == 0 && t < nt) out[(i64)(t0 + t) * rows + row] = acc;
-        } else if (lane == 0) {
-            partial[warp][t] = acc;
-        }
-    }
-    if (S > 1) {
-        __syncthreads();
-        if (live && part == 0 && lane < NT && lane < nt) {
-            float sum = partial[warp][lane];
-#pragma unroll
-            for (int k = 1; k < S; k++) sum = __fadd_rn(sum, partial[warp + k][lane]);
-            out[(i64)(t0 + lane) * rows + row] = sum;
-        }
-    }
-}
-
-// One token (NT = 1) and a batch (NT = QG_NT tokens per block): grid (ceil(tokens / NT),
-// ceil(rows / (QG_WARPS / S))), block QG_WARPS * 32. The one-token kernels are held to 64
-// registers so 4 blocks (32 warps) fit an SM: occupancy is what keeps enough loads in flight
-// (at 128 registers Q8_0 streamed at 61 % of the copy bandwidth on an H200); the per-format
-// UNROLL is the most that fits without spilling.
-#define QG_NT 8
-#define QG_MIN_BLOCKS 4
-#define QGEMV(NAME, F, S)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, QG_MIN_BLOCKS)                               \
-        qgemv_##NAME##_s##S(const u8* wq, const u8* ws, const i8* xq, \
-                            const float* xd, const int* xs, float* out, \
-                            int rows, int cols, int tokens) { pdl_enter();                                                \
-        qgemv_body<F, 1, S, F::UNROLL>(wq, ws, xq, xd, xs, out, rows, cols, tokens, blockIdx.y);                                    \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, 2)                                           \
-        qgemv_rows_##NAME##_s##S(const u8* wq, const u8* ws,                       \
-                                 const i8* xq, const float* xd,                    \
-                                 const int* xs, float* out, int rows, int cols,    \
-                                 int tokens) { pdl_enter();                                                               \
-        qgemv_body<F, QG_NT, S, (F::UNROLL > 1 ? F::UNROLL / 2 : 1)>(wq, ws, xq, xd, xs, out, rows, cols, tokens, blockIdx.y);                                \
-    }
 // Several packed weights of one format that read the same activations (a layer's input
-// projections) in one launch, as gemv_multi in matmul.cu: segment j owns the row blocks
+// projections) go in one launch, as gemv_multi in matmul.cu: segment j owns the row blocks
 // [block_end[j-1], block_end[j]) along y; unused segments end at the total. Each segment's rows
 // are computed by qgemv_body's arithmetic, so a token's result is the same in any batch.
+#define QG_NT 8
 #define QG_MAX_SEGS 4
 struct QSegs {
     unsigned long long wq[QG_MAX_SEGS];
@@ -428,11 +369,108 @@ struct QSegs {
     int rows[QG_MAX_SEGS];
     int block_end[QG_MAX_SEGS];
 };
-template <class F, int NT, int S, int UNROLL>
+
+// ---------------------------------------------------------------------------------------
+// Decode GEMV. A warp takes R consecutive weight rows (or its 1/S part of them: S
+// warps of a block share the rows, S = 1 << log2s, chosen by the launcher from the shape) and
+// walks its units: lane `lane` of part `part` takes units i_k = part * 32 + lane + k * 32 S,
+// U units of each of the R rows loaded (R * U 16-byte loads per lane in flight) before the
+// first dp4a, each activation unit loaded once for the R rows. The first R * U loads are
+// issued before the wait on the previous kernel (weights are never written by one), so under
+// programmatic dependent launch the weight stream starts while the previous kernel finishes.
+//
+// Every row's sum is formed in one order that depends on the shape and S alone: per lane
+// acc += dot(unit i_k) for k = 0, 1, ..., then the warp's butterfly sum, then the S parts in
+// order. R, U and the tokens per block (NT) do not enter it, so the one-token kernel (any R)
+// and the batched one agree bitwise.
+
+template <class F, int NT, int R, int U>
+__device__ __forceinline__ void qgemv_body(const u8* wq, const u8* ws, const i8* xq, const float* xd,
+                                            const int* xs, float* out, int rows, int cols, int tokens,
+                                            int blk, int log2s) {
+    __shared__ float partial[QG_WARPS][R * NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int part = warp & ((1 << log2s) - 1);
+    const i64 row0 = ((i64)blk * (QG_WARPS >> log2s) + (warp >> log2s)) * R;
+    const int t0 = blockIdx.x * NT;
+    const int nt = imin(NT, tokens - t0);
+    const int n = F::units(cols);
+    const int stride = 32 << log2s;
+    const int first = part * 32 + lane;
+    // Rows past the end load the last row (no branch around the loads) and are not stored.
+    i64 rr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) rr[r] = row0 + r < rows ? row0 + r : rows - 1;
+    float acc[R][NT];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
+    typename F::Raw w[R][U];
+    pdl_launch_dependents();
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int i = first + stride * u;
+        if (i < n)
+#pragma unroll
+            for (int r = 0; r < R; r++) w[r][u] = F::load(wq, ws, rr[r], rows, cols, i);
+    }
+    pdl_wait();
+    for (int k0 = 0; first + stride * k0 < n; k0 += U) {
+        if (k0 > 0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i = first + stride * (k0 + u);
+                if (i < n)
+#pragma unroll
+                    for (int r = 0; r < R; r++) w[r][u] = F::load(wq, ws, rr[r], rows, cols, i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = first + stride * (k0 + u);
+            if (i < n) {
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    // Past the last token, recompute the last one (dropped below).
+                    const i64 tt = NT == 1 ? t0 : t0 + imin(t, nt - 1);
+                    const XQ x{xq + tt * cols, xd + tt * (cols >> 5), xs + tt * (cols >> 4)};
+                    const typename F::X a = F::loadx(i, x);
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r][t] = __fadd_rn(acc[r][t], F::dotx(w[r][u], i, a));
+                }
+            }
+        }
+    }
+    if (log2s == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const float a = warp_sum(acc[r][t]);
+                if (lane == 0 && row0 + r < rows && t < nt) out[(i64)(t0 + t) * rows + row0 + r] = a;
+            }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float a = warp_sum(acc[r][t]);
+            if (lane == 0) partial[warp][r * NT + t] = a;
+        }
+    __syncthreads();
+    if (part == 0 && lane < R * NT) {
+        const int r = lane / NT, t = lane % NT;
+        float sum = partial[warp][lane];
+        for (int k = 1; k < (1 << log2s); k++) sum = __fadd_rn(sum, partial[warp + k][lane]);
+        if (row0 + r < rows && t < nt) out[(i64)(t0 + t) * rows + row0 + r] = sum;
+    }
+}
+
+template <class F, int NT, int R, int U>
 __device__ __forceinline__ void qgemv_multi_body(const QSegs& segs, const i8* xq, const float* xd,
-                                                 const int* xs, int cols, int tokens) {
-    // Selected with constant indices only: indexing the parameter struct by a variable would
-    // copy it to local memory (a 128-byte stack frame, and spills at 64 registers).
+                                                  const int* xs, int cols, int tokens, int log2s) {
     unsigned long long wq = segs.wq[0], ws = segs.ws[0], out = segs.out[0];
     int rows = segs.rows[0], first = 0;
 #pragma unroll
@@ -445,35 +483,46 @@ __device__ __forceinline__ void qgemv_multi_body(const QSegs& segs, const i8* xq
             first = segs.block_end[k - 1];
         }
     }
-    qgemv_body<F, NT, S, UNROLL>(reinterpret_cast<const u8*>(wq), reinterpret_cast<const u8*>(ws), xq, xd, xs,
-                                 reinterpret_cast<float*>(out), rows, cols, tokens, (int)blockIdx.y - first);
+    qgemv_body<F, NT, R, U>(reinterpret_cast<const u8*>(wq), reinterpret_cast<const u8*>(ws), xq, xd, xs,
+                             reinterpret_cast<float*>(out), rows, cols, tokens, (int)blockIdx.y - first, log2s);
 }
-#define QGEMV_MULTI(NAME, F, S)                                                                              \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, QG_MIN_BLOCKS)                               \
-        qgemv_multi_##NAME##_s##S(QSegs segs, const i8* xq, const float* xd, const int* xs, int cols,        \
-                                  int tokens) {                                                              \
-        pdl_enter();                                                                                         \
-        qgemv_multi_body<F, 1, S, F::UNROLL>(segs, xq, xd, xs, cols, tokens);                                \
+
+// One token, R rows a warp, held to 65536 / (256 * MINB) registers a thread; and the batch
+// (QG_NT tokens a block, RB rows a warp). Grid (ceil(tokens / NT), row blocks), block
+// QG_WARPS * 32; a block takes (QG_WARPS >> log2s) * R rows.
+#define QGEMV(NAME, F, R, U, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, MINB)                                        \
+        qgemv_##NAME##_r##R(const u8* wq, const u8* ws, const i8* xq, const float* xd, const int* xs,       \
+                             float* out, int rows, int cols, int tokens, int log2s) {                        \
+        qgemv_body<F, 1, R, U>(wq, ws, xq, xd, xs, out, rows, cols, tokens, blockIdx.y, log2s);             \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, MINB)                                        \
+        qgemv_multi_##NAME##_r##R(QSegs segs, const i8* xq, const float* xd, const int* xs, int cols,       \
+                                   int tokens, int log2s) {                                                  \
+        qgemv_multi_body<F, 1, R, U>(segs, xq, xd, xs, cols, tokens, log2s);                                \
+    }
+#define QGEMV_ROWS(NAME, F, RB, UB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, 2)                                           \
+        qgemv_rows_##NAME(const u8* wq, const u8* ws, const i8* xq, const float* xd, const int* xs,          \
+                          float* out, int rows, int cols, int tokens, int log2s) {                           \
+        qgemv_body<F, QG_NT, RB, UB>(wq, ws, xq, xd, xs, out, rows, cols, tokens, blockIdx.y, log2s);        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, 2)                                           \
-        qgemv_multi_rows_##NAME##_s##S(QSegs segs, const i8* xq, const float* xd, const int* xs, int cols,   \
-                                       int tokens) {                                                         \
-        pdl_enter();                                                                                         \
-        qgemv_multi_body<F, QG_NT, S, (F::UNROLL > 1 ? F::UNROLL / 2 : 1)>(segs, xq, xd, xs, cols, tokens);  \
+        qgemv_multi_rows_##NAME(QSegs segs, const i8* xq, const float* xd, const int* xs, int cols,          \
+                                int tokens, int log2s) {                                                     \
+        qgemv_multi_body<F, QG_NT, RB, UB>(segs, xq, xd, xs, cols, tokens, log2s);                           \
     }
-#define QGEMV_ALL(NAME, F)                                                                                   \
-    QGEMV(NAME, F, 1)                                                                                        \
-    QGEMV(NAME, F, 2)                                                                                        \
-    QGEMV(NAME, F, 4)                                                                                        \
-    QGEMV(NAME, F, 8)                                                                                        \
-    QGEMV_MULTI(NAME, F, 1)                                                                                  \
-    QGEMV_MULTI(NAME, F, 2)                                                                                  \
-    QGEMV_MULTI(NAME, F, 4)                                                                                  \
-    QGEMV_MULTI(NAME, F, 8)
-QGEMV_ALL(q8_0, Q8_0F)
-QGEMV_ALL(q4_0, Q4_0F)
-QGEMV_ALL(q4_k, Q4_KF)
-QGEMV_ALL(q6_k, Q6_KF)
+// (U, blocks per SM) for 1, 2 and 4 rows a warp (min_blocks_per_sm in quant.rs); (rows a warp,
+// U) of the batched kernel (batch_rows_per_warp): the most that fit without spilling.
+#define QGEMV_ALL(NAME, F, U1, U2, B2, U4, B4, RB, UB)                                                      \
+    QGEMV(NAME, F, 1, U1, 4)                                                                                 \
+    QGEMV(NAME, F, 2, U2, B2)                                                                                \
+    QGEMV(NAME, F, 4, U4, B4)                                                                                \
+    QGEMV_ROWS(NAME, F, RB, UB)
+QGEMV_ALL(q8_0, Q8_0F, 4, 4, 3, 2, 2, 4, 1)
+QGEMV_ALL(q4_0, Q4_0F, 4, 4, 3, 2, 2, 2, 1)
+QGEMV_ALL(q4_k, Q4_KF, 4, 2, 3, 1, 2, 2, 1)
+QGEMV_ALL(q6_k, Q6_KF, 2, 2, 2, 1, 1, 2, 1)
 
 // ---------------------------------------------------------------------------------------
 // Dequantization: the exact f32 weights (bit-identical to the CPU's dequantize_row), as bf16

@@ -8,7 +8,9 @@
 //!   unpacks them in registers and meets them with the activations in `dp4a`s; the integer sum
 //!   of a block is exact and its float contribution is added in an order fixed by the shape, so
 //!   the batched form (`qgemv_rows_*`, `QG_NT` tokens per block) gives every token bitwise the
-//!   one-token result. Why int8 activations: a 4-bit weight unpacked to f32 costs a convert
+//!   one-token result. A warp takes 1, 2 or 4 rows ([`Kernels::rows_index`] picks per launch,
+//!   [`set_qgemv_rows`] forces it for tuning), so each lane has several 16-byte weight loads
+//!   in flight and each activation unit serves every row. Why int8 activations: a 4-bit weight unpacked to f32 costs a convert
 //!   and an FMA per weight per token, which at the H200's bandwidth is about the issue rate of
 //!   the SM at batch 1 and far past it at batch 16; `dp4a` does 4 weights in one instruction.
 //! - **Prefill** (more than [`GEMV_MAX_TOKENS`] tokens): bands of weight rows are dequantized
@@ -18,6 +20,7 @@
 //! - **Embedding**: the rows of the packed table dequantized to f32, bit-identical to the CPU's
 //!   dequantization (a tied lm_head is the same packed weight through the GEMV).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule};
@@ -41,6 +44,49 @@ const QG_NT: usize = 8;
 const QG_WARPS: usize = 8;
 /// Elements of weight dequantized to bf16 at a time on the prefill path (64 MB of scratch).
 const BAND_ELEMS: usize = 32 << 20;
+
+/// The compiled rows-a-warp choices of the one-token GEMV (`qgemv_*_r{R}`).
+const ROWS_PER_WARP: [usize; 3] = [1, 2, 4];
+
+/// Blocks per SM the one-token kernel with `ROWS_PER_WARP[ri]` rows a warp is compiled to fit
+/// at least (its `__launch_bounds__` in quant.cu), where the driver does not say.
+fn min_blocks_per_sm(dtype: DType, ri: usize) -> usize {
+    match (dtype, ri) {
+        (_, 0) => 4,
+        (DType::Q6_K, 1) => 2,
+        (_, 1) => 3,
+        (DType::Q6_K, _) => 1,
+        _ => 2,
+    }
+}
+
+/// Rows a warp of the batched GEMV (`QGEMV_ALL`'s RB in quant.cu).
+fn batch_rows_per_warp(dtype: DType) -> usize {
+    if dtype == DType::Q8_0 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The one-token GEMV's rows a warp forced for every launch (`1 + index` into
+/// [`ROWS_PER_WARP`]), or 0: chosen per launch by [`Kernels::rows_index`].
+static QGEMV_ROWS_FORCED: AtomicUsize = AtomicUsize::new(0);
+
+/// Forces the one-token packed GEMV's rows a warp (1, 2 or 4) for every launch, for tuning;
+/// `None` restores the choice by shape. False, and nothing changes, for a value that is not
+/// compiled. Results are bitwise the same whatever the rows a warp.
+pub fn set_qgemv_rows(rows: Option<usize>) -> bool {
+    let v = match rows {
+        None => 0,
+        Some(r) => match ROWS_PER_WARP.iter().position(|&k| k == r) {
+            Some(k) => 1 + k,
+            None => return false,
+        },
+    };
+    QGEMV_ROWS_FORCED.store(v, Ordering::Relaxed);
+    true
+}
 
 /// What a quantized matmul ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,13 +197,15 @@ fn repack_row(dtype: DType, src: &[u8], q: &mut [u8], s: &mut [u8], s2: &mut [u8
 
 pub(super) struct Kernels {
     quantize_x: CudaFunction,
-    /// `[format][log2 S]` one-token GEMVs.
-    gemv: Vec<[CudaFunction; 4]>,
-    /// `[format][log2 S]` batched GEMVs.
-    gemv_rows: Vec<[CudaFunction; 4]>,
-    /// `[format][log2 S]` multi-weight GEMVs, one token and batched.
-    gemv_multi: Vec<[CudaFunction; 4]>,
-    gemv_multi_rows: Vec<[CudaFunction; 4]>,
+    /// `[format][rows a warp index]` one-token GEMVs, single and multi-segment.
+    gemv: Vec<[CudaFunction; 3]>,
+    gemv_multi: Vec<[CudaFunction; 3]>,
+    /// Blocks of `gemv` / `gemv_multi` resident on one SM, `[format][rows a warp index]`.
+    resident: Vec<[usize; 3]>,
+    resident_multi: Vec<[usize; 3]>,
+    /// `[format]` batched GEMVs, single and multi-segment.
+    gemv_rows: Vec<CudaFunction>,
+    gemv_multi_rows: Vec<CudaFunction>,
     dequant: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     sm_count: usize,
@@ -189,29 +237,36 @@ struct XQuant {
 impl Kernels {
     pub fn load(module: &Arc<CudaModule>, dev: &Device) -> Result<Kernels> {
         let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
-        let by_split = |prefix: &str| -> Result<[CudaFunction; 4]> {
-            Ok([
-                f(&format!("{prefix}1"))?,
-                f(&format!("{prefix}2"))?,
-                f(&format!("{prefix}4"))?,
-                f(&format!("{prefix}8"))?,
-            ])
+        let by_rows = |prefix: &str| -> Result<[CudaFunction; 3]> {
+            Ok([f(&format!("{prefix}1"))?, f(&format!("{prefix}2"))?, f(&format!("{prefix}4"))?])
         };
         let mut k = Kernels {
             quantize_x: f("quantize_x")?,
             gemv: Vec::new(),
-            gemv_rows: Vec::new(),
             gemv_multi: Vec::new(),
+            resident: Vec::new(),
+            resident_multi: Vec::new(),
+            gemv_rows: Vec::new(),
             gemv_multi_rows: Vec::new(),
             dequant: Vec::new(),
             embed: Vec::new(),
             sm_count: dev.sm_count as usize,
         };
-        for (_, name) in FORMATS {
-            k.gemv.push(by_split(&format!("qgemv_{name}_s"))?);
-            k.gemv_rows.push(by_split(&format!("qgemv_rows_{name}_s"))?);
-            k.gemv_multi.push(by_split(&format!("qgemv_multi_{name}_s"))?);
-            k.gemv_multi_rows.push(by_split(&format!("qgemv_multi_rows_{name}_s"))?);
+        for (dtype, name) in FORMATS {
+            k.gemv.push(by_rows(&format!("qgemv_{name}_r"))?);
+            k.gemv_multi.push(by_rows(&format!("qgemv_multi_{name}_r"))?);
+            let resident = |fs: &[CudaFunction; 3]| -> [usize; 3] {
+                std::array::from_fn(|ri| {
+                    fs[ri]
+                        .occupancy_max_active_blocks_per_multiprocessor(QG_WARPS as u32 * 32, 0, None)
+                        .map_or(0, |b| b as usize)
+                        .max(min_blocks_per_sm(dtype, ri))
+                })
+            };
+            k.resident.push(resident(k.gemv.last().expect("pushed")));
+            k.resident_multi.push(resident(k.gemv_multi.last().expect("pushed")));
+            k.gemv_rows.push(f(&format!("qgemv_rows_{name}"))?);
+            k.gemv_multi_rows.push(f(&format!("qgemv_multi_rows_{name}"))?);
             k.dequant.push(f(&format!("dequant_bf16_{name}"))?);
             k.embed.push(f(&format!("embed_{name}"))?);
         }
@@ -249,6 +304,20 @@ impl Kernels {
         XQuant { _buf: buf, q, d, s }
     }
 
+    /// Index into [`ROWS_PER_WARP`] of the one-token GEMV for a launch of `blocks(r)` blocks
+    /// at r rows a warp, `resident[ri]` blocks fitting an SM: the fewest rounds of blocks over
+    /// the SMs (ceil(blocks / resident blocks)), 2 rows a warp on a tie. A round costs a memory latency and a block start, so
+    /// a matrix that fits the GPU in one round at 4 rows a warp (the 9B's 4096-row matrices)
+    /// takes 4; long ones stream alike at 2 or 4 (measured on an H200: BENCHMARKS.md, session 4).
+    fn rows_index(&self, resident: &[usize; 3], blocks: impl Fn(usize) -> usize) -> usize {
+        let forced = QGEMV_ROWS_FORCED.load(Ordering::Relaxed);
+        if forced > 0 {
+            return forced - 1;
+        }
+        let rounds = |ri: usize| blocks(ROWS_PER_WARP[ri]).div_ceil(self.sm_count * resident[ri]);
+        [1, 2, 0].into_iter().min_by_key(|&ri| rounds(ri)).unwrap_or(1)
+    }
+
     /// `out = x · Wᵀ` by the GEMV: the one-token kernel for one token, the batched one (the
     /// same arithmetic per token) for more.
     fn gemv(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
@@ -256,10 +325,16 @@ impl Kernels {
         let fi = format_index(dtype);
         let xq = self.quantize_x(dev, x, tokens, cols);
         let log2 = self.split_log2(rows, cols / unit_cols(dtype));
-        let row_blocks = rows.div_ceil(QG_WARPS >> log2);
-        assert!(row_blocks <= 65535, "cuda: a {rows}-row matrix is past the GEMV's grid");
-        let (f, nt) = if tokens > 1 { (&self.gemv_rows[fi][log2], QG_NT) } else { (&self.gemv[fi][log2], 1) };
         let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
+        let blocks = |r: usize| rows.div_ceil((QG_WARPS >> log2) * r);
+        let (f, nt, r) = if tokens > 1 {
+            (&self.gemv_rows[fi], QG_NT, batch_rows_per_warp(dtype))
+        } else {
+            let ri = self.rows_index(&self.resident[fi], blocks);
+            (&self.gemv[fi][ri], 1, ROWS_PER_WARP[ri])
+        };
+        let row_blocks = blocks(r);
+        assert!(row_blocks <= 65535, "cuda: a {rows}-row matrix is past the GEMV's grid");
         dev.launch(
             "qgemv",
             f,
@@ -275,7 +350,8 @@ impl Kernels {
                 out.ptr(),
                 rows as i32,
                 cols as i32,
-                tokens as i32
+                tokens as i32,
+                log2 as i32
             ],
         );
     }
@@ -308,7 +384,16 @@ impl Kernels {
             for group in members.chunks(MAX_SEGMENTS) {
                 let total_rows: usize = group.iter().map(|&j| ws[j].rows()).sum();
                 let log2 = self.split_log2(total_rows, cols / unit_cols(dtype));
-                let rows_per_block = QG_WARPS >> log2;
+                let blocks = |r: usize| -> usize {
+                    group.iter().map(|&j| ws[j].rows().div_ceil((QG_WARPS >> log2) * r)).sum()
+                };
+                let (f, nt, r) = if tokens > 1 {
+                    (&self.gemv_multi_rows[fi], QG_NT, batch_rows_per_warp(dtype))
+                } else {
+                    let ri = self.rows_index(&self.resident_multi[fi], blocks);
+                    (&self.gemv_multi[fi][ri], 1, ROWS_PER_WARP[ri])
+                };
+                let rows_per_block = (QG_WARPS >> log2) * r;
                 let mut segs = QSegs {
                     wq: [0; MAX_SEGMENTS],
                     ws: [0; MAX_SEGMENTS],
@@ -327,18 +412,13 @@ impl Kernels {
                 (segs.block_end, end) =
                     matmul::segment_ends(group.iter().map(|&j| ws[j].rows().div_ceil(rows_per_block)));
                 assert!(end <= 65535, "cuda: {total_rows} rows are past the fused GEMV's grid");
-                let (f, nt) = if tokens > 1 {
-                    (&self.gemv_multi_rows[fi][log2], QG_NT)
-                } else {
-                    (&self.gemv_multi[fi][log2], 1)
-                };
                 dev.launch(
                     "qgemv_multi",
                     f,
                     (tokens.div_ceil(nt) as u32, end as u32, 1),
                     (QG_WARPS as u32 * 32, 1, 1),
                     0,
-                    kernel_args![segs, xq.q, xq.d, xq.s, cols as i32, tokens as i32],
+                    kernel_args![segs, xq.q, xq.d, xq.s, cols as i32, tokens as i32, log2 as i32],
                 );
                 launches += 1;
             }
