@@ -200,7 +200,7 @@ fn bench_on_pool(args: BenchArgs) -> Result<()> {
         }
         (None, None) => bail!("give --model PATH or --preset NAME ({})", PRESETS.join(", ")),
     };
-    let opened = device::open(args.device.device, args.verbose)?;
+    let opened = device::open(&args.device, args.verbose)?;
     with_backend!(opened, backend => bench_with(backend, &args, config, &source))
 }
 
@@ -400,6 +400,7 @@ fn bench_with<B: DeviceInfo>(
         "batch": 1,
         "single_stream_kernels": single_kernels,
         "batch_kernels": batch_kernels,
+        "kv_cache": model.backend().kv_cache_type().name(),
         "repeats": args.repeats,
         "prefill_tok_s": prefill_tok_s,
         "decode_tok_s": decode_tok_s,
@@ -465,6 +466,7 @@ fn bench_with<B: DeviceInfo>(
         ),
     );
     row("prompt / gen / context", format!("{} / {} / {context}, batch 1", args.prompt_len, args.gen));
+    row("KV cache", model.backend().kv_cache_type().name().to_string());
     row("prefill", format!("{prefill_tok_s:.1} tok/s (median of {})", args.repeats));
     row("decode", format!("{decode_tok_s:.2} tok/s (median of {})", args.repeats));
     paths_row(&headline);

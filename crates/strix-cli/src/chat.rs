@@ -98,7 +98,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let tokenizer = common::load_tokenizer(&dir)?
         .ok_or_else(|| anyhow!("{} has no tokenizer.json, which chat needs", dir.display()))?;
     let template = common::require_template(&dir)?;
-    let opened = device::open(args.model.device.device, args.verbose)?;
+    let opened = device::open(&args.model.device, args.verbose)?;
     with_backend!(opened, backend => {
         // One sequence at a time: the GEMV that streams fastest at batch 1.
         backend.tune_for_single_stream(true);

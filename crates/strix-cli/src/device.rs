@@ -1,5 +1,5 @@
-//! Where a command runs: `--device auto|cpu|cuda|cuda:N`, opened once at the top of each
-//! command, and what the commands need from a backend beyond the [`Backend`] ops (memory use,
+//! Where a command runs: `--device auto|cpu|cuda|cuda:N` with its KV cache type (`--kv-cache
+//! bf16|f32`), opened once at the top of each command, and what the commands need from a backend beyond the [`Backend`] ops (memory use,
 //! bandwidth, kernel-path counters), so the command code itself is written once, generic over
 //! the backend.
 
@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use serde_json::{Map, Value};
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{self, CudaBackend};
-use strix::backend::Backend;
+use strix::backend::{Backend, KvCacheType};
 
 /// The `--device` flag's value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +48,11 @@ pub struct DeviceArgs {
     /// or cuda:N
     #[arg(long, value_name = "DEVICE", default_value = "auto", env = "STRIX_DEVICE")]
     pub device: Device,
+
+    /// Element type of the attention layers' KV cache: bf16 (the CUDA default: half the memory,
+    /// rows rounded to nearest even when written) or f32 (exact; the CPU's only type)
+    #[arg(long, value_name = "TYPE", env = "STRIX_KV_CACHE")]
+    pub kv_cache: Option<KvCacheType>,
 }
 
 /// The opened backend. Commands match on it once (see [`with_backend!`]) and run their
@@ -78,11 +83,31 @@ fn cuda_reason(e: &strix::Error) -> String {
     text.strip_prefix("cuda: ").unwrap_or(&text).to_string()
 }
 
-/// Opens the backend `device` names. `--device cuda` without a usable GPU is an error; `auto`
+/// Opens the backend `args.device` names, with the KV cache type `args.kv_cache` asks for
+/// (bf16 on CUDA and f32 on the CPU when it asks for none; bf16 on the CPU is an error: its
+/// cache is the exact f32 reference). `--device cuda` without a usable GPU is an error; `auto`
 /// falls back to the CPU (silently when there is no GPU at all, with a warning when there is
 /// one that cannot be used, since that is probably not what the user wants). With `verbose`
 /// the choice is reported on stderr.
-pub fn open(device: Device, verbose: bool) -> Result<Opened> {
+pub fn open(args: &DeviceArgs, verbose: bool) -> Result<Opened> {
+    let opened = open_device(args.device, verbose)?;
+    match (&opened, args.kv_cache) {
+        (Opened::Cpu(_), Some(KvCacheType::Bf16)) => {
+            return Err(anyhow!(
+                "--kv-cache bf16: the CPU backend keeps its KV cache in f32 (exact); use --kv-cache f32 \
+                 or --device cuda"
+            ))
+        }
+        (Opened::Cuda(b), Some(t)) => b.set_kv_cache_type(t),
+        _ => {}
+    }
+    if verbose {
+        eprintln!("strix: KV cache: {}", with_backend!(&opened, b => b.kv_cache_type()));
+    }
+    Ok(opened)
+}
+
+fn open_device(device: Device, verbose: bool) -> Result<Opened> {
     let opened = match device {
         Device::Cpu => {
             if verbose {
@@ -303,6 +328,17 @@ mod tests {
         assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
         for bad in ["cuda:", "cuda:x", "tpu", "cuda:-1"] {
             assert!(bad.parse::<Device>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_cpu_refuses_a_bf16_kv_cache() {
+        let args = |kv| DeviceArgs { device: Device::Cpu, kv_cache: kv };
+        let e = open(&args(Some(KvCacheType::Bf16)), false).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("--kv-cache bf16") && e.contains("f32"), "{e}");
+        for kv in [None, Some(KvCacheType::F32)] {
+            let opened = open(&args(kv), false).unwrap();
+            assert_eq!(with_backend!(&opened, b => b.kv_cache_type()), KvCacheType::F32);
         }
     }
 

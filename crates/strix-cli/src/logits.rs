@@ -59,7 +59,7 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
         }
         (None, None) => bail!("give the prompt with --prompt-ids or --prompt"),
     };
-    let opened = device::open(args.device.device, args.verbose)?;
+    let opened = device::open(&args.device, args.verbose)?;
     let logits = with_backend!(opened, backend => {
         let model = common::load_model(&dir, backend)?;
         prompt_logits(&model, &ids)?

@@ -109,7 +109,7 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
         }
         (None, None) => bail!("give --file TEXT_FILE or --kl-base FILE"),
     };
-    let opened = device::open(args.model.device.device, false)?;
+    let opened = device::open(&args.model.device, false)?;
     let quant = args.model.quant.quant;
     with_backend!(opened, backend => {
         let model = match (&args.preset, &dir) {

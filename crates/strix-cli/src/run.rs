@@ -97,7 +97,7 @@ fn run_on_pool(args: RunArgs) -> Result<()> {
         }
     };
 
-    let opened = device::open(args.model.device.device, args.verbose)?;
+    let opened = device::open(&args.model.device, args.verbose)?;
     with_backend!(opened, backend => {
         // One sequence at a time: the GEMV that streams fastest at batch 1.
         backend.tune_for_single_stream(true);

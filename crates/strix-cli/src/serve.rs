@@ -68,7 +68,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         bail!("--max-seqs must be at least 1");
     }
     let dir = common::resolve_model(args.model.model.as_deref())?;
-    let opened = device::open(args.model.device.device, false)?;
+    let opened = device::open(&args.model.device, false)?;
     with_backend!(opened, backend => serve_with(&args, &dir, crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?))
 }
 

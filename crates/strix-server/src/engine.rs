@@ -100,7 +100,9 @@ impl StateSizes {
                 LayerKind::DeltaNet => {
                     sizes.per_sequence += (dn.conv_state_len() + dn.state_len()) as u64 * f32_bytes
                 }
-                LayerKind::Attention => sizes.per_token += 2 * at.kv_dim() as u64 * f32_bytes,
+                LayerKind::Attention => {
+                    sizes.per_token += 2 * at.kv_dim() as u64 * model.backend().kv_cache_type().bytes() as u64
+                }
             }
         }
         sizes

@@ -328,7 +328,9 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
             b.attention_prologue(&at, &qg, &mut k, &qn, &kn, &inv_freq, &positions, &mut q, &mut gate)
         })?;
         ops.push(Op { name: "attention prologue", shape: String::new(), calls: n_att, secs, bytes: 0 });
-        let (mut kc, mut vc) = (ones((context + 1) * at.kv_dim()), ones((context + 1) * at.kv_dim()));
+        // Caches in the backend's default type (bf16).
+        let cache = |n: usize| b.cache_upload(&vec![1.0; n]);
+        let (mut kc, mut vc) = (cache((context + 1) * at.kv_dim()), cache((context + 1) * at.kv_dim()));
         let mut o = b.zeros(q_dim);
         let secs =
             per_call(b, REPS, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, context, 1, &mut o))?;
@@ -336,7 +338,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         ops.push(Op { name: "attention", shape, calls: n_att, secs, bytes: 0 });
         // For reference (not part of this step): the same at a 4096-token context.
         let long = 4096;
-        let (mut kc, mut vc) = (ones((long + 1) * at.kv_dim()), ones((long + 1) * at.kv_dim()));
+        let (mut kc, mut vc) = (cache((long + 1) * at.kv_dim()), cache((long + 1) * at.kv_dim()));
         let secs =
             per_call(b, REPS, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, long, 1, &mut o))?;
         ops.push(Op {

@@ -199,7 +199,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         push("attention prologue".into(), n_att * passes, secs);
         let k = b.upload(&k0);
         let cache = rng.vec(PROMPT * at.kv_dim(), 1.0);
-        let (mut kc, mut vc) = (b.upload(&cache), b.upload(&cache));
+        let (mut kc, mut vc) = (b.cache_upload(&cache), b.cache_upload(&cache));
         let mut o = b.zeros(t * q_dim);
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             b.set_prefill_path(path);

@@ -232,6 +232,7 @@ impl<B: Backend> Model<B> {
     /// A fresh session (empty KV caches, zero GDN states) that accepts up to `max_context`
     /// tokens in all.
     pub fn new_session(&self, max_context: usize) -> Session<B> {
+        let b = &self.backend;
         let dn = deltanet_shape(&self.config);
         let layers = self
             .config
@@ -243,23 +244,25 @@ impl<B: Backend> Model<B> {
                     recurrent: self.backend.zeros(dn.state_len()),
                 },
                 LayerKind::Attention => {
-                    LayerState::Attention { k: self.backend.zeros(0), v: self.backend.zeros(0), capacity: 0 }
+                    LayerState::Attention { k: b.cache_zeros(0), v: b.cache_zeros(0), capacity: 0 }
                 }
             })
             .collect();
         Session::new(layers, max_context)
     }
 
-    /// Device bytes a session of `max_context` tokens holds: the f32 KV caches of the
-    /// attention layers at full length and the conv and recurrent states of the DeltaNet layers.
+    /// Device bytes a session of `max_context` tokens holds: the KV caches of the attention
+    /// layers at full length, in the backend's cache type (2 bytes an element in bf16, 4 in
+    /// f32), and the f32 conv and recurrent states of the DeltaNet layers.
     pub fn session_bytes(&self, max_context: usize) -> usize {
         let dn = deltanet_shape(&self.config);
         let kv = attention_shape(&self.config).kv_dim();
+        let cache_bytes = self.backend.kv_cache_type().bytes();
         let per_layer = |kind: &LayerKind| match kind {
-            LayerKind::Attention => 2 * max_context * kv,
-            LayerKind::DeltaNet => dn.conv_state_len() + dn.state_len(),
+            LayerKind::Attention => 2 * max_context * kv * cache_bytes,
+            LayerKind::DeltaNet => (dn.conv_state_len() + dn.state_len()) * 4,
         };
-        self.config.layer_kinds.iter().map(per_layer).sum::<usize>() * 4
+        self.config.layer_kinds.iter().map(per_layer).sum::<usize>()
     }
 
     /// [`Model::new_session`], checked against the device's free memory where the backend has

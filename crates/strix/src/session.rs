@@ -14,8 +14,9 @@ static NEXT_SESSION_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The state one decoder layer carries between calls.
 pub enum LayerState<B: Backend> {
-    /// `[capacity, kv_dim]` keys and values (post-norm, post-RoPE keys).
-    Attention { k: B::Buf, v: B::Buf, capacity: usize },
+    /// `[capacity, kv_dim]` keys and values (post-norm, post-RoPE keys), in the element type
+    /// the backend made the caches with.
+    Attention { k: B::Cache, v: B::Cache, capacity: usize },
     /// `[conv_dim, kernel - 1]` last conv inputs and `[v_heads, k_dim, v_dim]` delta-rule state.
     DeltaNet { conv: B::Buf, recurrent: B::Buf },
 }
@@ -74,8 +75,8 @@ impl<B: Backend> Session<B> {
             if let LayerState::Attention { k, v, capacity } = layer {
                 if *capacity < needed {
                     let grown = needed.max(*capacity * 2).max(256).min(self.max_context.max(needed));
-                    backend.resize(k, grown * kv_dim);
-                    backend.resize(v, grown * kv_dim);
+                    backend.cache_resize(k, grown * kv_dim);
+                    backend.cache_resize(v, grown * kv_dim);
                     *capacity = grown;
                     self.buffers_id = NEXT_SESSION_ID.fetch_add(1, Ordering::Relaxed);
                 }
@@ -85,5 +86,38 @@ impl<B: Backend> Session<B> {
 
     pub(crate) fn advance(&mut self, ids: &[u32]) {
         self.tokens.extend_from_slice(ids);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+
+    /// Growing the caches keeps every row written so far, zeroes the new ones, and renames the
+    /// buffers (a recorded decode step must not replay over the old ones).
+    #[test]
+    fn reserve_grows_caches_keeping_rows() {
+        let cpu = CpuBackend::new();
+        let kv = 3;
+        let layers = vec![
+            LayerState::Attention { k: cpu.cache_zeros(0), v: cpu.cache_zeros(0), capacity: 0 },
+            LayerState::DeltaNet { conv: cpu.zeros(2), recurrent: cpu.zeros(2) },
+        ];
+        let mut s = Session::new(layers, 1000);
+        s.reserve(&cpu, 5, kv);
+        let id = s.buffers_id();
+        let LayerState::Attention { k, capacity, .. } = s.layer_mut(0) else { unreachable!() };
+        assert_eq!((*capacity, k.len()), (256, 256 * kv));
+        let rows: Vec<f32> = (0..5 * kv).map(|i| i as f32 + 0.5).collect();
+        k[..5 * kv].copy_from_slice(&rows);
+        s.reserve(&cpu, 200, kv);
+        assert_eq!(s.buffers_id(), id, "no growth, same buffers");
+        s.reserve(&cpu, 300, kv);
+        assert_ne!(s.buffers_id(), id);
+        let LayerState::Attention { k, capacity, .. } = s.layer_mut(0) else { unreachable!() };
+        assert_eq!(*capacity, 512);
+        assert_eq!(cpu.cache_download(k, 0, 5 * kv), rows);
+        assert!(cpu.cache_download(k, 5 * kv, 507 * kv).iter().all(|&x| x == 0.0));
     }
 }

@@ -90,6 +90,7 @@ impl FakeQuant {
 impl Backend for FakeQuant {
     type Buf = Vec<f32>;
     type Weight = FakeWeight;
+    type Cache = Vec<f32>;
     fn name(&self) -> String {
         "cpu, fake-quantized activations".into()
     }

@@ -1,8 +1,9 @@
 //! The ops a backend implements so that the model, written once in [`crate::model`], runs on it.
 //!
 //! Activations and states are `f32` buffers owned by the backend ([`Backend::Buf`]); weight
-//! matrices stay in their checkpoint dtype ([`Backend::Weight`]). Shapes are passed explicitly
-//! and rows are tokens: a `[tokens, dim]` activation is `tokens * dim` floats, row-major.
+//! matrices stay in their checkpoint dtype ([`Backend::Weight`]); the attention layers' KV
+//! caches are [`Backend::Cache`]s, whose element type ([`KvCacheType`]) the backend picks.
+//! Shapes are passed explicitly and rows are tokens: a `[tokens, dim]` activation is `tokens * dim` floats, row-major.
 //! Each op says what it computes in the terms of `modeling_qwen3_5.py`; a backend may fuse
 //! internally but must compute the same function.
 
@@ -85,6 +86,52 @@ impl AttentionShape {
     }
 }
 
+/// The element type of a KV cache (llama.cpp's `--cache-type-k/v`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvCacheType {
+    /// Exact: the CPU backend's only type, and the f32 reference.
+    #[default]
+    F32,
+    /// Rows rounded to nearest even when they are written: half the memory and the reads of
+    /// f32, and the precision the tensor-core prefill attention computes in anyway.
+    Bf16,
+}
+
+impl KvCacheType {
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvCacheType::F32 => 4,
+            KvCacheType::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheType::F32 => "f32",
+            KvCacheType::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::fmt::Display for KvCacheType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvCacheType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<KvCacheType, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvCacheType::F32),
+            "bf16" => Ok(KvCacheType::Bf16),
+            _ => Err(format!("`{s}` is not a KV cache type: use bf16 or f32")),
+        }
+    }
+}
+
 /// Which algorithm evaluates the gated delta rule over a run of tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeltaRuleMode {
@@ -100,6 +147,9 @@ pub trait Backend: Send + Sync {
     type Buf: Send + Sync;
     /// A `[rows, cols]` weight matrix on the device, in its stored dtype.
     type Weight: Send + Sync;
+    /// One attention layer's keys or values, `[capacity, kv_dim]` rows in the element type
+    /// the cache was made with ([`Backend::kv_cache_type`] at the time).
+    type Cache: Send + Sync;
 
     /// A short name for logs and benchmarks ("cpu", "cuda:0").
     fn name(&self) -> String;
@@ -119,6 +169,18 @@ pub trait Backend: Send + Sync {
     fn resize(&self, buf: &mut Self::Buf, len: usize);
     /// Copies `len` floats starting at `offset` to the host.
     fn download(&self, buf: &Self::Buf, offset: usize, len: usize) -> Vec<f32>;
+
+    /// The element type of the KV caches [`Backend::cache_zeros`] makes now.
+    fn kv_cache_type(&self) -> KvCacheType {
+        KvCacheType::F32
+    }
+    /// A KV cache of `len` zero elements in [`Backend::kv_cache_type`].
+    fn cache_zeros(&self, len: usize) -> Self::Cache;
+    /// Grows or shrinks a cache to `len` elements, keeping the common prefix in its element
+    /// type (new space is zero).
+    fn cache_resize(&self, cache: &mut Self::Cache, len: usize);
+    /// Copies `len` cached elements starting at `offset` to the host, widened to f32.
+    fn cache_download(&self, cache: &Self::Cache, offset: usize, len: usize) -> Vec<f32>;
     /// Free device memory in bytes, for backends whose memory is scarce and separate from the
     /// host's (`None`: the host's memory, sessions grow on demand).
     fn free_memory(&self) -> Option<usize> {
@@ -367,7 +429,7 @@ pub trait Backend: Send + Sync {
     );
 
     /// Writes `k`, `v` (`[tokens, kv_dim]`) into the caches (`[capacity, kv_dim]`) at rows
-    /// `pos0..`, then causal softmax attention of `q` over cache rows `0..pos0 + tokens`
+    /// `pos0..` (rounded to the caches' element type), then causal softmax attention of `q` over cache rows `0..pos0 + tokens`
     /// (query `t` sees rows `..=pos0 + t`), scaled by `1/sqrt(head_dim)`, GQA; the result is
     /// multiplied by `sigmoid(gate)` into `out: [tokens, heads * head_dim]`.
     #[allow(clippy::too_many_arguments)]
@@ -378,8 +440,8 @@ pub trait Backend: Send + Sync {
         k: &Self::Buf,
         v: &Self::Buf,
         gate: &Self::Buf,
-        k_cache: &mut Self::Buf,
-        v_cache: &mut Self::Buf,
+        k_cache: &mut Self::Cache,
+        v_cache: &mut Self::Cache,
         pos0: usize,
         tokens: usize,
         out: &mut Self::Buf,
@@ -396,8 +458,8 @@ pub trait Backend: Send + Sync {
         k: &Self::Buf,
         v: &Self::Buf,
         gate: &Self::Buf,
-        k_caches: &mut [&mut Self::Buf],
-        v_caches: &mut [&mut Self::Buf],
+        k_caches: &mut [&mut Self::Cache],
+        v_caches: &mut [&mut Self::Cache],
         positions: &[usize],
         out: &mut Self::Buf,
     );
@@ -460,5 +522,21 @@ pub fn matmul_each<B: Backend + ?Sized>(
         } else {
             b.matmul(x, tokens, w, out);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_cache_types_parse_and_size() {
+        assert_eq!("bf16".parse::<KvCacheType>().unwrap(), KvCacheType::Bf16);
+        assert_eq!(" F32 ".parse::<KvCacheType>().unwrap(), KvCacheType::F32);
+        let e = "f16".parse::<KvCacheType>().unwrap_err();
+        assert!(e.contains("f16") && e.contains("bf16 or f32"), "{e}");
+        assert_eq!((KvCacheType::Bf16.bytes(), KvCacheType::F32.bytes()), (2, 4));
+        assert_eq!(KvCacheType::default(), KvCacheType::F32);
+        assert_eq!(KvCacheType::Bf16.to_string(), "bf16");
     }
 }

@@ -119,10 +119,44 @@ pub fn argmax(x: &[f32]) -> u32 {
 }
 
 /// The `Backend` ops on activations and states of a test backend that wraps the CPU backend
-/// (a reference with its own weights and matmuls), passed through to `self.$inner`.
+/// (a reference with its own weights and matmuls), passed through to `self.$inner`;
+/// `($inner, without_attention)` leaves out `attention` and `attention_rows` (a reference that
+/// emulates a cache type writes its own).
 #[allow(unused_macros)]
 macro_rules! delegate_activation_ops_to_cpu {
     ($inner:tt) => {
+        common::delegate_activation_ops_to_cpu!($inner, without_attention);
+        fn attention(
+            &self,
+            s: &strix::backend::AttentionShape,
+            q: &Vec<f32>,
+            k: &Vec<f32>,
+            v: &Vec<f32>,
+            gate: &Vec<f32>,
+            kc: &mut Vec<f32>,
+            vc: &mut Vec<f32>,
+            pos0: usize,
+            tokens: usize,
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.attention(s, q, k, v, gate, kc, vc, pos0, tokens, out)
+        }
+        fn attention_rows(
+            &self,
+            s: &strix::backend::AttentionShape,
+            q: &Vec<f32>,
+            k: &Vec<f32>,
+            v: &Vec<f32>,
+            gate: &Vec<f32>,
+            kcs: &mut [&mut Vec<f32>],
+            vcs: &mut [&mut Vec<f32>],
+            positions: &[usize],
+            out: &mut Vec<f32>,
+        ) {
+            self.$inner.attention_rows(s, q, k, v, gate, kcs, vcs, positions, out)
+        }
+    };
+    ($inner:tt, without_attention) => {
         fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
             self.$inner.rms_norm(x, w, dim, eps, out)
         }
@@ -218,34 +252,14 @@ macro_rules! delegate_activation_ops_to_cpu {
         ) {
             self.$inner.attention_prologue(s, qg, k, qn, kn, inv_freq, positions, q, gate)
         }
-        fn attention(
-            &self,
-            s: &strix::backend::AttentionShape,
-            q: &Vec<f32>,
-            k: &Vec<f32>,
-            v: &Vec<f32>,
-            gate: &Vec<f32>,
-            kc: &mut Vec<f32>,
-            vc: &mut Vec<f32>,
-            pos0: usize,
-            tokens: usize,
-            out: &mut Vec<f32>,
-        ) {
-            self.$inner.attention(s, q, k, v, gate, kc, vc, pos0, tokens, out)
+        fn cache_zeros(&self, len: usize) -> Vec<f32> {
+            self.$inner.cache_zeros(len)
         }
-        fn attention_rows(
-            &self,
-            s: &strix::backend::AttentionShape,
-            q: &Vec<f32>,
-            k: &Vec<f32>,
-            v: &Vec<f32>,
-            gate: &Vec<f32>,
-            kcs: &mut [&mut Vec<f32>],
-            vcs: &mut [&mut Vec<f32>],
-            positions: &[usize],
-            out: &mut Vec<f32>,
-        ) {
-            self.$inner.attention_rows(s, q, k, v, gate, kcs, vcs, positions, out)
+        fn cache_resize(&self, cache: &mut Vec<f32>, len: usize) {
+            self.$inner.cache_resize(cache, len)
+        }
+        fn cache_download(&self, cache: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
+            self.$inner.cache_download(cache, offset, len)
         }
     };
 }

@@ -104,6 +104,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
+    type Cache = Vec<f32>;
     type Weight = CpuWeight;
 
     fn name(&self) -> String {
@@ -142,6 +143,19 @@ impl Backend for CpuBackend {
 
     fn resize(&self, buf: &mut Vec<f32>, len: usize) {
         buf.resize(len, 0.0);
+    }
+
+    // The CPU is the f32 reference: its caches are exact.
+    fn cache_zeros(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn cache_resize(&self, cache: &mut Vec<f32>, len: usize) {
+        cache.resize(len, 0.0);
+    }
+
+    fn cache_download(&self, cache: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
+        cache[offset..offset + len].to_vec()
     }
 
     fn download(&self, buf: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {

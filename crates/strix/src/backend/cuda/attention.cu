@@ -49,13 +49,20 @@ extern "C" __global__ void attention_prologue(const float* q_and_gate, float* k,
 // Causal attention, split over the keys (flash-decoding): the `visible` keys of a query row are
 // cut into att_splits(visible) ranges of equal length, each range is one block, and a second
 // kernel merges the ranges' partial softmax results. The split depends on `visible` alone, so a
-// row computes the same whether it is alone or in a batch. Inside a block, each warp runs an
-// online softmax over a strided share of the range (ATT_KB keys per step, so their dot-product
-// reductions overlap), and the warps are merged in shared memory.
-// Dynamic shared memory: nwarps * head_dim floats. head_dim <= 32 * ATT_EPL.
+// row computes the same whether it is alone or in a batch.
+//
+// A block takes G query heads of one kv group (G = 4, 2 or 1, dividing the group), so each K/V
+// row it streams serves all of them: the cache is read once per kv head, not once per query
+// head (Qwen3.5's four query heads per kv head used to read every row four times). Inside a
+// block each warp runs an online softmax over a strided share of the range, ATT_KB keys per
+// step with all their K and V loads issued before any is used, and the warps are merged in
+// shared memory. Each lane holds ATT_EPL elements of a head: dims e * 32 + lane of an f32 row
+// (coalesced 4-byte loads), dims lane * 8 + e of a bf16 row (one 16-byte load).
+// Dynamic shared memory: nwarps * G * head_dim floats. head_dim <= 32 * ATT_EPL.
 #define ATT_EPL 8
 #define ATT_KB 4
-#define ATT_MAX_WARPS 32
+#define ATT_MAX_WARPS 8
+#define ATT_MAX_G 4
 #define ATT_SPLIT_KEYS 64
 #define ATT_MAX_SPLITS 32
 
@@ -64,162 +71,232 @@ __device__ __forceinline__ int att_splits(int visible) {
     return n < 1 ? 1 : (n > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : n);
 }
 
-// Keys [j_begin, j_end) of one head for one query row; writes the range's (m, l, acc[hd]) to
-// `part` (hd + 2 floats: m, l, then acc). An empty range writes l = 0.
-__device__ __forceinline__ void attend_range(const float* qh, const float* k_cache,
-                                             const float* v_cache, int kv_dim, int hd, int j_begin,
-                                             int j_end, float scale, float* part, float* warp_acc,
-                                             float* warp_m, float* warp_l) {
+// The head dimension element e of a lane holds.
+__device__ __forceinline__ int att_dim(const float*, int lane, int e) { return e * 32 + lane; }
+__device__ __forceinline__ int att_dim(const bf16_t*, int lane, int e) { return lane * ATT_EPL + e; }
+
+// A lane's ATT_EPL elements of one cached row, widened to f32 (0 past the head).
+__device__ __forceinline__ void att_load(const float* row, int lane, int hd, float* x) {
+#pragma unroll
+    for (int e = 0; e < ATT_EPL; e++) {
+        const int d = e * 32 + lane;
+        x[e] = d < hd ? row[d] : 0.f;
+    }
+}
+__device__ __forceinline__ void att_load(const bf16_t* row, int lane, int hd, float* x) {
+    const int d0 = lane * ATT_EPL;
+    if ((hd & 7) == 0) {
+        // Rows start on 16 bytes: kv_dim and the head offset are multiples of 8 elements.
+        v4u u = {0u, 0u, 0u, 0u};
+        if (d0 < hd) u = *reinterpret_cast<const v4u*>(row + d0);
+        x[0] = bf16_lo(u.x);
+        x[1] = bf16_hi(u.x);
+        x[2] = bf16_lo(u.y);
+        x[3] = bf16_hi(u.y);
+        x[4] = bf16_lo(u.z);
+        x[5] = bf16_hi(u.z);
+        x[6] = bf16_lo(u.w);
+        x[7] = bf16_hi(u.w);
+    } else {
+#pragma unroll
+        for (int e = 0; e < ATT_EPL; e++) x[e] = d0 + e < hd ? bf16_to_f32(row[d0 + e]) : 0.f;
+    }
+}
+
+// Keys [j_begin, j_end) of kv head `kh` for query heads h0.. h0 + G - 1 of one query row `qrow`
+// (`[nh, hd]`); writes each head's (m, l, acc[hd]) to `part + g * part_stride` (m, l, then acc).
+// An empty range writes l = 0.
+template <typename T, int G>
+__device__ __forceinline__ void attend_range(const float* qrow, const T* k_cache, const T* v_cache,
+                                             int kv_dim, int hd, int h0, int j_begin, int j_end, float scale,
+                                             float* part, i64 part_stride, float* warp_acc, float* warp_m,
+                                             float* warp_l) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    float qv[ATT_EPL], acc[ATT_EPL];
+    float qv[G][ATT_EPL], acc[G][ATT_EPL], m[G], l[G];
 #pragma unroll
-    for (int e = 0; e < ATT_EPL; e++) {
-        const int d = e * 32 + lane;
-        qv[e] = d < hd ? qh[d] * scale : 0.f;
-        acc[e] = 0.f;
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int e = 0; e < ATT_EPL; e++) {
+            const int d = att_dim(k_cache, lane, e);
+            qv[g][e] = d < hd ? qrow[(h0 + g) * hd + d] * scale : 0.f;
+            acc[g][e] = 0.f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
     }
-    float m = NEG_INF, l = 0.f;
     for (int j0 = j_begin + warp * ATT_KB; j0 < j_end; j0 += nwarps * ATT_KB) {
-        float sc[ATT_KB];
+        float kx[ATT_KB][ATT_EPL], vx[ATT_KB][ATT_EPL];
 #pragma unroll
         for (int u = 0; u < ATT_KB; u++) {
-            const int j = j0 + u;
-            float s = 0.f;
-            if (j < j_end) {
-                const float* kr = k_cache + (i64)j * kv_dim;
-#pragma unroll
-                for (int e = 0; e < ATT_EPL; e++) {
-                    const int d = e * 32 + lane;
-                    if (d < hd) s += qv[e] * kr[d];
-                }
-            }
-            sc[u] = s;
+            // Keys past the range read row j_begin (in bounds) and are masked below.
+            const int j = j0 + u < j_end ? j0 + u : j_begin;
+            att_load(k_cache + (i64)j * kv_dim, lane, hd, kx[u]);
+            att_load(v_cache + (i64)j * kv_dim, lane, hd, vx[u]);
         }
 #pragma unroll
-        for (int u = 0; u < ATT_KB; u++) sc[u] = warp_sum(sc[u]);
-        float mx = m;
+        for (int g = 0; g < G; g++) {
+            float sc[ATT_KB];
 #pragma unroll
-        for (int u = 0; u < ATT_KB; u++)
-            if (j0 + u < j_end) mx = fmaxf(mx, sc[u]);
-        const float corr = expf(m - mx);  // 0 on the first step, where m = -inf
-        l *= corr;
+            for (int u = 0; u < ATT_KB; u++) {
+                float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < ATT_EPL; e++) acc[e] *= corr;
+                for (int e = 0; e < ATT_EPL; e++) s += qv[g][e] * kx[u][e];
+                sc[u] = warp_sum(s);
+            }
+            float mx = m[g];
 #pragma unroll
-        for (int u = 0; u < ATT_KB; u++) {
-            const int j = j0 + u;
-            if (j < j_end) {
-                const float p = expf(sc[u] - mx);
-                l += p;
-                const float* vr = v_cache + (i64)j * kv_dim;
+            for (int u = 0; u < ATT_KB; u++)
+                if (j0 + u < j_end) mx = fmaxf(mx, sc[u]);
+            const float corr = expf(m[g] - mx);  // 0 on the first step, where m = -inf
+            l[g] *= corr;
 #pragma unroll
-                for (int e = 0; e < ATT_EPL; e++) {
-                    const int d = e * 32 + lane;
-                    if (d < hd) acc[e] += p * vr[d];
+            for (int e = 0; e < ATT_EPL; e++) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < ATT_KB; u++) {
+                if (j0 + u < j_end) {
+                    const float p = expf(sc[u] - mx);
+                    l[g] += p;
+#pragma unroll
+                    for (int e = 0; e < ATT_EPL; e++) acc[g][e] += p * vx[u][e];
                 }
             }
+            m[g] = mx;
         }
-        m = mx;
-    }
-    if (lane == 0) {
-        warp_m[warp] = m;
-        warp_l[warp] = l;
     }
 #pragma unroll
-    for (int e = 0; e < ATT_EPL; e++) {
-        const int d = e * 32 + lane;
-        if (d < hd) warp_acc[warp * hd + d] = acc[e];
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            warp_m[warp * G + g] = m[g];
+            warp_l[warp * G + g] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < ATT_EPL; e++) {
+            const int d = att_dim(k_cache, lane, e);
+            if (d < hd) warp_acc[(warp * G + g) * hd + d] = acc[g][e];
+        }
     }
     __syncthreads();
-    float mx = NEG_INF;
-    for (int w = 0; w < nwarps; w++) mx = fmaxf(mx, warp_m[w]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd;
+        float mx = NEG_INF;
+        for (int w = 0; w < nwarps; w++) mx = fmaxf(mx, warp_m[w * G + g]);
         float o = 0.f;
         for (int w = 0; w < nwarps; w++)
             // Warps that saw no key hold l = 0 and m = -inf; skip them rather than form inf - inf.
-            if (warp_l[w] > 0.f) o += warp_acc[w * hd + d] * expf(warp_m[w] - mx);
-        part[2 + d] = o;
+            if (warp_l[w * G + g] > 0.f) o += warp_acc[(w * G + g) * hd + d] * expf(warp_m[w * G + g] - mx);
+        part[g * part_stride + 2 + d] = o;
     }
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        float mx = NEG_INF;
+        for (int w = 0; w < nwarps; w++) mx = fmaxf(mx, warp_m[w * G + g]);
         float sum = 0.f;
         for (int w = 0; w < nwarps; w++)
-            if (warp_l[w] > 0.f) sum += warp_l[w] * expf(warp_m[w] - mx);
-        part[0] = mx;
-        part[1] = sum;
+            if (warp_l[w * G + g] > 0.f) sum += warp_l[w * G + g] * expf(warp_m[w * G + g] - mx);
+        part[g * part_stride] = mx;
+        part[g * part_stride + 1] = sum;
     }
 }
 
-// The key range of split s of a row that sees `visible` keys.
-__device__ __forceinline__ void att_range(int visible, int s, int* begin, int* end) {
+// The key range of split s of a row that sees `visible` keys; false for a split past the row's
+// own count (launched only because a recording launches every split a row can have), which
+// writes nothing: the merge reads the row's own splits only.
+__device__ __forceinline__ bool att_range(int visible, int s, int* begin, int* end) {
     const int n = att_splits(visible);
     const int chunk = (visible + n - 1) / n;
-    *begin = s < n ? s * chunk : visible;
-    *end = s < n ? imin(visible, (s + 1) * chunk) : visible;
+    *begin = s * chunk;
+    *end = imin(visible, (s + 1) * chunk);
+    return s < n;
+}
+
+// One block: query heads h0.. of kv head kh for query row `row`, which sees `visible` keys.
+// grid (nkv * group / G, rows, splits); partial [rows, heads, splits, hd + 2].
+template <typename T, int G>
+__device__ __forceinline__ void attention_block(const float* q, const T* kc, const T* vc, float* partial,
+                                                int row, int visible, int nh, int nkv, int hd, float scale) {
+    extern __shared__ float warp_acc[];
+    __shared__ float warp_m[ATT_MAX_WARPS * ATT_MAX_G];
+    __shared__ float warp_l[ATT_MAX_WARPS * ATT_MAX_G];
+    const int group = nh / nkv, blocks_per_kv = group / G;
+    const int kh = blockIdx.x / blocks_per_kv;
+    const int h0 = kh * group + (blockIdx.x % blocks_per_kv) * G;
+    const int s = blockIdx.z;
+    int begin, end;
+    if (!att_range(visible, s, &begin, &end)) return;
+    const i64 stride = (i64)gridDim.z * (hd + 2);
+    float* part = partial + (((i64)row * nh + h0) * gridDim.z + s) * (hd + 2);
+    attend_range<T, G>(q + (i64)row * nh * hd, kc + kh * hd, vc + kh * hd, nkv * hd, hd, h0, begin, end, scale, part,
+                       stride, warp_acc, warp_m, warp_l);
 }
 
 // One sequence: query t (at position pos0 + t) sees cache rows 0..=pos0 + t.
-// grid (heads, tokens, splits), block ATT_WARPS * 32; partial [tokens, heads, splits, hd + 2].
-extern "C" __global__ void __launch_bounds__(256) attention_partial_seq(
-    const float* q, const float* k_cache, const float* v_cache,
-    float* partial, int nh, int nkv, int hd, int pos0, float scale) {
-    pdl_enter();
-    extern __shared__ float warp_acc[];
-    __shared__ float warp_m[ATT_MAX_WARPS];
-    __shared__ float warp_l[ATT_MAX_WARPS];
-    const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
-    const int kh = h / (nh / nkv);
-    int begin, end;
-    att_range(pos0 + t + 1, s, &begin, &end);
-    float* part = partial + (((i64)t * nh + h) * gridDim.z + s) * (hd + 2);
-    attend_range(q + ((i64)t * nh + h) * hd, k_cache + kh * hd, v_cache + kh * hd, nkv * hd, hd, begin, end, scale,
-                 part, warp_acc, warp_m, warp_l);
-}
-
+#define ATT_SEQ(NAME, T, G)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const float* q, const T* k_cache,              \
+                                                           const T* v_cache, float* partial, int nh,       \
+                                                           int nkv, int hd, int pos0, float scale) {       \
+        pdl_enter();                                                                                        \
+        const int t = blockIdx.y;                                                                           \
+        attention_block<T, G>(q, k_cache, v_cache, partial, t, pos0 + t + 1, nh, nkv, hd, scale);           \
+    }
 // A decode batch: row i is the token of sequence i at positions[i], over its own caches.
-extern "C" __global__ void __launch_bounds__(256) attention_partial_batch(
-    const float* q, const unsigned long long* k_caches,
-    const unsigned long long* v_caches, const u32* positions, float* partial,
-    int nh, int nkv, int hd, float scale) {
-    pdl_enter();
-    extern __shared__ float warp_acc[];
-    __shared__ float warp_m[ATT_MAX_WARPS];
-    __shared__ float warp_l[ATT_MAX_WARPS];
-    const int h = blockIdx.x, i = blockIdx.y, s = blockIdx.z;
-    const int kh = h / (nh / nkv);
-    int begin, end;
-    att_range((int)positions[i] + 1, s, &begin, &end);
-    const float* kc = reinterpret_cast<const float*>(k_caches[i]);
-    const float* vc = reinterpret_cast<const float*>(v_caches[i]);
-    float* part = partial + (((i64)i * nh + h) * gridDim.z + s) * (hd + 2);
-    attend_range(q + ((i64)i * nh + h) * hd, kc + kh * hd, vc + kh * hd, nkv * hd, hd, begin, end, scale, part,
-                 warp_acc, warp_m, warp_l);
-}
+#define ATT_BATCH(NAME, T, G)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
+        const float* q, const unsigned long long* k_caches, const unsigned long long* v_caches,           \
+        const u32* positions, float* partial, int nh, int nkv, int hd, float scale) {                       \
+        pdl_enter();                                                                                        \
+        const int i = blockIdx.y;                                                                           \
+        attention_block<T, G>(q, reinterpret_cast<const T*>(k_caches[i]),                                   \
+                              reinterpret_cast<const T*>(v_caches[i]), partial, i, (int)positions[i] + 1,  \
+                              nh, nkv, hd, scale);                                                          \
+    }
+ATT_SEQ(attention_partial_seq_f32_g1, float, 1)
+ATT_SEQ(attention_partial_seq_f32_g2, float, 2)
+ATT_SEQ(attention_partial_seq_f32_g4, float, 4)
+ATT_SEQ(attention_partial_seq_bf16_g1, bf16_t, 1)
+ATT_SEQ(attention_partial_seq_bf16_g2, bf16_t, 2)
+ATT_SEQ(attention_partial_seq_bf16_g4, bf16_t, 4)
+ATT_BATCH(attention_partial_batch_f32_g1, float, 1)
+ATT_BATCH(attention_partial_batch_f32_g2, float, 2)
+ATT_BATCH(attention_partial_batch_f32_g4, float, 4)
+ATT_BATCH(attention_partial_batch_bf16_g1, bf16_t, 1)
+ATT_BATCH(attention_partial_batch_bf16_g2, bf16_t, 2)
+ATT_BATCH(attention_partial_batch_bf16_g4, bf16_t, 4)
 
-// Merges the splits of every (row, head) in split order and applies the sigmoid gate.
+// Merges the splits of every (row, head) in split order and applies the sigmoid gate. A row
+// reads its own att_splits(visible) splits (visible = positions[r] + 1 for a decode batch,
+// pos0 + r + 1 for one sequence), with the m/l pairs staged in shared memory and the
+// accumulator loads independent of each other.
 // grid (heads, rows), block head_dim rounded up to a warp.
-extern "C" __global__ void attention_combine(const float* partial, const float* gate,
-                                             float* out, int nh, int hd, int splits) {
+extern "C" __global__ void attention_combine(const float* partial, const float* gate, float* out,
+                                             const u32* positions, int pos0, int nh, int hd, int splits) {
     pdl_enter();
+    __shared__ float sm[ATT_MAX_SPLITS], sl[ATT_MAX_SPLITS];
     const int h = blockIdx.x, r = blockIdx.y, d = threadIdx.x;
-    if (d >= hd) return;
+    const int visible = (positions ? (int)positions[r] : pos0 + r) + 1;
+    const int n = imin(att_splits(visible), splits);
     const float* p = partial + ((i64)r * nh + h) * splits * (hd + 2);
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+        sm[s] = p[s * (hd + 2)];
+        sl[s] = p[s * (hd + 2) + 1];
+    }
+    __syncthreads();
+    if (d >= hd) return;
     float mx = NEG_INF;
-    for (int s = 0; s < splits; s++)
-        if (p[s * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, p[s * (hd + 2)]);
+    for (int s = 0; s < n; s++)
+        if (sl[s] > 0.f) mx = fmaxf(mx, sm[s]);
     float sum = 0.f, o = 0.f;
-    for (int s = 0; s < splits; s++) {
-        const float* ps = p + s * (hd + 2);
-        if (ps[1] > 0.f) {
-            const float f = expf(ps[0] - mx);
-            sum += ps[1] * f;
-            o += ps[2 + d] * f;
-        }
+#pragma unroll 8
+    for (int s = 0; s < n; s++) {
+        // A split without keys holds l = 0 and acc = 0: it adds exactly nothing.
+        const float f = sl[s] > 0.f ? expf(sm[s] - mx) : 0.f;
+        sum += sl[s] * f;
+        o += p[s * (hd + 2) + 2 + d] * f;
     }
     const i64 at = ((i64)r * nh + h) * hd + d;
     out[at] = o / sum * sigmoid_f(gate[at]);
 }
 
-// Writes row i of k and v ([batch, kv_dim]) into sequence i's caches at row positions[i].
+// Writes row i of k and v ([batch, kv_dim]) into sequence i's f32 caches at row positions[i].
 extern "C" __global__ void kv_scatter(const float* k, const float* v,
                                       const unsigned long long* k_caches,
                                       const unsigned long long* v_caches,
@@ -231,5 +308,30 @@ extern "C" __global__ void kv_scatter(const float* k, const float* v,
     for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
         kc[d] = k[(i64)i * kv_dim + d];
         vc[d] = v[(i64)i * kv_dim + d];
+    }
+}
+
+// kv_scatter into bf16 caches, each value rounded to nearest even.
+extern "C" __global__ void kv_scatter_bf16(const float* k, const float* v,
+                                           const unsigned long long* k_caches,
+                                           const unsigned long long* v_caches,
+                                           const u32* positions, int kv_dim) {
+    pdl_enter();
+    const int i = blockIdx.x;
+    bf16_t* kc = reinterpret_cast<bf16_t*>(k_caches[i]) + (i64)positions[i] * kv_dim;
+    bf16_t* vc = reinterpret_cast<bf16_t*>(v_caches[i]) + (i64)positions[i] * kv_dim;
+    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
+        kc[d] = f32_to_bf16(k[(i64)i * kv_dim + d]);
+        vc[d] = f32_to_bf16(v[(i64)i * kv_dim + d]);
+    }
+}
+
+// n consecutive values of k and v into bf16 cache rows (a prompt's rows, from its first),
+// rounded to nearest even.
+extern "C" __global__ void kv_store_bf16(const float* k, const float* v, bf16_t* kc, bf16_t* vc, i64 n) {
+    pdl_enter();
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        kc[i] = f32_to_bf16(k[i]);
+        vc[i] = f32_to_bf16(v[i]);
     }
 }

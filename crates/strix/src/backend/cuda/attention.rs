@@ -1,52 +1,216 @@
 //! Launchers for `attention.cu`: the attention prologue (q/gate split, q/k RMSNorm, partial
-//! RoPE) and causal GQA attention over the KV cache with the sigmoid output gate, split over the
-//! keys (flash-decoding: up to 32 ranges of at least 64 keys, one block each, then a merge), so
-//! a decode step's few heads still spread over the GPU.
-//!
-//! The KV cache is the trait's `f32` buffer for now; a bf16 cache needs a cache type of its own
-//! in the `Backend` trait.
+//! RoPE), the KV cache ([`CudaCache`]: f32 or bf16 rows, written here) and causal GQA attention
+//! over it with the sigmoid output gate, split over the keys (flash-decoding: up to 32 ranges of
+//! at least 64 keys, then a merge), so a decode step's few heads still spread over the GPU. A
+//! block takes up to four query heads of one kv group, so the cache is read once per kv head.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, KvCacheType};
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = include_str!("attention.cu");
 
 /// `32 * ATT_EPL` of the attention kernel: the widest head it holds in registers.
 const MAX_HEAD_DIM: usize = 256;
-/// Warps per attention block.
+/// Warps per attention block (`ATT_MAX_WARPS`).
 const ATT_WARPS: usize = 8;
 /// `ATT_SPLIT_KEYS` and `ATT_MAX_SPLITS` of the kernels.
 const SPLIT_KEYS: usize = 64;
-const MAX_SPLITS: usize = 32;
+pub(super) const MAX_SPLITS: usize = 32;
 
 /// Key ranges of a query row that sees `visible` keys (`att_splits` of the kernels).
-fn splits(visible: usize) -> usize {
+pub(super) fn splits(visible: usize) -> usize {
     visible.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
+}
+
+/// Query heads of one kv group an attention block takes: the most of 4, 2, 1 that divides it.
+fn heads_per_block(group: usize) -> usize {
+    [4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
+}
+
+/// One attention layer's keys or values on the device: `len` elements (`[capacity, kv_dim]`)
+/// of `dtype`, f32 as written or bf16 rounded to nearest even when written.
+pub struct CudaCache {
+    /// The storage, in 4-byte words (a bf16 cache of `len` elements takes `len / 2` of them).
+    words: CudaBuf,
+    len: usize,
+    dtype: KvCacheType,
+}
+
+impl CudaCache {
+    pub(super) fn zeros(dev: &Device, len: usize, dtype: KvCacheType) -> Result<CudaCache> {
+        Ok(CudaCache { words: dev.zeros(Self::words_for(len, dtype))?, len, dtype })
+    }
+
+    /// A cache holding `data`, rounded to nearest even on the host for bf16 (as the kernels
+    /// round what they write).
+    pub(super) fn upload(dev: &Device, data: &[f32], dtype: KvCacheType) -> Result<CudaCache> {
+        let cache = CudaCache::zeros(dev, data.len(), dtype)?;
+        match dtype {
+            KvCacheType::F32 => dev.copy_htod(cache.ptr(), data)?,
+            KvCacheType::Bf16 => {
+                let bits: Vec<u16> = data.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                dev.copy_htod(cache.ptr(), &bits)?
+            }
+        }
+        Ok(cache)
+    }
+
+    fn words_for(len: usize, dtype: KvCacheType) -> usize {
+        (len * dtype.bytes()).div_ceil(4)
+    }
+
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn dtype(&self) -> KvCacheType {
+        self.dtype
+    }
+
+    /// Bytes of device memory the elements take.
+    pub fn bytes(&self) -> usize {
+        self.len * self.dtype.bytes()
+    }
+
+    /// Device address of element `i`.
+    pub(super) fn at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.len);
+        self.words.ptr() + (i * self.dtype.bytes()) as u64
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.words.ptr()
+    }
+
+    /// Grows or shrinks to `len` elements, keeping the common prefix; new space is zero.
+    pub(super) fn resize(&mut self, dev: &Device, len: usize) -> Result<()> {
+        let next = dev.alloc(Self::words_for(len, self.dtype))?;
+        let b = self.dtype.bytes();
+        let keep = self.len.min(len);
+        dev.copy_dtod(next.ptr(), self.ptr(), keep * b);
+        dev.memset_zero(next.ptr() + (keep * b) as u64, next.len() * 4 - keep * b);
+        self.words = next;
+        self.len = len;
+        Ok(())
+    }
+
+    /// Elements `offset..offset + len`, widened to f32.
+    pub(super) fn download(&self, dev: &Device, offset: usize, len: usize) -> Result<Vec<f32>> {
+        assert!(offset + len <= self.len, "cache download: {offset}+{len} outside a cache of {}", self.len);
+        match self.dtype {
+            KvCacheType::F32 => {
+                let mut host = vec![0.0f32; len];
+                dev.download_f32(&mut host, self.at(offset))?;
+                Ok(host)
+            }
+            KvCacheType::Bf16 => {
+                let mut host = vec![0u16; len];
+                dev.copy_dtoh(&mut host, self.at(offset))?;
+                Ok(host.into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect())
+            }
+        }
+    }
+}
+
+/// The partial-attention kernels of one cache type and one number of heads per block.
+struct Partial {
+    seq: CudaFunction,
+    batch: CudaFunction,
 }
 
 pub(super) struct Kernels {
     prologue: CudaFunction,
-    partial_seq: CudaFunction,
-    partial_batch: CudaFunction,
+    /// `[f32, bf16][g1, g2, g4]`.
+    partial: [[Partial; 3]; 2],
     combine: CudaFunction,
     kv_scatter: CudaFunction,
+    kv_scatter_bf16: CudaFunction,
+    kv_store_bf16: CudaFunction,
 }
 
 impl Kernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Kernels> {
         let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
+        let partial = |ty: &str, g: usize| -> Result<Partial> {
+            Ok(Partial {
+                seq: f(&format!("attention_partial_seq_{ty}_g{g}"))?,
+                batch: f(&format!("attention_partial_batch_{ty}_g{g}"))?,
+            })
+        };
         Ok(Kernels {
             prologue: f("attention_prologue")?,
-            partial_seq: f("attention_partial_seq")?,
-            partial_batch: f("attention_partial_batch")?,
+            partial: [
+                [partial("f32", 1)?, partial("f32", 2)?, partial("f32", 4)?],
+                [partial("bf16", 1)?, partial("bf16", 2)?, partial("bf16", 4)?],
+            ],
             combine: f("attention_combine")?,
             kv_scatter: f("kv_scatter")?,
+            kv_scatter_bf16: f("kv_scatter_bf16")?,
+            kv_store_bf16: f("kv_store_bf16")?,
         })
+    }
+
+    /// The partial kernels for a cache type and shape, with the heads per block and the grid's x.
+    fn partial_for(&self, dtype: KvCacheType, shape: &AttentionShape) -> (&Partial, usize) {
+        let group = shape.num_heads / shape.num_kv_heads;
+        let g = heads_per_block(group);
+        let t = match dtype {
+            KvCacheType::F32 => 0,
+            KvCacheType::Bf16 => 1,
+        };
+        let i = match g {
+            4 => 2,
+            2 => 1,
+            _ => 0,
+        };
+        (&self.partial[t][i], shape.num_kv_heads * group / g)
+    }
+
+    /// Shared memory of a partial-attention block: each warp's accumulators of its heads.
+    fn partial_smem(shape: &AttentionShape) -> u32 {
+        let g = heads_per_block(shape.num_heads / shape.num_kv_heads);
+        (ATT_WARPS * g * shape.head_dim * 4) as u32
+    }
+
+    /// Writes `tokens` rows of `k` and `v` into the caches from row `pos0`, in their type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store(
+        &self,
+        dev: &Device,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        k_cache: &mut CudaCache,
+        v_cache: &mut CudaCache,
+        pos0: usize,
+        tokens: usize,
+        kv: usize,
+    ) {
+        assert_eq!(k_cache.dtype, v_cache.dtype, "attention: K and V caches of different types");
+        let n = tokens * kv;
+        match k_cache.dtype {
+            KvCacheType::F32 => {
+                dev.copy_dtod(k_cache.at(pos0 * kv), k.ptr(), n * 4);
+                dev.copy_dtod(v_cache.at(pos0 * kv), v.ptr(), n * 4);
+            }
+            KvCacheType::Bf16 => dev.launch(
+                "kv_store_bf16",
+                &self.kv_store_bf16,
+                (dev.grid_for(n, 256), 1, 1),
+                (256, 1, 1),
+                0,
+                kernel_args![k.ptr(), v.ptr(), k_cache.at(pos0 * kv), v_cache.at(pos0 * kv), n as i64],
+            ),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -114,8 +278,8 @@ impl Kernels {
         k: &CudaBuf,
         v: &CudaBuf,
         gate: &CudaBuf,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
+        k_cache: &mut CudaCache,
+        v_cache: &mut CudaCache,
         pos0: usize,
         tokens: usize,
         out: &mut CudaBuf,
@@ -140,17 +304,17 @@ impl Kernels {
         }
         // `pos0` becomes launch arguments: only the decode-batch form can be recorded.
         assert!(!dev.is_capturing(), "attention: the one-sequence form cannot be recorded");
-        dev.copy_dtod(k_cache.at(pos0 * kv), k.ptr(), tokens * kv * 4);
-        dev.copy_dtod(v_cache.at(pos0 * kv), v.ptr(), tokens * kv * 4);
+        self.store(dev, k, v, k_cache, v_cache, pos0, tokens, kv);
         let n_splits = splits(pos0 + tokens);
         let partial = dev.alloc(tokens * nh * n_splits * (hd + 2)).unwrap_or_else(|e| panic!("{e}"));
         let scale = 1.0 / (hd as f32).sqrt();
+        let (kernels, blocks) = self.partial_for(k_cache.dtype, shape);
         dev.launch(
             "attention_partial_seq",
-            &self.partial_seq,
-            (nh as u32, tokens as u32, n_splits as u32),
+            &kernels.seq,
+            (blocks as u32, tokens as u32, n_splits as u32),
             ((ATT_WARPS * 32) as u32, 1, 1),
-            (ATT_WARPS * hd * 4) as u32,
+            Self::partial_smem(shape),
             kernel_args![
                 q.ptr(),
                 k_cache.ptr(),
@@ -163,11 +327,12 @@ impl Kernels {
                 scale
             ],
         );
-        self.combine(dev, &partial, gate, out, nh, hd, tokens, n_splits);
+        self.combine(dev, &partial, gate, out, nh, hd, tokens, n_splits, 0, pos0);
         n_splits
     }
 
-    /// Merges the key ranges of `rows` query rows and applies the gate.
+    /// Merges the key ranges of `rows` query rows and applies the gate. A row's visible keys
+    /// come from `positions` (device `u32`s, a decode batch) or, when it is 0, `pos0 + row`.
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &self,
@@ -179,6 +344,8 @@ impl Kernels {
         hd: usize,
         rows: usize,
         n_splits: usize,
+        positions: u64,
+        pos0: usize,
     ) {
         dev.launch(
             "attention_combine",
@@ -186,7 +353,16 @@ impl Kernels {
             (nh as u32, rows as u32, 1),
             (hd.div_ceil(32) as u32 * 32, 1, 1),
             0,
-            kernel_args![partial.ptr(), gate.ptr(), out.ptr(), nh as i32, hd as i32, n_splits as i32],
+            kernel_args![
+                partial.ptr(),
+                gate.ptr(),
+                out.ptr(),
+                positions,
+                pos0 as i32,
+                nh as i32,
+                hd as i32,
+                n_splits as i32
+            ],
         );
     }
 
@@ -201,8 +377,8 @@ impl Kernels {
         k: &CudaBuf,
         v: &CudaBuf,
         gate: &CudaBuf,
-        k_caches: &mut [&mut CudaBuf],
-        v_caches: &mut [&mut CudaBuf],
+        k_caches: &mut [&mut CudaCache],
+        v_caches: &mut [&mut CudaCache],
         positions: &[usize],
         out: &mut CudaBuf,
     ) {
@@ -218,6 +394,7 @@ impl Kernels {
         if n == 0 {
             return;
         }
+        let dtype = k_caches[0].dtype;
         let mut ptrs = Vec::with_capacity(2 * n);
         for (i, &p) in positions.iter().enumerate() {
             let need = (p + 1) * kv;
@@ -227,15 +404,26 @@ impl Kernels {
                 k_caches[i].len() / kv.max(1),
                 p + 1
             );
+            // One launch reads one element type: a batch mixes sessions made under one setting.
+            assert!(
+                k_caches[i].dtype == dtype && v_caches[i].dtype == dtype,
+                "attention_rows: sequence {i}'s KV cache is {}, sequence 0's {dtype}: a decode batch takes \
+                 sessions of one KV cache type",
+                k_caches[i].dtype
+            );
             ptrs.push(k_caches[i].ptr());
         }
         ptrs.extend(v_caches.iter().map(|c| c.ptr()));
         let (_pos_dev, pos_ptr) = dev.positions_on_device(positions);
         let (_ptrs_dev, k_ptrs) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let v_ptrs = k_ptrs + (n * 8) as u64;
+        let scatter = match dtype {
+            KvCacheType::F32 => &self.kv_scatter,
+            KvCacheType::Bf16 => &self.kv_scatter_bf16,
+        };
         dev.launch(
             "kv_scatter",
-            &self.kv_scatter,
+            scatter,
             (n as u32, 1, 1),
             (256, 1, 1),
             0,
@@ -250,12 +438,13 @@ impl Kernels {
         };
         let partial = dev.alloc(n * nh * n_splits * (hd + 2)).unwrap_or_else(|e| panic!("{e}"));
         let scale = 1.0 / (hd as f32).sqrt();
+        let (kernels, blocks) = self.partial_for(dtype, shape);
         dev.launch(
             "attention_partial_batch",
-            &self.partial_batch,
-            (nh as u32, n as u32, n_splits as u32),
+            &kernels.batch,
+            (blocks as u32, n as u32, n_splits as u32),
             ((ATT_WARPS * 32) as u32, 1, 1),
-            (ATT_WARPS * hd * 4) as u32,
+            Self::partial_smem(shape),
             kernel_args![
                 q.ptr(),
                 k_ptrs,
@@ -268,6 +457,6 @@ impl Kernels {
                 scale
             ],
         );
-        self.combine(dev, &partial, gate, out, nh, hd, n, n_splits);
+        self.combine(dev, &partial, gate, out, nh, hd, n, n_splits, pos_ptr, 0);
     }
 }

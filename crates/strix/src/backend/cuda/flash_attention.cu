@@ -1,11 +1,12 @@
 // Causal GQA attention for prefill on the tensor cores (flash attention 2 with mma.sync):
 // bf16 operands, f32 accumulation and an online softmax in f32 (exp2 domain).
 //
-// kv_cache_to_bf16 first rounds the visible cache rows to bf16, K as [rows][kv_dim] and V
-// transposed per kv head as [nkv][hd][rows_pad] (rows_pad a multiple of 64, padding zeroed), so
-// that every K/V tile is a plain 16-byte cp.async copy: K tiles as [key][dim] and V tiles as
-// [dim][key] are both B operands read with 32-bit loads (rows padded by 8 bf16 so the fragment
-// loads hit 32 distinct banks), double-buffered so the next tile streams in during the math.
+// K and V are read as the bf16 cache holds them, [rows][kv_dim] (an f32 cache is first rounded
+// into such a copy by kv_rows_to_bf16), in tiles of FA_KT keys streamed with 16-byte cp.async
+// copies, double-buffered so the next tile streams in during the math; rows past the visible
+// ones are zero-filled by the copy, never read. Both tiles are stored [key][dim] with rows
+// padded by 8 bf16, so the K fragments' 32-bit loads and the V fragments' ldmatrix.trans (which
+// turns [key][dim] into the B operand of P·V) hit 32 distinct banks.
 //
 // Block: FA_WARPS warps, each owning 16 query rows of one head. The block covers `hb` heads of
 // one kv group (hb = 4, 2 or 1) and 16 * (FA_WARPS / hb) consecutive tokens, so all its warps
@@ -17,47 +18,46 @@
 #define FA_KT 32
 #define FA_SPLIT_KEYS 512
 
-// grid (rows_pad / 64, ceil(kv_dim / 64)), block 256: a 64-row x 64-column tile of each cache.
-extern "C" __global__ void __launch_bounds__(256) kv_cache_to_bf16(const float* k_cache, const float* v_cache,
-                                                                  bf16_t* kb, bf16_t* vtb, int rows,
-                                                                  int rows_pad, int kv_dim) {
+// n values of each f32 cache from its first row, rounded to bf16 (nearest even) row-major.
+extern "C" __global__ void kv_rows_to_bf16(const float* k_cache, const float* v_cache, bf16_t* kb, bf16_t* vb,
+                                           i64 n) {
     pdl_enter();
-    __shared__ float tile[64][65];
-    const int r0 = blockIdx.x * 64, c0 = blockIdx.y * 64;
-    for (int p = threadIdx.x; p < 64 * 64; p += blockDim.x) {
-        const int r = p / 64, c = p % 64;
-        const int row = r0 + r, col = c0 + c;
-        float k = 0.f, v = 0.f;
-        if (row < rows && col < kv_dim) {
-            k = k_cache[(i64)row * kv_dim + col];
-            v = v_cache[(i64)row * kv_dim + col];
-        }
-        if (col < kv_dim) kb[(i64)row * kv_dim + col] = to_bf16(k);
-        tile[r][c] = v;
-    }
-    __syncthreads();
-    // vtb[(kh * hd + d) * rows_pad + row] with kh * hd + d = col.
-    for (int p = threadIdx.x; p < 64 * 64; p += blockDim.x) {
-        const int r = p % 64, c = p / 64;
-        const int col = c0 + c;
-        if (col < kv_dim) vtb[(i64)col * rows_pad + r0 + r] = to_bf16(tile[r][c]);
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        kb[i] = f32_to_bf16(k_cache[i]);
+        vb[i] = f32_to_bf16(v_cache[i]);
     }
 }
 
+// cp_async16 that copies `bytes` (16 or 0) and zero-fills the rest of the 16.
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int bytes) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+
+// B fragments of two neighbouring n-tiles (n0..n0+7 and n0+8..n0+15) by k0..k0+15 of a matrix
+// stored [k][n] (row stride ld): ldmatrix.x4.trans, matrices (k0, n0), (k0+8, n0), (k0, n0+8),
+// (k0+8, n0+8), so b[0..1] is the first tile's fragment and b[2..3] the second's.
+__device__ __forceinline__ void load_b_frag_x2_trans(u32* b, const bf16_t* m, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
+    const bf16_t* p = m + (k0 + (mi & 1) * 8 + r) * ld + n0 + (mi >> 1) * 8;
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(a));
+}
+
 template <int HD>
-__device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, const bf16_t* vtb,
+__device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, const bf16_t* vb,
                                            const float* gate, float* out, float* partial, int T, int nh,
-                                           int nkv, int pos0, int hb, int rows_pad, float scale_log2) {
-    constexpr int LDQ = HD + 8;       // Qs / Ks row stride (bf16)
-    constexpr int LDV = FA_KT + 8;    // Vt row stride (bf16)
+                                           int nkv, int pos0, int hb, float scale_log2) {
+    constexpr int LDQ = HD + 8;       // Qs / Ks / Vs row stride (bf16)
     constexpr int NT = FA_KT / 8;     // n tiles of S
     constexpr int OT = HD / 8;        // n tiles of O
-    constexpr int KS = FA_KT * LDQ;   // one K buffer
-    constexpr int VS = HD * LDV;      // one V buffer
+    constexpr int KS = FA_KT * LDQ;   // one K or V buffer
     extern __shared__ __align__(16) unsigned char fa_smem[];
     bf16_t* Qs = reinterpret_cast<bf16_t*>(fa_smem);    // [FA_WARPS][16][LDQ]
     bf16_t* Ks = Qs + FA_WARPS * 16 * LDQ;                // 2 x [FA_KT][LDQ]
-    bf16_t* Vt = Ks + 2 * KS;                             // 2 x [HD][LDV]
+    bf16_t* Vs = Ks + 2 * KS;                             // 2 x [FA_KT][LDQ]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -73,20 +73,22 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
 
     // Keys this block may need: up to the last token it holds (causal), within its split.
     const int visible = pos0 + imin(T, t0 + qt);
+    const int rows = pos0 + T;  // cache rows written
     const int begin = s * FA_SPLIT_KEYS;
     const int end = imin(visible, begin + FA_SPLIT_KEYS);
 
-    // Streams keys kt0.. of this kv head into buffer b (rows past the cache are zeros).
+    // Streams keys kt0.. of this kv head into buffer b; rows from `visible` on (past the prompt,
+    // perhaps past the cache) are zero-filled without a read.
     auto load_tile = [&](int b, int kt0) {
         bf16_t* kd = Ks + b * KS;
-        bf16_t* vd = Vt + b * VS;
+        bf16_t* vd = Vs + b * KS;
         for (int p = tid; p < FA_KT * (HD / 8); p += FA_WARPS * 32) {
             const int r = p / (HD / 8), x = p % (HD / 8);
-            cp_async16(kd + r * LDQ + 8 * x, kb + (i64)(kt0 + r) * kv_dim + kh * HD + 8 * x);
-        }
-        for (int p = tid; p < HD * (FA_KT / 8); p += FA_WARPS * 32) {
-            const int d = p / (FA_KT / 8), x = p % (FA_KT / 8);
-            cp_async16(vd + d * LDV + 8 * x, vtb + (i64)(kh * HD + d) * rows_pad + kt0 + 8 * x);
+            const int row = kt0 + r;
+            const int bytes = row < rows ? 16 : 0;
+            const i64 at = (i64)(row < rows ? row : 0) * kv_dim + kh * HD + 8 * x;
+            cp_async16_zfill(kd + r * LDQ + 8 * x, kb + at, bytes);
+            cp_async16_zfill(vd + r * LDQ + 8 * x, vb + at, bytes);
         }
         cp_async_commit();
     };
@@ -123,7 +125,7 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
         }
         __syncthreads();  // tile `it` (and, the first time, Qs) is visible to every warp
         const bf16_t* Kt = Ks + (it & 1) * KS;
-        const bf16_t* Vtt = Vt + (it & 1) * VS;
+        const bf16_t* Vt = Vs + (it & 1) * KS;
         // Warps whose rows all lie before this tile, or past the end of the prompt, skip it.
         if (tw0 < T && kt0 <= warp_last) {
             float sc[NT][4];
@@ -191,10 +193,11 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
                 a[2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
                 a[3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
 #pragma unroll
-                for (int i = 0; i < OT; i++) {
-                    u32 b[2];
-                    load_b_frag(b, Vtt, LDV, i * 8, kk * 16);
+                for (int i = 0; i < OT; i += 2) {
+                    u32 b[4];
+                    load_b_frag_x2_trans(b, Vt, LDQ, i * 8, kk * 16);
                     mma_bf16_16816(o[i], a, b);
+                    mma_bf16_16816(o[i + 1], a, b + 2);
                 }
             }
         }
@@ -252,10 +255,10 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
 
 #define FA_KERNEL(HD, MINB)                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, MINB) flash_attention_hd##HD(             \
-        const float* q, const bf16_t* kb, const bf16_t* vtb, const float* gate, float* out,            \
-        float* partial, int T, int nh, int nkv, int pos0, int hb, int rows_pad, float scale_log2) {      \
+        const float* q, const bf16_t* kb, const bf16_t* vb, const float* gate, float* out,             \
+        float* partial, int T, int nh, int nkv, int pos0, int hb, float scale_log2) {                    \
         pdl_enter();                                                                                      \
-        flash_body<HD>(q, kb, vtb, gate, out, partial, T, nh, nkv, pos0, hb, rows_pad, scale_log2);       \
+        flash_body<HD>(q, kb, vb, gate, out, partial, T, nh, nkv, pos0, hb, scale_log2);                  \
     }
 FA_KERNEL(32, 2)
 FA_KERNEL(64, 2)

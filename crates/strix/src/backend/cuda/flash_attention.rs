@@ -4,8 +4,9 @@
 //! of at least [`MIN_TOKENS`] tokens with a head width it is built for; shorter runs, other
 //! widths and every decode step keep the f32 key-split kernels of `attention.rs`.
 //!
-//! The visible cache rows are first rounded to bf16 (K as stored, V transposed), so the kernel
-//! streams its K/V tiles with 16-byte `cp.async` copies, double-buffered.
+//! The kernel streams K/V tiles of 32 keys straight from a bf16 cache with 16-byte `cp.async`
+//! copies, double-buffered (V's tiles are transposed in the fragment loads, `ldmatrix.trans`);
+//! an f32 cache is first rounded into a bf16 copy of its visible rows, as one per-call pass.
 //!
 //! Long contexts are split over the keys ([`SPLIT_KEYS`] per block, merged by a second kernel),
 //! so a prompt that continues a long cache still fills the GPU.
@@ -15,8 +16,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
+use super::attention::{self, CudaCache};
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, KvCacheType};
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = concat!(
@@ -31,21 +33,20 @@ pub const MIN_TOKENS: usize = 16;
 const WARPS: usize = 4;
 const KEY_TILE: usize = 32;
 const SPLIT_KEYS: usize = 512;
-/// The bf16 copies of the caches hold whole 64-row tiles (`kv_cache_to_bf16`).
-const ROW_TILE: usize = 64;
 
 pub(super) struct Kernels {
     /// (head_dim, kernel) for each width the kernel is built for.
     by_dim: Vec<(usize, CudaFunction)>,
     combine: CudaFunction,
+    /// Rounds an f32 cache's visible rows into a bf16 copy (`kv_rows_to_bf16`).
     to_bf16: CudaFunction,
     smem_limit: usize,
 }
 
 /// Shared memory of a block for a head width, bytes (see the layout in the kernel): the query
-/// rows, then two buffers of a K and a V tile.
+/// rows, then two buffers of a K and a V tile, each `[KEY_TILE][hd + 8]` bf16.
 fn smem_bytes(hd: usize) -> usize {
-    2 * (16 * WARPS * (hd + 8) + 2 * KEY_TILE * (hd + 8) + 2 * hd * (KEY_TILE + 8))
+    2 * (16 * WARPS * (hd + 8) + 4 * KEY_TILE * (hd + 8))
 }
 
 /// Heads of one kv group a block covers: the most of 4, 2, 1 that divides the group.
@@ -74,7 +75,7 @@ impl Kernels {
         Ok(Kernels {
             by_dim,
             combine: f("flash_attention_combine")?,
-            to_bf16: f("kv_cache_to_bf16")?,
+            to_bf16: f("kv_rows_to_bf16")?,
             smem_limit: limit,
         })
     }
@@ -96,13 +97,14 @@ impl Kernels {
     pub fn attention(
         &self,
         dev: &Device,
+        at: &attention::Kernels,
         shape: &AttentionShape,
         q: &CudaBuf,
         k: &CudaBuf,
         v: &CudaBuf,
         gate: &CudaBuf,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
+        k_cache: &mut CudaCache,
+        v_cache: &mut CudaCache,
         pos0: usize,
         tokens: usize,
         out: &mut CudaBuf,
@@ -122,29 +124,28 @@ impl Kernels {
         assert!(out.len() >= tokens * nh * hd, "flash attention: out too short");
         assert!(!dev.is_capturing(), "flash attention: prefill runs are not recorded");
         let func = &self.by_dim.iter().find(|(d, _)| *d == hd).expect("checked by supports").1;
-        dev.copy_dtod(k_cache.at(pos0 * kv), k.ptr(), tokens * kv * 4);
-        dev.copy_dtod(v_cache.at(pos0 * kv), v.ptr(), tokens * kv * 4);
-        // The visible rows in bf16: K as it is, V transposed per kv head.
+        at.store(dev, k, v, k_cache, v_cache, pos0, tokens, kv);
         let rows = pos0 + tokens;
-        let rows_pad = rows.next_multiple_of(ROW_TILE);
         let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));
-        let (kb, vtb) = (alloc(rows_pad * kv / 2), alloc(rows_pad * kv / 2));
-        dev.launch(
-            "kv_cache_to_bf16",
-            &self.to_bf16,
-            ((rows_pad / ROW_TILE) as u32, kv.div_ceil(64) as u32, 1),
-            (256, 1, 1),
-            0,
-            kernel_args![
-                k_cache.ptr(),
-                v_cache.ptr(),
-                kb.ptr(),
-                vtb.ptr(),
-                rows as i32,
-                rows_pad as i32,
-                kv as i32
-            ],
-        );
+        // An f32 cache's visible rows rounded to bf16 (nearest even, as a bf16 cache holds
+        // them), so both cache types meet the kernel with the same values.
+        let copies = match k_cache.dtype() {
+            KvCacheType::Bf16 => None,
+            KvCacheType::F32 => {
+                let n = rows * kv;
+                let (kb, vb) = (alloc(n.div_ceil(2)), alloc(n.div_ceil(2)));
+                dev.launch(
+                    "kv_rows_to_bf16",
+                    &self.to_bf16,
+                    (dev.grid_for(n, 256), 1, 1),
+                    (256, 1, 1),
+                    0,
+                    kernel_args![k_cache.ptr(), v_cache.ptr(), kb.ptr(), vb.ptr(), n as i64],
+                );
+                Some((kb, vb))
+            }
+        };
+        let (kb, vb) = copies.as_ref().map_or((k_cache.ptr(), v_cache.ptr()), |(k, v)| (k.ptr(), v.ptr()));
         let group = nh / nkv;
         let hb = heads_per_block(group);
         let block_tokens = 16 * (WARPS / hb);
@@ -160,8 +161,8 @@ impl Kernels {
             smem_bytes(hd) as u32,
             kernel_args![
                 q.ptr(),
-                kb.ptr(),
-                vtb.ptr(),
+                kb,
+                vb,
                 gate.ptr(),
                 out.ptr(),
                 partial_ptr,
@@ -170,7 +171,6 @@ impl Kernels {
                 nkv as i32,
                 pos0 as i32,
                 hb as i32,
-                rows_pad as i32,
                 scale_log2
             ],
         );

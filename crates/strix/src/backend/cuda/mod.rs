@@ -12,8 +12,9 @@
 //!   causal attention and the chunked delta rule with bf16 operands and f32 accumulation
 //!   ([`PrefillPath`] picks them or the f32 kernels).
 //!
-//! The KV caches are the trait's `f32` buffers; a bf16 cache needs a cache type of its own in
-//! the trait.
+//! The KV caches ([`CudaCache`]) hold bf16 rows by default (rounded to nearest even when
+//! written; half the memory and the reads of f32) or f32 rows
+//! ([`CudaBackend::set_kv_cache_type`], `--kv-cache f32`); every attention kernel reads both.
 //!
 //! Errors: [`CudaBackend::new`] and `weight` return `Result`. The trait's ops return `()`, so an
 //! op whose launch or allocation fails panics with a message that names it: that is a device
@@ -41,11 +42,12 @@ mod quant;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType};
 use crate::error::Result;
 use crate::sampling::PreparedSample;
 use crate::tensor::HostTensor;
 
+pub use attention::CudaCache;
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::GemmPath;
 pub use quant::set_qgemv_rows;
@@ -268,6 +270,8 @@ pub struct CudaBackend {
     blas: Option<matmul::Blas>,
     gemm_path: AtomicU8,
     prefill_path: AtomicU8,
+    /// The element type of the KV caches made from now on (`KvCacheType as u8`).
+    kv_cache: AtomicU8,
     counters: Counters,
     graphs: Mutex<graph::Recordings>,
     use_graphs: AtomicBool,
@@ -311,6 +315,7 @@ impl CudaBackend {
             blas,
             gemm_path: AtomicU8::new(0),
             prefill_path: AtomicU8::new(0),
+            kv_cache: AtomicU8::new(KvCacheType::Bf16 as u8),
             counters,
             graphs: Mutex::default(),
             use_graphs: AtomicBool::new(use_graphs),
@@ -358,6 +363,19 @@ impl CudaBackend {
     /// force the f32 ones to hold them to f32 tolerances).
     pub fn set_prefill_path(&self, path: PrefillPath) {
         self.prefill_path.store(path as u8, Ordering::Relaxed);
+    }
+
+    /// The element type of the KV caches made from now on (bf16 unless set; existing caches
+    /// keep theirs). A decode batch takes sessions of one type.
+    pub fn set_kv_cache_type(&self, t: KvCacheType) {
+        self.kv_cache.store(t as u8, Ordering::Relaxed);
+    }
+
+    /// A KV cache of [`Backend::kv_cache_type`] holding `data` (bf16: rounded to nearest even,
+    /// as cache writes round), for tests and tools that start from given rows.
+    pub fn cache_upload(&self, data: &[f32]) -> CudaCache {
+        self.dev.bind();
+        or_panic(CudaCache::upload(&self.dev, data, self.kv_cache_type()))
     }
 
     fn tensor_core_prefill(&self) -> bool {
@@ -538,6 +556,7 @@ fn or_panic<T>(r: Result<T>) -> T {
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Weight = CudaWeight;
+    type Cache = CudaCache;
 
     fn name(&self) -> String {
         format!("cuda:{} ({}, sm_{}{})", self.dev.ordinal, self.dev.name, self.dev.cc.0, self.dev.cc.1)
@@ -590,6 +609,29 @@ impl Backend for CudaBackend {
 
     fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
         (w.rows(), w.cols())
+    }
+
+    fn kv_cache_type(&self) -> KvCacheType {
+        if self.kv_cache.load(Ordering::Relaxed) == KvCacheType::F32 as u8 {
+            KvCacheType::F32
+        } else {
+            KvCacheType::Bf16
+        }
+    }
+
+    fn cache_zeros(&self, len: usize) -> CudaCache {
+        self.dev.bind();
+        or_panic(CudaCache::zeros(&self.dev, len, self.kv_cache_type()))
+    }
+
+    fn cache_resize(&self, cache: &mut CudaCache, len: usize) {
+        self.dev.bind();
+        or_panic(cache.resize(&self.dev, len));
+    }
+
+    fn cache_download(&self, cache: &CudaCache, offset: usize, len: usize) -> Vec<f32> {
+        self.dev.bind();
+        or_panic(cache.download(&self.dev, offset, len))
     }
 
     fn decode_step(
@@ -815,8 +857,8 @@ impl Backend for CudaBackend {
         k: &CudaBuf,
         v: &CudaBuf,
         gate: &CudaBuf,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
+        k_cache: &mut CudaCache,
+        v_cache: &mut CudaCache,
         pos0: usize,
         tokens: usize,
         out: &mut CudaBuf,
@@ -824,8 +866,9 @@ impl Backend for CudaBackend {
         self.dev.bind();
         bump(&self.counters.attention);
         if self.tensor_core_prefill() && self.fa.supports(shape, tokens) {
-            let splits =
-                self.fa.attention(&self.dev, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
+            let splits = self
+                .fa
+                .attention(&self.dev, &self.at, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
             bump(&self.counters.flash_attention);
             if splits > 1 {
                 bump(&self.counters.attention_multi_split);
@@ -1008,8 +1051,8 @@ impl Backend for CudaBackend {
         k: &CudaBuf,
         v: &CudaBuf,
         gate: &CudaBuf,
-        k_caches: &mut [&mut CudaBuf],
-        v_caches: &mut [&mut CudaBuf],
+        k_caches: &mut [&mut CudaCache],
+        v_caches: &mut [&mut CudaCache],
         positions: &[usize],
         out: &mut CudaBuf,
     ) {
