@@ -27,7 +27,7 @@ use common::{argmax, fixtures, gpu, rel_err, Dequantized, Rng};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, GemmPath, PathCounts, QUANT_GEMV_MAX_TOKENS};
-use strix::backend::Backend;
+use strix::backend::{Backend, KvCacheType};
 use strix::checkpoint::Checkpoint;
 use strix::config::ModelConfig;
 use strix::model::{Logits, Model, TensorSource};
@@ -402,6 +402,9 @@ fn compare_model(
     let gpu = Model::from_source(config.clone(), src, CudaBackend::new(0).unwrap(), None).unwrap();
     let path = if gpu.backend().has_cublas() { path } else { GemmPath::Auto };
     gpu.backend().set_gemm_path(path);
+    // The CPU's cache is f32: so is this one, so that the comparison holds the packed weights'
+    // path alone (the bf16 cache has tests of its own in tests/cuda.rs).
+    gpu.backend().set_kv_cache_type(KvCacheType::F32);
     let vocab = config.vocab_size;
     let (mut sc, mut sg) = (cpu.new_session(256), gpu.new_session(256));
     let lc = cpu.forward(&mut sc, prompt, Logits::All).unwrap();
