@@ -795,6 +795,34 @@ fn device_auto_picks_cuda_when_present_else_the_cpu() {
     check_greedy(&format!("{name} p{t} auto"), &ids_of(&json["ids"]), &golden, tol);
 }
 
+/// `--kv-cache`: the CPU keeps an f32 cache only, so bf16 there is one clean error naming the
+/// flag; f32 runs; a type that does not exist is a usage error, never a panic.
+#[test]
+fn kv_cache_types_the_cpu_does_not_keep_are_one_clean_error() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let run = |kv: &str| {
+        strix(&[
+            "run",
+            "--model",
+            &model,
+            "--prompt-ids",
+            "1,2",
+            "-n",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache",
+            kv,
+        ])
+    };
+    assert_clean_error(&run("bf16"), "--kv-cache bf16");
+    let out = run("f32");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run("f16");
+    assert!(!out.status.success() && !stderr(&out).contains("panicked"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("`f16` is not a KV cache type"), "{}", stderr(&out));
+}
+
 #[test]
 fn device_cuda_without_a_gpu_is_one_clean_error() {
     let model = fixture_arg("causal-bf16-gdn3x");
