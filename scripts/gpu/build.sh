@@ -2,10 +2,13 @@
 # Builds, here (where Rust is), the stripped x86-64 binaries the GPU suite runs on a CUDA
 # machine that has no Rust toolchain: the CUDA test binaries (bf16 and packed weights), the
 # decode and packed-GEMV benchmarks, `strix` and the CLI's test binary (whose `device_*` tests run the prebuilt `strix` on the GPU).
-# They land in .gpu/ (git-ignored); copy that folder and scripts/gpu/run.sh to the GPU host.
+# They land in .gpu/ (git-ignored), or in the folder given as the first argument; copy that
+# folder and scripts/gpu/run.sh to the GPU host. Honours CARGO_TARGET_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p .gpu
+out=${1:-.gpu}
+mkdir -p "$out"
+target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 # The path of test binary $2 of package $1, built in release mode.
 test_binary() {
   cargo test -p "$1" --test "$2" --release --no-run --message-format=json 2>/dev/null |
@@ -20,11 +23,10 @@ quant_tests=$(test_binary strix cuda_quant)
 cli_tests=$(test_binary strix-cli cli)
 cargo build --release -p strix --example cuda_decode_bench --example cuda_quant_bench --example cuda_gemv_bench
 cargo build --release -p strix-cli
-cp "$tests" .gpu/cuda-tests
-cp "$quant_tests" .gpu/cuda-quant-tests
-cp "$cli_tests" .gpu/cli-tests
-cp target/release/examples/cuda_decode_bench target/release/examples/cuda_quant_bench \
-  target/release/examples/cuda_gemv_bench target/release/strix .gpu/
-strip .gpu/cuda-tests .gpu/cuda-quant-tests .gpu/cli-tests .gpu/cuda_decode_bench .gpu/cuda_quant_bench \
-  .gpu/cuda_gemv_bench .gpu/strix
-du -sh .gpu
+cp "$tests" "$out/cuda-tests"
+cp "$quant_tests" "$out/cuda-quant-tests"
+cp "$cli_tests" "$out/cli-tests"
+cp "$target"/release/examples/cuda_decode_bench "$target"/release/examples/cuda_quant_bench \
+  "$target"/release/examples/cuda_gemv_bench "$target"/release/strix "$out/"
+(cd "$out" && strip cuda-tests cuda-quant-tests cli-tests cuda_decode_bench cuda_quant_bench cuda_gemv_bench strix)
+du -sh "$out"
