@@ -502,7 +502,8 @@ impl<B: Backend> Model<B> {
             b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
 
             // SwiGLU MLP.
-            seqs.matmul_glu(b, &s.x, t, &layer.gate_proj, &layer.up_proj, &mut s.mlp_act);
+            let gate_up = (&layer.gate_proj, &layer.up_proj);
+            seqs.matmul_glu(b, &s.x, t, gate_up, (&mut s.mlp_gate, &mut s.mlp_up), &mut s.mlp_act);
             seqs.matmul(b, &s.mlp_act, t, &layer.down_proj, &mut s.y);
 
             let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
@@ -646,9 +647,18 @@ impl<B: Backend> Sequences<'_, '_, B> {
         b.matmul_many(x, t, ws, outs, matches!(self, Sequences::Batch(_)));
     }
 
-    /// [`Backend::matmul_glu`], with the decode-batch contract for a batch.
-    fn matmul_glu(&self, b: &B, x: &B::Buf, t: usize, gate: &B::Weight, up: &B::Weight, act: &mut B::Buf) {
-        b.matmul_glu(x, t, gate, up, act, matches!(self, Sequences::Batch(_)));
+    /// [`Backend::matmul_glu`] (weights and outputs as (gate, up) pairs), with the
+    /// decode-batch contract for a batch.
+    fn matmul_glu(
+        &self,
+        b: &B,
+        x: &B::Buf,
+        t: usize,
+        (gate, up): (&B::Weight, &B::Weight),
+        (gate_out, up_out): (&mut B::Buf, &mut B::Buf),
+        act: &mut B::Buf,
+    ) {
+        b.matmul_glu(x, t, gate, up, gate_out, up_out, act, matches!(self, Sequences::Batch(_)));
     }
 
     /// A batch multiplies row by row with the one-token kernel, so each sequence's numbers do
@@ -666,6 +676,8 @@ struct Scratch<B: Backend> {
     h: B::Buf,
     x: B::Buf,
     y: B::Buf,
+    mlp_gate: B::Buf,
+    mlp_up: B::Buf,
     mlp_act: B::Buf,
     // Gated DeltaNet layers.
     qkv: B::Buf,
@@ -696,6 +708,8 @@ impl<B: Backend> Scratch<B> {
             h: buf(c.hidden_size, true),
             x: buf(c.hidden_size, true),
             y: buf(c.hidden_size, true),
+            mlp_gate: buf(c.intermediate_size, true),
+            mlp_up: buf(c.intermediate_size, true),
             mlp_act: buf(c.intermediate_size, true),
             qkv: buf(d.conv_dim(), dn),
             z: buf(d.value_dim(), dn),

@@ -1748,7 +1748,8 @@ fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
         let x = rng.vec(cols, 1.0);
         let xg = g.upload(&x);
         let mut ours = poison(&g, rows);
-        g.matmul_glu(&xg, 1, &gate, &up, &mut ours, true);
+        let (mut gate_out, mut up_out) = (poison(&g, rows), poison(&g, rows));
+        g.matmul_glu(&xg, 1, &gate, &up, &mut gate_out, &mut up_out, &mut ours, true);
         let (mut gt, mut u) = (poison(&g, rows), poison(&g, rows));
         g.matmul_many(&xg, 1, &[&gate, &up], &mut [&mut gt, &mut u], true);
         let mut theirs = poison(&g, rows);
@@ -1756,7 +1757,8 @@ fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
         let what = format!("gate/up {rows}x{cols} + swiglu");
         assert_eq!(down(&g, &ours), down(&g, &theirs), "{what}");
         let mut reference = vec![0.0; rows];
-        cpu.matmul_glu(&x, 1, &cpu_w(&gh), &cpu_w(&uh), &mut reference, true);
+        let (mut cg, mut cu) = (vec![0.0; rows], vec![0.0; rows]);
+        cpu.matmul_glu(&x, 1, &cpu_w(&gh), &cpu_w(&uh), &mut cg, &mut cu, &mut reference, true);
         check(&what, &down(&g, &ours), &reference, F32_TOL);
     }
     let counts = g.path_counts();

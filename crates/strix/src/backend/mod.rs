@@ -261,9 +261,10 @@ pub trait Backend: Send + Sync {
     }
     /// The first half of a gated MLP: `act = silu(x · gateᵀ) * (x · upᵀ)` (`[tokens, rows]`),
     /// which a backend may compute in one pass (the SwiGLU in the GEMV's epilogue). The default
-    /// is [`Backend::matmul_many`] into two scratch buffers and [`Backend::swiglu`];
-    /// `decode_batch` as for `matmul_many`, and the result must equal the default's (bitwise
-    /// where the backend's batch invariance depends on it).
+    /// is [`Backend::matmul_many`] into `gate_out` and `up_out` (`[tokens, rows]` each; a
+    /// backend that fuses may leave them untouched) and [`Backend::swiglu`]; `decode_batch` as
+    /// for `matmul_many`, and the result must equal the default's (bitwise where the backend's
+    /// batch invariance depends on it).
     #[allow(clippy::too_many_arguments)]
     fn matmul_glu(
         &self,
@@ -271,10 +272,12 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         gate: &Self::Weight,
         up: &Self::Weight,
+        gate_out: &mut Self::Buf,
+        up_out: &mut Self::Buf,
         act: &mut Self::Buf,
         decode_batch: bool,
     ) {
-        matmul_glu_each(self, x, tokens, gate, up, act, decode_batch);
+        matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
     }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
@@ -489,21 +492,22 @@ pub fn deltanet_decode_each<B: Backend + ?Sized>(
     be.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
 }
 
-/// [`Backend::matmul_glu`] as [`Backend::matmul_many`] into two scratch buffers and
+/// [`Backend::matmul_glu`] as [`Backend::matmul_many`] into `gate_out` and `up_out` and
 /// [`Backend::swiglu`]: the default, and a backend's fallback.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_glu_each<B: Backend + ?Sized>(
     b: &B,
     x: &B::Buf,
     tokens: usize,
     gate: &B::Weight,
     up: &B::Weight,
+    gate_out: &mut B::Buf,
+    up_out: &mut B::Buf,
     act: &mut B::Buf,
     decode_batch: bool,
 ) {
-    let n = tokens * b.weight_shape(gate).0;
-    let (mut g, mut u) = (b.scratch(n), b.scratch(n));
-    b.matmul_many(x, tokens, &[gate, up], &mut [&mut g, &mut u], decode_batch);
-    b.swiglu(&g, &u, n, act);
+    b.matmul_many(x, tokens, &[gate, up], &mut [&mut *gate_out, &mut *up_out], decode_batch);
+    b.swiglu(gate_out, up_out, tokens * b.weight_shape(gate).0, act);
 }
 
 /// [`Backend::matmul_many`] one product at a time: the default, and a backend's fallback for

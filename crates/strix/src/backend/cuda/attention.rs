@@ -23,6 +23,37 @@ const SPLIT_KEYS: usize = 64;
 pub(super) const MAX_SPLITS: usize = 32;
 
 /// Key ranges of a query row that sees `visible` keys (`att_splits` of the kernels).
+/// Panics (naming the op, `what`) unless the one-sequence attention's buffers hold what
+/// `tokens` tokens at `pos0` need: `k`, `v` `[tokens, kv_dim]`, the caches `pos0 + tokens`
+/// rows, `q`, `gate` and `out` `[tokens, heads * head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_buffers(
+    what: &str,
+    shape: &AttentionShape,
+    q: &CudaBuf,
+    k: &CudaBuf,
+    v: &CudaBuf,
+    gate: &CudaBuf,
+    k_cache: &CudaCache,
+    v_cache: &CudaCache,
+    pos0: usize,
+    tokens: usize,
+    out: &CudaBuf,
+) {
+    let kv = shape.kv_dim();
+    let q_dim = shape.num_heads * shape.head_dim;
+    assert!(k.len() >= tokens * kv && v.len() >= tokens * kv, "{what}: k/v too short");
+    let end = (pos0 + tokens) * kv;
+    assert!(
+        k_cache.len() >= end && v_cache.len() >= end,
+        "{what}: the KV cache holds {} rows, {} needed",
+        k_cache.len() / kv.max(1),
+        pos0 + tokens
+    );
+    assert!(q.len() >= tokens * q_dim && gate.len() >= tokens * q_dim, "{what}: q/gate too short");
+    assert!(out.len() >= tokens * q_dim, "{what}: out too short");
+}
+
 pub(super) fn splits(visible: usize) -> usize {
     visible.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
 }
@@ -288,16 +319,7 @@ impl Kernels {
         let kv = shape.kv_dim();
         assert!(hd <= MAX_HEAD_DIM, "attention: head_dim {hd} > {MAX_HEAD_DIM} is not supported");
         assert!(nkv > 0 && nh % nkv == 0, "attention: {nh} heads do not group onto {nkv} kv heads");
-        assert!(k.len() >= tokens * kv && v.len() >= tokens * kv, "attention: k/v too short");
-        let end = (pos0 + tokens) * kv;
-        assert!(
-            k_cache.len() >= end && v_cache.len() >= end,
-            "attention: the KV cache holds {} rows, {} needed",
-            k_cache.len() / kv.max(1),
-            pos0 + tokens
-        );
-        assert!(q.len() >= tokens * nh * hd && gate.len() >= tokens * nh * hd, "attention: q/gate too short");
-        assert!(out.len() >= tokens * nh * hd, "attention: out too short");
+        check_buffers("attention", shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
         assert!(tokens <= 65535, "attention: {tokens} tokens exceed one launch's grid");
         if tokens == 0 {
             return 0;

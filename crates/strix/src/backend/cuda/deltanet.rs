@@ -341,11 +341,7 @@ impl Kernels {
             nk > 0 && nv % nk == 0,
             "gated_delta_rule: {nv} value heads do not group onto {nk} key heads"
         );
-        assert!(qkv.len() >= tokens * shape.conv_dim(), "gated_delta_rule: qkv too short");
-        assert!(a.len() >= tokens * nv && b.len() >= tokens * nv, "gated_delta_rule: a/b too short");
-        assert!(a_log.len() >= nv && dt_bias.len() >= nv, "gated_delta_rule: a_log/dt_bias too short");
-        assert!(state.len() >= shape.state_len(), "gated_delta_rule: state too short");
-        assert!(out.len() >= tokens * shape.value_dim(), "gated_delta_rule: out too short");
+        check_delta_rule_buffers("gated_delta_rule", shape, qkv, a, b, a_log, dt_bias, tokens, state, out);
         if tokens == 0 {
             return;
         }
@@ -432,4 +428,28 @@ fn state_pointers(states: &mut [&mut CudaBuf], len: usize, what: &str) -> Vec<u6
             s.ptr()
         })
         .collect()
+}
+
+/// Panics (naming the op, `what`) unless the one-sequence delta rule's buffers hold what
+/// `tokens` tokens need: `qkv` `[tokens, conv_dim]`, `a`, `b` `[tokens, v_heads]`, `a_log`,
+/// `dt_bias` `[v_heads]`, the state, `out` `[tokens, value_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_delta_rule_buffers(
+    what: &str,
+    shape: &DeltaNetShape,
+    qkv: &CudaBuf,
+    a: &CudaBuf,
+    b: &CudaBuf,
+    a_log: &CudaBuf,
+    dt_bias: &CudaBuf,
+    tokens: usize,
+    state: &CudaBuf,
+    out: &CudaBuf,
+) {
+    let nv = shape.num_v_heads;
+    assert!(qkv.len() >= tokens * shape.conv_dim(), "{what}: qkv too short");
+    assert!(a.len() >= tokens * nv && b.len() >= tokens * nv, "{what}: a/b too short");
+    assert!(a_log.len() >= nv && dt_bias.len() >= nv, "{what}: a_log/dt_bias too short");
+    assert!(state.len() >= shape.state_len(), "{what}: state too short");
+    assert!(out.len() >= tokens * shape.value_dim(), "{what}: out too short");
 }

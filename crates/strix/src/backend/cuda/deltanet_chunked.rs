@@ -11,6 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
+use super::deltanet;
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
 use crate::backend::DeltaNetShape;
 use crate::error::Result;
@@ -91,11 +92,7 @@ impl Kernels {
     ) {
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         assert!(self.supports(shape, tokens), "gdn_tc: unsupported shape {shape:?} T={tokens}");
-        assert!(qkv.len() >= tokens * shape.conv_dim(), "gdn_tc: qkv too short");
-        assert!(a.len() >= tokens * nv && b.len() >= tokens * nv, "gdn_tc: a/b too short");
-        assert!(a_log.len() >= nv && dt_bias.len() >= nv, "gdn_tc: a_log/dt_bias too short");
-        assert!(state.len() >= shape.state_len(), "gdn_tc: state too short");
-        assert!(out.len() >= tokens * shape.value_dim(), "gdn_tc: out too short");
+        deltanet::check_delta_rule_buffers("gdn_tc", shape, qkv, a, b, a_log, dt_bias, tokens, state, out);
         let chunks = tokens.div_ceil(CHUNK);
         let slots = chunks * nv;
         let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));

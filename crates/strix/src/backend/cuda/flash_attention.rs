@@ -112,16 +112,19 @@ impl Kernels {
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let kv = shape.kv_dim();
         assert!(self.supports(shape, tokens), "flash attention: unsupported shape {shape:?} T={tokens}");
-        assert!(k.len() >= tokens * kv && v.len() >= tokens * kv, "flash attention: k/v too short");
-        let end = (pos0 + tokens) * kv;
-        assert!(
-            k_cache.len() >= end && v_cache.len() >= end,
-            "flash attention: the KV cache holds {} rows, {} needed",
-            k_cache.len() / kv.max(1),
-            pos0 + tokens
+        attention::check_buffers(
+            "flash attention",
+            shape,
+            q,
+            k,
+            v,
+            gate,
+            k_cache,
+            v_cache,
+            pos0,
+            tokens,
+            out,
         );
-        assert!(q.len() >= tokens * nh * hd && gate.len() >= tokens * nh * hd, "flash attention: q/gate");
-        assert!(out.len() >= tokens * nh * hd, "flash attention: out too short");
         assert!(!dev.is_capturing(), "flash attention: prefill runs are not recorded");
         let func = &self.by_dim.iter().find(|(d, _)| *d == hd).expect("checked by supports").1;
         at.store(dev, k, v, k_cache, v_cache, pos0, tokens, kv);

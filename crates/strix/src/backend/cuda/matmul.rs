@@ -153,6 +153,21 @@ pub(super) fn segment_ends(blocks: impl IntoIterator<Item = usize>) -> ([i32; MA
     (ends, end)
 }
 
+/// The weight and output pointers and row counts of a fused bf16 GEMV's segment table, once
+/// every output is checked to hold `[tokens, rows]` of its weight.
+fn segment_pointers(
+    ws: &[&CudaWeight],
+    outs: &[&mut CudaBuf],
+    tokens: usize,
+) -> ([u64; MAX_SEGMENTS], [u64; MAX_SEGMENTS], [i32; MAX_SEGMENTS]) {
+    check_segment_outputs(ws, outs, tokens);
+    let (mut w, mut out, mut rows) = ([0; MAX_SEGMENTS], [0; MAX_SEGMENTS], [0; MAX_SEGMENTS]);
+    for (j, (wj, oj)) in ws.iter().zip(outs).enumerate() {
+        (w[j], out[j], rows[j]) = (wj.ptr(), oj.ptr(), wj.rows() as i32);
+    }
+    (w, out, rows)
+}
+
 /// Every output of a fused GEMV holds `[tokens, rows]` of its weight.
 pub(super) fn check_segment_outputs(ws: &[&CudaWeight], outs: &[&mut CudaBuf], tokens: usize) {
     for (j, (w, out)) in ws.iter().zip(outs).enumerate() {
@@ -421,18 +436,8 @@ impl Kernels {
         let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
         let log2 = gemv_split_log2(total_rows, self.sm_count);
         let rows_per_block = GEMV_WARPS as usize >> log2;
-        let mut segs = GemvSegs {
-            w: [0; MAX_SEGMENTS],
-            out: [0; MAX_SEGMENTS],
-            rows: [0; MAX_SEGMENTS],
-            block_end: [0; MAX_SEGMENTS],
-        };
-        check_segment_outputs(ws, outs, tokens);
-        for (j, (w, out)) in ws.iter().zip(outs.iter()).enumerate() {
-            segs.w[j] = w.ptr();
-            segs.out[j] = out.ptr();
-            segs.rows[j] = w.rows() as i32;
-        }
+        let (w, out, rows) = segment_pointers(ws, outs, tokens);
+        let mut segs = GemvSegs { w, out, rows, block_end: [0; MAX_SEGMENTS] };
         let end;
         (segs.block_end, end) = segment_ends(ws.iter().map(|w| w.rows().div_ceil(rows_per_block)));
         let (table, nt, name) = if tokens == 1 {
@@ -489,18 +494,9 @@ impl Kernels {
     ) {
         let cols = ws[0].cols();
         let cfg = self.mma_config(tokens);
-        let mut segs = MmaSegs {
-            w: [0; MAX_SEGMENTS],
-            out: [0; MAX_SEGMENTS],
-            rows: [0; MAX_SEGMENTS],
-            block_end: [0; MAX_SEGMENTS],
-            split_log2: [0; MAX_SEGMENTS],
-        };
-        check_segment_outputs(ws, outs, tokens);
-        for (j, (w, out)) in ws.iter().zip(outs.iter()).enumerate() {
-            segs.w[j] = w.ptr();
-            segs.out[j] = out.ptr();
-            segs.rows[j] = w.rows() as i32;
+        let (w, out, rows) = segment_pointers(ws, outs, tokens);
+        let mut segs = MmaSegs { w, out, rows, block_end: [0; MAX_SEGMENTS], split_log2: [0; MAX_SEGMENTS] };
+        for (j, w) in ws.iter().enumerate() {
             segs.split_log2[j] = mma_split_log2(w.rows(), self.sm_count) as i32;
         }
         let end;

@@ -933,6 +933,8 @@ impl Backend for CudaBackend {
         tokens: usize,
         gate: &CudaWeight,
         up: &CudaWeight,
+        gate_out: &mut CudaBuf,
+        up_out: &mut CudaBuf,
         act: &mut CudaBuf,
         decode_batch: bool,
     ) {
@@ -947,7 +949,7 @@ impl Backend for CudaBackend {
             }
             return;
         }
-        crate::backend::matmul_glu_each(self, x, tokens, gate, up, act, decode_batch);
+        crate::backend::matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
     }
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
