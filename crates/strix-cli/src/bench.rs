@@ -282,7 +282,7 @@ fn bench_with<B: DeviceInfo>(
     let device_name = backend.name();
     let kind = backend.kind();
     let started = Instant::now();
-    let (model, name, source_kind, dtype) = match source {
+    let (mut model, name, source_kind, dtype) = match source {
         Source::Preset(name) => {
             let weights = SyntheticWeights::new(config.clone(), SEED);
             let model = match args.quant.quant {
@@ -306,6 +306,7 @@ fn bench_with<B: DeviceInfo>(
             (model, dir.display().to_string(), "checkpoint", dtype)
         }
     };
+    args.device.configure(&mut model)?;
     note(format!("{name} loaded on {device_name} in {:.1} s", started.elapsed().as_secs_f64()));
     let memory_after_load = model.backend().memory_used();
     let mut peak = PeakMemory::default();
@@ -401,6 +402,7 @@ fn bench_with<B: DeviceInfo>(
         "single_stream_kernels": single_kernels,
         "batch_kernels": batch_kernels,
         "kv_cache": model.backend().kv_cache_type().name(),
+        "pass_tokens": model.pass_tokens(),
         "repeats": args.repeats,
         "prefill_tok_s": prefill_tok_s,
         "decode_tok_s": decode_tok_s,
@@ -467,6 +469,7 @@ fn bench_with<B: DeviceInfo>(
     );
     row("prompt / gen / context", format!("{} / {} / {context}, batch 1", args.prompt_len, args.gen));
     row("KV cache", model.backend().kv_cache_type().name().to_string());
+    row("prefill pass", format!("at most {} tokens (--ubatch)", model.pass_tokens()));
     row("prefill", format!("{prefill_tok_s:.1} tok/s (median of {})", args.repeats));
     row("decode", format!("{decode_tok_s:.2} tok/s (median of {})", args.repeats));
     paths_row(&headline);

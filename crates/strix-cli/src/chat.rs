@@ -102,7 +102,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     with_backend!(opened, backend => {
         // One sequence at a time: the GEMV that streams fastest at batch 1.
         backend.tune_for_single_stream(true);
-        let model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        args.model.device.configure(&mut model)?;
         chat_with(&model, &args, &dir, &tokenizer, &template)
     })
 }

@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{self, CudaBackend};
 use strix::backend::{Backend, KvCacheType};
+use strix::model::Model;
 
 /// The `--device` flag's value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +54,22 @@ pub struct DeviceArgs {
     /// rows rounded to nearest even when written) or f32 (exact; the CPU's only type)
     #[arg(long, value_name = "TYPE", env = "STRIX_KV_CACHE")]
     pub kv_cache: Option<KvCacheType>,
+
+    /// Most prompt tokens pushed through the layers in one pass, a multiple of 64 (longer
+    /// prompts are split into passes; llama.cpp's --ubatch-size): larger is faster on a GPU
+    /// and needs more scratch memory [default: 4096 on CUDA, 512 on the CPU]
+    #[arg(long, value_name = "N", env = "STRIX_UBATCH")]
+    pub ubatch: Option<usize>,
+}
+
+impl DeviceArgs {
+    /// Applies the flags that shape a loaded model (`--ubatch`).
+    pub fn configure<B: Backend>(&self, model: &mut Model<B>) -> Result<()> {
+        if let Some(n) = self.ubatch {
+            model.set_pass_tokens(n).map_err(|e| anyhow!("--ubatch {n}: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 /// The opened backend. Commands match on it once (see [`with_backend!`]) and run their
@@ -333,7 +350,7 @@ mod tests {
 
     #[test]
     fn the_cpu_refuses_a_bf16_kv_cache() {
-        let args = |kv| DeviceArgs { device: Device::Cpu, kv_cache: kv };
+        let args = |kv| DeviceArgs { device: Device::Cpu, kv_cache: kv, ubatch: None };
         let e = open(&args(Some(KvCacheType::Bf16)), false).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("--kv-cache bf16") && e.contains("f32"), "{e}");
         for kv in [None, Some(KvCacheType::F32)] {

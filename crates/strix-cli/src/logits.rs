@@ -61,7 +61,8 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
     };
     let opened = device::open(&args.device, args.verbose)?;
     let logits = with_backend!(opened, backend => {
-        let model = common::load_model(&dir, backend)?;
+        let mut model = common::load_model(&dir, backend)?;
+        args.device.configure(&mut model)?;
         prompt_logits(&model, &ids)?
     });
     let vocab = logits.len() / ids.len();

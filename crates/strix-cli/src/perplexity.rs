@@ -112,7 +112,7 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
     let opened = device::open(&args.model.device, false)?;
     let quant = args.model.quant.quant;
     with_backend!(opened, backend => {
-        let model = match (&args.preset, &dir) {
+        let mut model = match (&args.preset, &dir) {
             (Some(name), _) => {
                 let config = preset(name)?;
                 let weights = SyntheticWeights::new(config.clone(), PRESET_SEED);
@@ -127,6 +127,7 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
             (None, Some(dir)) => crate::quant_flag::load_model(dir, backend, quant)?,
             (None, None) => unreachable!("a model directory is resolved unless --preset is given"),
         };
+        args.model.device.configure(&mut model)?;
         match &base {
             Some(b) => kl_with(&model, &args, b),
             None => ppl_with(&model, &args, &tokens),

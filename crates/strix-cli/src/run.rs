@@ -101,7 +101,8 @@ fn run_on_pool(args: RunArgs) -> Result<()> {
     with_backend!(opened, backend => {
         // One sequence at a time: the GEMV that streams fastest at batch 1.
         backend.tune_for_single_stream(true);
-        let model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        args.model.device.configure(&mut model)?;
         run_with(&model, &args, tokenizer.as_ref(), &prompt_ids, &sampling)
     })
 }

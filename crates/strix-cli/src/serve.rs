@@ -53,7 +53,7 @@ pub struct ServeArgs {
     pub state_budget_mib: u64,
 
     /// Prompt tokens prefilled per scheduler step, between decode steps (rounded up to
-    /// whole 512-token chunks)
+    /// whole passes of --ubatch tokens)
     #[arg(long, value_name = "N", default_value_t = 512)]
     pub prefill_chunk: usize,
 
@@ -69,7 +69,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     let dir = common::resolve_model(args.model.model.as_deref())?;
     let opened = device::open(&args.model.device, false)?;
-    with_backend!(opened, backend => serve_with(&args, &dir, crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?))
+    with_backend!(opened, backend => {
+        let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        args.model.device.configure(&mut model)?;
+        serve_with(&args, &dir, model)
+    })
 }
 
 /// Starts the server on whichever backend the model was loaded on and waits for it to stop.

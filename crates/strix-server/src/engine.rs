@@ -15,7 +15,7 @@
 //!    batch and their session is dropped right away.
 //!
 //! Batch invariance: `decode_batch` rows are bitwise what decoding alone gives, and prompt
-//! chunks always end on multiples of [`MAX_TOKENS_PER_PASS`] (the split one `forward` call
+//! chunks always end on multiples of [`Model::pass_tokens`] (the split one `forward` call
 //! makes by itself), so a sequence's logits never depend on what else was scheduled, and a
 //! greedy request returns the same tokens alone or beside any others.
 
@@ -29,7 +29,7 @@ use std::time::Instant;
 use strix::backend::Backend;
 use strix::config::LayerKind;
 use strix::generate::FinishReason;
-use strix::model::{attention_shape, deltanet_shape, Logits, Model, MAX_TOKENS_PER_PASS};
+use strix::model::{attention_shape, deltanet_shape, Logits, Model};
 use strix::sampling::{Sampler, StopMatcher, TokenLogprobs};
 use strix::session::Session;
 use strix::tokenizer::{StreamDecoder, Tokenizer};
@@ -76,7 +76,7 @@ pub struct EngineConfig {
     pub state_budget_bytes: u64,
     /// Tokens per sequence (prompt and generated).
     pub context: usize,
-    /// Prompt tokens prefilled per step at most (whole chunks of [`MAX_TOKENS_PER_PASS`]).
+    /// Prompt tokens prefilled per step at most (whole passes of [`Model::pass_tokens`]).
     pub prefill_chunk: usize,
 }
 
@@ -394,7 +394,8 @@ impl<B: Backend> Engine<B> {
         while i < self.prefilling.len() && budget > 0 {
             let seq = &mut self.prefilling[i];
             let start = seq.fed;
-            let end = seq.job.prompt.len().min((start / MAX_TOKENS_PER_PASS + 1) * MAX_TOKENS_PER_PASS);
+            let pass = self.model.pass_tokens();
+            let end = seq.job.prompt.len().min((start / pass + 1) * pass);
             let result = self.model.forward(&mut seq.session, &seq.job.prompt[start..end], Logits::Last);
             budget = budget.saturating_sub(end - start);
             self.metrics.prompt_tokens.fetch_add((end - start) as u64, Ordering::Relaxed);

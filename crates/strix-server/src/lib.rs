@@ -63,7 +63,7 @@ impl ServerConfig {
                 max_queue: 256,
                 state_budget_bytes: 4 << 30,
                 context,
-                prefill_chunk: strix::model::MAX_TOKENS_PER_PASS,
+                prefill_chunk: strix::model::DEFAULT_PASS_TOKENS,
             },
         }
     }

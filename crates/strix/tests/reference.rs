@@ -76,6 +76,35 @@ fn continuation_equals_one_long_prefill() {
     assert!(e <= 1e-6, "last row rel err {e:.2e}");
 }
 
+/// A shorter pass length splits one `forward` call into passes, which changes the logits only
+/// in the last bits; a length that is not a multiple of the delta rule's chunk is refused.
+#[test]
+fn prompts_split_into_passes_of_the_pass_length() {
+    let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
+    let mut model = Model::load(&dir, CpuBackend::new(), None).unwrap();
+    assert_eq!(model.pass_tokens(), 512, "the CPU's preferred pass");
+    let case = cases(&dir).into_iter().find(|c| c.len == 130).unwrap();
+    let reference = model.forward(&mut model.new_session(256), &case.ids, Logits::All).unwrap();
+
+    for bad in [0, 100, 65] {
+        let e = model.set_pass_tokens(bad).unwrap_err().to_string();
+        assert!(e.contains("multiple of 64"), "{bad}: {e}");
+    }
+    assert_eq!(model.pass_tokens(), 512, "a refused length changes nothing");
+    model.set_pass_tokens(64).unwrap();
+    let split = model.forward(&mut model.new_session(256), &case.ids, Logits::All).unwrap();
+    let e = rel_err(&split, &reference);
+    println!("passes of 64 vs one pass: rel err {e:.2e}");
+    assert!(e <= 1e-5, "passes of 64: rel err {e:.2e}");
+    // The same passes fed by hand (as the server feeds a prompt) are the same computation.
+    let mut session = model.new_session(256);
+    let mut by_hand = Vec::new();
+    for piece in case.ids.chunks(64) {
+        by_hand.extend(model.forward(&mut session, piece, Logits::All).unwrap());
+    }
+    assert_eq!(by_hand, split, "one call splits where the pieces end");
+}
+
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
     let dir = fixtures().into_iter().next().unwrap();

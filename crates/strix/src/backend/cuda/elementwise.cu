@@ -12,13 +12,55 @@ extern "C" __global__ void embed_rows(const bf16_t* table, const u32* ids,
         dst[c] = bf16_to_f32(src[c]);
 }
 
+// The row norms keep a thread's elements in registers: up to NORM_VECS float4s of each operand
+// (the launcher keeps dim <= 4 * NORM_VECS * blockDim). Every load of a row is issued before
+// the first use, so a row costs one memory round trip, not one per element (stores through
+// pointers that may alias would otherwise order each load after the previous store), and the
+// weights, which no kernel writes, are fetched before waiting on the previous kernel. `vec`
+// (set by the launcher) says dim % 4 == 0 and every pointer 16-byte aligned; the scalar loop
+// otherwise.
+#define NORM_VECS 4
+
+__device__ __forceinline__ float sum_squares4(v4f v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+__device__ __forceinline__ v4f norm_scale4(v4f v, float s, v4f w) {
+    return v4f{v.x * s * (1.f + w.x), v.y * s * (1.f + w.y), v.z * s * (1.f + w.z), v.w * s * (1.f + w.w)};
+}
+
 // Qwen3_5RMSNorm, one block per row: out = x / rms(x) * (1 + w).
-extern "C" __global__ void rms_norm_rows(const float* x, const float* w,
-                                         float* out, int dim, float eps) {
-    pdl_enter();
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, const float* w,
+                                         float* out, int dim, float eps, int vec) {
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     const float* xr = x + (i64)blockIdx.x * dim;
     float* o = out + (i64)blockIdx.x * dim;
+    if (vec) {
+        const int nv = dim >> 2;
+        v4f wv[NORM_VECS], xv[NORM_VECS];
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) wv[k] = ((const v4f*)w)[i];
+        }
+        pdl_wait();
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) xv[k] = ((const v4f*)xr)[i];
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k)
+            if (threadIdx.x + k * blockDim.x < nv) ss += sum_squares4(xv[k]);
+        ss = block_sum(ss, scratch);
+        const float s = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) ((v4f*)o)[i] = norm_scale4(xv[k], s, wv[k]);
+        }
+        return;
+    }
+    pdl_wait();
     float ss = 0.f;
     for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
     ss = block_sum(ss, scratch);
@@ -26,16 +68,54 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w,
     for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = xr[c] * s * (1.f + w[c]);
 }
 
-// residual += x, then out = rms_norm(residual). Each thread reads back only the elements it
-// wrote itself, so no barrier is needed between the add and the norm.
-extern "C" __global__ void add_rms_norm_rows(float* residual, const float* x,
+// residual += x, then out = rms_norm(residual), one block per row.
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_rows(float* residual, const float* x,
                                              const float* w, float* out,
-                                             int dim, float eps) {
-    pdl_enter();
+                                             int dim, float eps, int vec) {
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     float* r = residual + (i64)blockIdx.x * dim;
     const float* xr = x + (i64)blockIdx.x * dim;
     float* o = out + (i64)blockIdx.x * dim;
+    if (vec) {
+        const int nv = dim >> 2;
+        v4f wv[NORM_VECS], rv[NORM_VECS], xv[NORM_VECS];
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) wv[k] = ((const v4f*)w)[i];
+        }
+        pdl_wait();
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) {
+                rv[k] = ((const v4f*)r)[i];
+                xv[k] = ((const v4f*)xr)[i];
+            }
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) {
+                rv[k] = v4f{rv[k].x + xv[k].x, rv[k].y + xv[k].y, rv[k].z + xv[k].z, rv[k].w + xv[k].w};
+                ((v4f*)r)[i] = rv[k];
+                ss += sum_squares4(rv[k]);
+            }
+        }
+        ss = block_sum(ss, scratch);
+        const float s = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) ((v4f*)o)[i] = norm_scale4(rv[k], s, wv[k]);
+        }
+        return;
+    }
+    // Each thread reads back only the elements it wrote itself: no barrier between the add and
+    // the norm.
+    pdl_wait();
     float ss = 0.f;
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {
         const float v = r[c] + xr[c];

@@ -50,6 +50,15 @@ fn row_threads(dim: usize) -> u32 {
     dim.div_ceil(4 * 32).clamp(1, 32) as u32 * 32
 }
 
+/// `NORM_VECS` of elementwise.cu: float4s a thread of the row norms holds.
+const NORM_VECS: usize = 4;
+
+/// The row norms' `vec` flag: whole float4s, 16-byte aligned rows, few enough per thread.
+fn norm_vec(dim: usize, ptrs: &[u64]) -> i32 {
+    let fits = dim.is_multiple_of(4) && dim / 4 <= NORM_VECS * row_threads(dim) as usize;
+    (fits && ptrs.iter().all(|p| p % 16 == 0)) as i32
+}
+
 impl Kernels {
     pub fn load(module: &std::sync::Arc<cudarc::driver::CudaModule>) -> Result<Kernels> {
         let f = |n: &str| {
@@ -100,7 +109,14 @@ impl Kernels {
             (rows as u32, 1, 1),
             (row_threads(dim), 1, 1),
             0,
-            kernel_args![x.ptr(), w.ptr(), out.ptr(), dim as i32, eps],
+            kernel_args![
+                x.ptr(),
+                w.ptr(),
+                out.ptr(),
+                dim as i32,
+                eps,
+                norm_vec(dim, &[x.ptr(), w.ptr(), out.ptr()])
+            ],
         );
     }
 
@@ -123,7 +139,15 @@ impl Kernels {
             (rows as u32, 1, 1),
             (row_threads(dim), 1, 1),
             0,
-            kernel_args![residual.ptr(), x.ptr(), w.ptr(), out.ptr(), dim as i32, eps],
+            kernel_args![
+                residual.ptr(),
+                x.ptr(),
+                w.ptr(),
+                out.ptr(),
+                dim as i32,
+                eps,
+                norm_vec(dim, &[residual.ptr(), x.ptr(), w.ptr(), out.ptr()])
+            ],
         );
     }
 
