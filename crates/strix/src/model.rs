@@ -97,9 +97,13 @@ pub enum Logits {
     All,
 }
 
-/// Longest run of tokens pushed through the layers at once. A multiple of the delta rule's
-/// chunk, so splitting a long prompt leaves the chunk boundaries where one pass would put them.
-pub const MAX_TOKENS_PER_PASS: usize = 512;
+/// The delta rule's chunk: a pass length is a multiple of it, so splitting a long prompt into
+/// passes leaves the chunk boundaries where one pass would put them.
+pub const PASS_TOKENS_ALIGN: usize = 64;
+
+/// The pass length a backend prefers unless it says otherwise
+/// ([`Backend::preferred_pass_tokens`]).
+pub const DEFAULT_PASS_TOKENS: usize = 512;
 
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
@@ -107,6 +111,8 @@ pub struct Model<B: Backend> {
     weights: Weights<B>,
     /// RoPE inverse frequencies, `[rotary_dim / 2]`.
     inv_freq: B::Buf,
+    /// Longest run of tokens pushed through the layers at once ([`Model::set_pass_tokens`]).
+    pass_tokens: usize,
 }
 
 /// Progress of a load: called with (done, total), in the units the loading function names.
@@ -217,12 +223,35 @@ impl<B: Backend> Model<B> {
         report(total_layers);
 
         let inv_freq = backend.upload(&rope_inv_freq(c));
+        let pass_tokens = backend.preferred_pass_tokens();
         Ok(Model {
             config,
             backend,
             weights: Weights { embed_tokens, lm_head, final_norm, layers },
             inv_freq,
+            pass_tokens,
         })
+    }
+
+    /// Longest run of prompt tokens one pass pushes through the layers; longer prompts are
+    /// split into passes of this many (the backend's [`Backend::preferred_pass_tokens`] unless
+    /// set). Logits depend on where the passes split a prompt (last bits only), so whoever
+    /// feeds a prompt in pieces ends its pieces on multiples of this to match one call.
+    pub fn pass_tokens(&self) -> usize {
+        self.pass_tokens
+    }
+
+    /// Sets [`Model::pass_tokens`]: larger passes make larger, faster matrix products and need
+    /// more scratch memory (about `tokens × (3 × intermediate + 4 × hidden)` floats).
+    pub fn set_pass_tokens(&mut self, tokens: usize) -> Result<()> {
+        if tokens == 0 || !tokens.is_multiple_of(PASS_TOKENS_ALIGN) {
+            return Err(Error::input(format!(
+                "a pass of {tokens} tokens: the pass length must be a positive multiple of \
+                 {PASS_TOKENS_ALIGN} (the delta rule's chunk)"
+            )));
+        }
+        self.pass_tokens = tokens;
+        Ok(())
     }
 
     pub fn backend(&self) -> &B {
@@ -337,7 +366,7 @@ impl<B: Backend> Model<B> {
             Logits::Last => vocab,
             Logits::All => ids.len() * vocab,
         });
-        let pieces: Vec<&[u32]> = ids.chunks(MAX_TOKENS_PER_PASS).collect();
+        let pieces: Vec<&[u32]> = ids.chunks(self.pass_tokens).collect();
         for (n, piece) in pieces.iter().enumerate() {
             let last_piece = n + 1 == pieces.len();
             let out = self.forward_pass(session, piece, want, last_piece);
@@ -445,7 +474,7 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// One pass of at most [`MAX_TOKENS_PER_PASS`] tokens through every layer.
+    /// One pass of at most [`Model::pass_tokens`] tokens through every layer.
     fn forward_pass(
         &self,
         session: &mut Session<B>,

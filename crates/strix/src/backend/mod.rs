@@ -186,6 +186,12 @@ pub trait Backend: Send + Sync {
     fn free_memory(&self) -> Option<usize> {
         None
     }
+    /// How many prompt tokens a forward pass should take at most ([`crate::model::Model::
+    /// pass_tokens`]): a multiple of 64. The CPU's 512 keeps a pass's activations in cache; a
+    /// GPU's matrix products want more rows.
+    fn preferred_pass_tokens(&self) -> usize {
+        crate::model::DEFAULT_PASS_TOKENS
+    }
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
     /// A weight's `(rows, cols)`.

@@ -581,6 +581,13 @@ impl Backend for CudaBackend {
         self.memory_info().ok().map(|(free, _)| free)
     }
 
+    /// 4096: cuBLAS's tiles cover 132 SMs in several full waves (at 512 rows a [512, 12288]
+    /// product is 1.5 waves), and a pass's scratch (~1.1 GB at the 9B shape) is small beside
+    /// the weights.
+    fn preferred_pass_tokens(&self) -> usize {
+        4096
+    }
+
     fn scratch(&self, len: usize) -> CudaBuf {
         self.dev.bind();
         or_panic(self.dev.alloc(len))
