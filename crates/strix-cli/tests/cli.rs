@@ -823,6 +823,48 @@ fn kv_cache_types_the_cpu_does_not_keep_are_one_clean_error() {
     assert!(stderr(&out).contains("`f16` is not a KV cache type"), "{}", stderr(&out));
 }
 
+/// `--ubatch` sets the prefill pass: a prompt longer than one pass gives the same tokens in
+/// passes of 64 as in one pass (the logits agree to rounding), and a length that is not a
+/// multiple of 64 is one clean error naming the flag.
+#[test]
+fn ubatch_splits_the_prompt_into_passes() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let ids: Vec<String> = (0..150).map(|i| ((i * 37 + 11) % 300).to_string()).collect();
+    let ids = ids.join(",");
+    let run = |ubatch: &str| {
+        strix(&[
+            "run",
+            "--model",
+            &model,
+            "--prompt-ids",
+            &ids,
+            "-n",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--json",
+            "--ubatch",
+            ubatch,
+        ])
+    };
+    let (one, split) = (run("512"), run("64"));
+    assert!(one.status.success() && split.status.success(), "{}{}", stderr(&one), stderr(&split));
+    let tokens = |out: &std::process::Output| {
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("run --json prints JSON");
+        v["ids"].clone()
+    };
+    assert!(
+        tokens(&one).as_array().is_some_and(|t| t.len() == 4),
+        "{}",
+        String::from_utf8_lossy(&one.stdout)
+    );
+    assert_eq!(tokens(&one), tokens(&split), "greedy tokens with one pass vs passes of 64");
+    assert_clean_error(&run("100"), "--ubatch 100");
+}
+
 #[test]
 fn device_cuda_without_a_gpu_is_one_clean_error() {
     let model = fixture_arg("causal-bf16-gdn3x");
