@@ -2080,3 +2080,118 @@ fn prepared_draws_on_the_device_match_the_host() {
         assert!(wrong.is_empty(), "vocab {vocab}: device draws differ from the host's");
     }
 }
+
+/// The fused decode kernel's column tilings (16, 32, 64 or 128 columns a block; the launcher
+/// picks by batch, `STRIX_GDN_DECODE_COLS` forces one) give bitwise the same outputs, conv states and
+/// states, and match the CPU's three ops: awkward head counts, v-heads 1x, 2x and 3x the
+/// k-heads in both head orders, partial column tiles, a cluster of one block, the generic
+/// kernel (dk other than 128, conv kernels 3 and 5), batches 1, 3 and 64. A sequence's rows
+/// also agree alone and in the batch of 64, where the tiling differs.
+#[test]
+fn fused_deltanet_decode_tilings_agree_bitwise() {
+    let Some(auto) = gpu() else { return };
+    let forced = |cols: &str| {
+        std::env::set_var("STRIX_GDN_DECODE_COLS", cols);
+        let b = CudaBackend::new(0).unwrap();
+        std::env::remove_var("STRIX_GDN_DECODE_COLS");
+        b
+    };
+    let tilings: Vec<(CudaBackend, usize)> = [16, 32, 64, 128].map(|c| (forced(&c.to_string()), c)).into();
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(55);
+    let tiled = |nk, nv, dk, dv, k| DeltaNetShape {
+        value_head_order: ValueHeadOrder::Tiled,
+        ..dn_shape(nk, nv, dk, dv, k)
+    };
+    let shapes = [
+        dn_shape(16, 16, 128, 128, 4),
+        dn_shape(16, 32, 128, 128, 4),
+        dn_shape(3, 6, 128, 64, 4),
+        dn_shape(5, 15, 128, 40, 4),
+        dn_shape(2, 6, 128, 16, 4),
+        dn_shape(7, 7, 128, 24, 4),
+        tiled(4, 8, 128, 48, 4),
+        tiled(3, 9, 128, 32, 4),
+        dn_shape(2, 4, 64, 48, 3),
+        tiled(3, 3, 96, 32, 5),
+    ];
+    for sh in shapes {
+        let (cd, vd, nv, dv) = (sh.conv_dim(), sh.value_dim(), sh.num_v_heads, sh.v_head_dim);
+        let conv_w = rng.vec(cd * sh.conv_kernel, 0.5);
+        let (a_log, dt_bias, norm) = (rng.vec(nv, 1.0), rng.vec(nv, 1.0), rng.vec(dv, 1.0));
+        for n in [1usize, 3, 64] {
+            let qkv = rng.vec(n * cd, 1.0);
+            let z = rng.vec(n * vd, 1.0);
+            let (a, b) = (rng.vec(n * nv, 2.0), rng.vec(n * nv, 2.0));
+            let conv0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.conv_state_len(), 1.0)).collect();
+            let state0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.state_len(), 0.5)).collect();
+            let what = format!(
+                "fused gdn heads {}/{nv} dims {}/{dv} kernel {} {:?} n={n}",
+                sh.num_k_heads, sh.k_head_dim, sh.conv_kernel, sh.value_head_order
+            );
+            let mut qc = qkv.clone();
+            let (mut conv_c, mut state_c) = (conv0.clone(), state0.clone());
+            let mut oc = vec![0.0; n * vd];
+            cpu.deltanet_decode_rows(
+                &sh,
+                &mut qc,
+                &z,
+                &a,
+                &b,
+                &conv_w,
+                &a_log,
+                &dt_bias,
+                &norm,
+                &mut conv_c.iter_mut().collect::<Vec<_>>(),
+                &mut state_c.iter_mut().collect::<Vec<_>>(),
+                &mut oc,
+            );
+            let run = |g: &CudaBackend, rows: std::ops::Range<usize>| {
+                let m = rows.len();
+                let mut qg = g.upload(&qkv[rows.start * cd..rows.end * cd]);
+                let zg = g.upload(&z[rows.start * vd..rows.end * vd]);
+                let ag = g.upload(&a[rows.start * nv..rows.end * nv]);
+                let bg = g.upload(&b[rows.start * nv..rows.end * nv]);
+                let mut convs: Vec<_> = conv0[rows.clone()].iter().map(|s| g.upload(s)).collect();
+                let mut states: Vec<_> = state0[rows.clone()].iter().map(|s| g.upload(s)).collect();
+                let mut out = poison(g, m * vd);
+                g.deltanet_decode_rows(
+                    &sh,
+                    &mut qg,
+                    &zg,
+                    &ag,
+                    &bg,
+                    &g.upload(&conv_w),
+                    &g.upload(&a_log),
+                    &g.upload(&dt_bias),
+                    &g.upload(&norm),
+                    &mut convs.iter_mut().collect::<Vec<_>>(),
+                    &mut states.iter_mut().collect::<Vec<_>>(),
+                    &mut out,
+                );
+                let convs: Vec<Vec<f32>> = convs.iter().map(|c| down(g, c)).collect();
+                let states: Vec<Vec<f32>> = states.iter().map(|s| down(g, s)).collect();
+                (down(g, &out), convs, states)
+            };
+            let (og, conv_g, state_g) = run(&auto, 0..n);
+            check(&format!("{what} out"), &og, &oc, F32_TOL);
+            assert_eq!(conv_g, conv_c, "{what}: conv states");
+            check(&format!("{what} state"), &state_g.concat(), &state_c.concat(), F32_TOL);
+            for (g, cols) in &tilings {
+                let (o, c, s) = run(g, 0..n);
+                assert!(o == og, "{what}: out with {cols}-column tiles differs from the default tiling");
+                assert!(c == conv_g, "{what}: conv states with {cols}-column tiles differ");
+                assert!(s == state_g, "{what}: states with {cols}-column tiles differ");
+            }
+            for i in [0, n - 1] {
+                let (o1, c1, s1) = run(&auto, i..i + 1);
+                assert!(o1[..] == og[i * vd..(i + 1) * vd], "{what}: row {i} alone vs in the batch");
+                assert!(c1[0] == conv_g[i], "{what}: conv state {i} alone vs in the batch");
+                assert!(s1[0] == state_g[i], "{what}: state {i} alone vs in the batch");
+            }
+        }
+    }
+    for g in std::iter::once(&auto).chain(tilings.iter().map(|(g, _)| g)) {
+        assert!(g.path_counts().gdn_decode_fused > 0, "{}", g.path_counts());
+    }
+}

@@ -409,33 +409,53 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunked(
 // ---------------------------------------------------------------------------------------------
 // A decode token's whole Gated DeltaNet core in one kernel: causal conv1d + SiLU (with the conv
 // state), the q/k L2 norms, the recurrent delta rule and the gated RMSNorm, for one token of each
-// of a batch of sequences. Blocks are those of the recurrent kernel (GDN_COLS columns of one
-// value head) so the state streams through as many SMs; the blocks of one key head (its value
-// heads, all their column tiles) form a thread-block cluster:
-//  - every block convolves the key head's q and k channels from the old conv state, and only
-//    after a cluster barrier (all have read it) does each block write back its share of the new
-//    state; value channels belong to one block, which updates them at once;
-//  - the gated norm needs the sum of squares over the head's columns: each block publishes its
-//    part in shared memory and reads its head's parts from its peers (DSMEM) in tile order.
+// of a batch of sequences. A block owns COLS columns of one value head (a tile), held as in the
+// recurrent kernel (GDN_PARTS lanes a column), so the state streams through many SMs; the blocks
+// of one key head (its value heads, all their tiles) form a thread-block cluster. At batch 1 the
+// kernel is a chain of latencies, so it is built to wait as few times as it can:
+//  - before `pdl_wait` it loads everything no kernel still in flight can write: the weights, and
+//    this layer's f32 state and conv state. Only this kernel writes those, once per step, and a
+//    recorded step (the only place launches overlap, Device::launch) starts after the previous
+//    step has completed; within a step nothing before this layer's launch touches them. Their
+//    loads go out while the previous kernel is still running;
+//  - after it, one round of loads (the token's qkv, a, b, z), all independent;
+//  - every block convolves its key head's q and k channels from the old conv state; the new q/k
+//    conv state is written only after the one cluster barrier (all blocks have read the old one),
+//    each block a share; a block's value channels are its own and are updated at once;
+//  - the gated norm's sum of squares: each warp (8 columns) sums its columns' o^2 and pushes the
+//    partial into the shared memory of every block of its value head (DSMEM), then the cluster
+//    barrier; each block adds the head's partials in column order. The order of every sum is
+//    that of the columns alone, so the result is the same whatever the tiling (COLS), which the
+//    launcher picks per batch: a sequence's result never depends on the batch it is in.
 // grid (num_v_heads * tiles, batch), cluster (heads per key head * tiles), block
-// GDN_COLS * GDN_PARTS; tiles = ceil(v_head_dim / GDN_COLS).
+// COLS * GDN_PARTS; tiles = ceil(v_head_dim / COLS). KC > 0 is the conv kernel size of the
+// register-prefetching fast path (it needs dk == DK); KC == 0 takes any conv kernel size.
+#define GDN_WARP_COLS (32 / GDN_PARTS)
+// Partial sums of o^2 a value head has: v_head_dim / GDN_WARP_COLS (the launcher bounds it).
+#define GDN_MAX_GROUPS 32
 
 __device__ __forceinline__ u32 cluster_rank() {
     u32 r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
 }
+// Arrive (no ordering) and wait: used once so that every block of the cluster is known to be
+// running before any writes into its shared memory.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// `*local` as it is in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float ld_cluster_peer(const float* local, u32 rank) {
+// Stores v at `*local` as it is in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ void st_cluster_peer(float* local, u32 rank, float v) {
     u32 addr, remote;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
 // silu(conv) of one channel's new input x over its state (the K-1 inputs before it), by
@@ -452,19 +472,66 @@ __device__ __forceinline__ void conv_push(float* st, float x, int K) {
     if (K > 1) st[K - 2] = x;
 }
 
-template <int DK, bool EXACT>
+// One channel of the fast path: its weights and old state in registers, loaded before the wait.
+template <int KC>
+struct ConvChan {
+    float w[KC];
+    float st[KC - 1];
+    float x;
+    __device__ __forceinline__ void load(const float* conv_w, const float* conv_state, i64 ch) {
+#pragma unroll
+        for (int j = 0; j < KC; j++) w[j] = conv_w[ch * KC + j];
+#pragma unroll
+        for (int j = 0; j < KC - 1; j++) st[j] = conv_state[ch * (KC - 1) + j];
+    }
+    // conv_step's arithmetic, in its order.
+    __device__ __forceinline__ float out() const {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < KC - 1; j++) acc += w[j] * st[j];
+        acc += w[KC - 1] * x;
+        return silu_f(acc);
+    }
+    // The channel's new state (the oldest input drops out) to `dst`.
+    __device__ __forceinline__ void push(float* dst) const {
+#pragma unroll
+        for (int j = 0; j + 1 < KC - 1; j++) dst[j] = st[j + 1];
+        dst[KC - 2] = x;
+    }
+};
+template <>
+struct ConvChan<0> {  // unused: the generic path convolves straight from memory
+    __device__ __forceinline__ void load(const float*, const float*, i64) {}
+};
+
+template <int DK, bool EXACT, int COLS, int KC>
 __device__ __forceinline__ void gdn_decode_fused_body(
     const float* qkv, const float* z, const float* a, const float* b, const float* conv_w,
-    const float* a_log, const float* dt_bias, const float* norm_w, float* conv_state, float* state,
-    float* out, int nk, int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {
+    const float* a_log, const float* dt_bias, const float* norm_w, const unsigned long long* conv_states,
+    const unsigned long long* states, float* out, int nk, int nv, int dk, int dv, int K, float q_scale,
+    int kh_div, float eps) {
     constexpr int ROWS = DK / GDN_PARTS;
+    constexpr int THREADS = COLS * GDN_PARTS;
+    constexpr int WARPS = COLS / GDN_WARP_COLS;
+    // Fast path: each thread convolves (up to) NCH of the key head's 2 * DK q/k channels.
+    constexpr int NCH = KC > 0 ? (2 * DK + THREADS - 1) / THREADS : 1;
+    static_assert(KC == 0 || (2 * DK) % THREADS == 0 || THREADS > 2 * DK, "q/k channels split evenly");
+    static_assert(KC == 0 || EXACT, "the fast path needs dk == DK");
     __shared__ float qs[DK];
     __shared__ float ks[DK];
-    __shared__ float vs[GDN_COLS];
-    __shared__ float scratch[32];
-    __shared__ float ss_part;
+    __shared__ float vs[COLS];
+    __shared__ float ssp[GDN_MAX_GROUPS];
+    // Fast path: the new q/k conv state, held here until the cluster barrier lets it out (in
+    // shared memory rather than registers, which the state needs).
+    __shared__ float qk_next[KC > 0 ? 2 * DK * (KC - 1) : 1];
+
+    pdl_launch_dependents();
+    cluster_arrive_relaxed();
+    const int seq = blockIdx.y;
+    const i64 conv_dim = 2 * (i64)nk * dk + (i64)nv * dv;
+    const i64 value_dim = (i64)nv * dv;
     const int per_key = nv / nk;
-    const int tiles = (dv + GDN_COLS - 1) / GDN_COLS;
+    const int tiles = (dv + COLS - 1) / COLS;
     const int tile = blockIdx.x % tiles;
     const int member = (blockIdx.x / tiles) % per_key;
     const int kh = blockIdx.x / (tiles * per_key);
@@ -473,39 +540,84 @@ __device__ __forceinline__ void gdn_decode_fused_body(
     const int key_dim = nk * dk;
     const int hist = K - 1;
     const int part = threadIdx.x & (GDN_PARTS - 1);
-    const int j = tile * GDN_COLS + threadIdx.x / GDN_PARTS;
+    const int col = threadIdx.x / GDN_PARTS;
+    const int j = tile * COLS + col;
     const bool active = j < dv;
+    float* conv_state = reinterpret_cast<float*>(conv_states[seq]);
+    float* sg = reinterpret_cast<float*>(states[seq]) + (i64)h * dk * dv;
+    qkv += seq * conv_dim;
 
-    // The state does not depend on the conv: its loads go out first and overlap it.
-    float* sg = state + (i64)h * dk * dv;
+    // Before the wait: the state, the conv state and the weights (see above).
     float s[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int i = r * GDN_PARTS + part;
         s[r] = (active && (EXACT || i < dk)) ? sg[(i64)i * dv + j] : 0.f;
     }
-    for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
-        const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
-        const float v = conv_step(qkv[ch], conv_w + (i64)ch * K, conv_state + (i64)ch * hist, K);
-        if (c < dk) qs[c] = v;
-        else ks[c - dk] = v;
+    ConvChan<KC> qk[NCH];
+    ConvChan<KC> vc;
+    const bool v_owner = threadIdx.x < COLS && tile * COLS + (int)threadIdx.x < dv;
+    const i64 v_ch = 2 * (i64)key_dim + (i64)h * dv + tile * COLS + threadIdx.x;
+    if (KC > 0) {
+#pragma unroll
+        for (int n = 0; n < NCH; n++) {
+            const int c = n * THREADS + threadIdx.x;
+            const i64 ch = c < DK ? kh * DK + c : key_dim + kh * DK + (c - DK);
+            if (THREADS <= 2 * DK || c < 2 * DK) qk[n].load(conv_w, conv_state, ch);
+        }
+        if (v_owner) vc.load(conv_w, conv_state, v_ch);
     }
-    for (int c = threadIdx.x; c < GDN_COLS; c += blockDim.x) {
-        const int jj = tile * GDN_COLS + c;
-        if (jj < dv) {
-            const int ch = 2 * key_dim + h * dv + jj;
-            float* st = conv_state + (i64)ch * hist;
-            const float x = qkv[ch];
-            vs[c] = conv_step(x, conv_w + (i64)ch * K, st, K);
+    const float decay_rate = -expf(a_log[h]);
+    const float dtb = dt_bias[h];
+    const float nw = active ? norm_w[j] : 0.f;
+
+    pdl_wait();
+    // One round of loads: the token's inputs.
+    const float a_h = a[(i64)seq * nv + h];
+    const float b_h = b[(i64)seq * nv + h];
+    const float zj = active ? z[seq * value_dim + h * dv + j] : 0.f;
+    if constexpr (KC > 0) {
+#pragma unroll
+        for (int n = 0; n < NCH; n++) {
+            const int c = n * THREADS + threadIdx.x;
+            const i64 ch = c < DK ? kh * DK + c : key_dim + kh * DK + (c - DK);
+            if (THREADS <= 2 * DK || c < 2 * DK) qk[n].x = qkv[ch];
+        }
+        if (v_owner) vc.x = qkv[v_ch];
+#pragma unroll
+        for (int n = 0; n < NCH; n++) {
+            const int c = n * THREADS + threadIdx.x;
+            if (THREADS <= 2 * DK || c < 2 * DK) {
+                const float o = qk[n].out();
+                if ((n + 1) * THREADS <= DK || (n * THREADS < DK && c < DK)) qs[c] = o;
+                else ks[c - DK] = o;
+                qk[n].push(&qk_next[c * (KC - 1)]);
+            }
+        }
+        if (v_owner) {
+            vs[threadIdx.x] = vc.out();
+            vc.push(conv_state + v_ch * (KC - 1));
+        }
+    } else {
+        for (int c = threadIdx.x; c < 2 * dk; c += THREADS) {
+            const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
+            const float v = conv_step(qkv[ch], conv_w + (i64)ch * K, conv_state + (i64)ch * hist, K);
+            if (c < dk) qs[c] = v;
+            else ks[c - dk] = v;
+        }
+        if (v_owner) {
+            float* st = conv_state + v_ch * hist;
+            const float x = qkv[v_ch];
+            vs[threadIdx.x] = conv_step(x, conv_w + v_ch * K, st, K);
             conv_push(st, x, K);
         }
     }
     __syncthreads();
 
     // The delta rule, as gdn_recurrent_body does one token.
-    const float beta = sigmoid_f(b[h]);
-    const float decay = expf(-expf(a_log[h]) * softplus_f(a[h] + dt_bias[h]));
-    const float v = active ? vs[threadIdx.x / GDN_PARTS] : 0.f;
+    const float beta = sigmoid_f(b_h);
+    const float decay = expf(decay_rate * softplus_f(a_h + dtb));
+    const float v = active ? vs[col] : 0.f;
     const float o = gdn_token<DK, EXACT>(s, qs, ks, v, decay, beta, q_scale, dk, part);
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
@@ -513,37 +625,49 @@ __device__ __forceinline__ void gdn_decode_fused_body(
         if (active && (EXACT || i < dk)) sg[(i64)i * dv + j] = s[r];
     }
 
-    const float ss = block_sum(active && part == 0 ? o * o : 0.f, scratch);
-    if (threadIdx.x == 0) ss_part = ss;
-    cluster_sync();  // every block has read the old q/k conv state and published its part
+    // This warp's columns' sum of o^2, into every block of the value head.
+    const float ss = warp_sum(active && part == 0 ? o * o : 0.f);
+    cluster_wait();  // every block of the cluster is running
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane < tiles) st_cluster_peer(&ssp[tile * WARPS + warp], (u32)(member * tiles + lane), ss);
+    cluster_sync();  // the old q/k conv state is read everywhere; the partials have landed
     const u32 rank = cluster_rank();
-    const u32 csize = (u32)(per_key * tiles);
-    for (int c = (int)(rank * blockDim.x + threadIdx.x); c < 2 * dk; c += (int)(csize * blockDim.x)) {
-        const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
-        conv_push(conv_state + (i64)ch * hist, qkv[ch], K);
+    const int csize = per_key * tiles;
+    if constexpr (KC > 0) {
+        // Block `rank` writes its share of the new q/k conv state, which is two runs of
+        // contiguous floats (the key head's q channels, then its k channels).
+        constexpr int HALF = DK * (KC - 1);
+        const int per = (2 * HALF + csize - 1) / csize;
+        const int end = imin(2 * HALF, ((int)rank + 1) * per);
+        for (int e = (int)rank * per + threadIdx.x; e < end; e += THREADS) {
+            const i64 at = e < HALF ? (i64)kh * HALF + e : (i64)key_dim * (KC - 1) + (i64)kh * HALF + (e - HALF);
+            conv_state[at] = qk_next[e];
+        }
+    } else {
+        for (int c = (int)(rank * THREADS + threadIdx.x); c < 2 * dk; c += csize * THREADS) {
+            const int ch = c < dk ? kh * dk + c : key_dim + kh * dk + (c - dk);
+            conv_push(conv_state + (i64)ch * hist, qkv[ch], K);
+        }
     }
+    const int groups = (dv + GDN_WARP_COLS - 1) / GDN_WARP_COLS;
     float total = 0.f;
-    for (int t = 0; t < tiles; t++) total += ld_cluster_peer(&ss_part, (u32)(member * tiles + t));
+    for (int g = 0; g < groups; g++) total += ssp[g];
     const float inv = 1.f / sqrtf(total / (float)dv + eps);
-    if (active && part == 0) out[h * dv + j] = norm_w[j] * (o * inv) * silu_f(z[h * dv + j]);
-    cluster_sync();  // the peers are done reading ss_part
+    if (active && part == 0) out[seq * value_dim + h * dv + j] = nw * (o * inv) * silu_f(zj);
 }
 
-#define GDN_FUSED(NAME, DK, EXACT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) NAME(                         \
+#define GDN_FUSED(NAME, DK, EXACT, COLS, KC, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(COLS * GDN_PARTS, MINB) NAME(                          \
         const float* qkv, const float* z, const float* a, const float* b, const float* conv_w,       \
         const float* a_log, const float* dt_bias, const float* norm_w,                               \
         const unsigned long long* conv_states, const unsigned long long* states, float* out, int nk, \
         int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {                       \
-        pdl_enter();                                                                                 \
-        const int i = blockIdx.y;                                                                    \
-        const i64 conv_dim = 2 * (i64)nk * dk + (i64)nv * dv;                                        \
-        const i64 value_dim = (i64)nv * dv;                                                          \
-        gdn_decode_fused_body<DK, EXACT>(                                                            \
-            qkv + i * conv_dim, z + i * value_dim, a + (i64)i * nv, b + (i64)i * nv, conv_w, a_log,  \
-            dt_bias, norm_w, reinterpret_cast<float*>(conv_states[i]),                               \
-            reinterpret_cast<float*>(states[i]), out + i * value_dim, nk, nv, dk, dv, K, q_scale,    \
-            kh_div, eps);                                                                            \
+        gdn_decode_fused_body<DK, EXACT, COLS, KC>(qkv, z, a, b, conv_w, a_log, dt_bias, norm_w,    \
+                                                   conv_states, states, out, nk, nv, dk, dv, K,      \
+                                                   q_scale, kh_div, eps);                            \
     }
-GDN_FUSED(gdn_decode_fused_dk128, 128, true)
-GDN_FUSED(gdn_decode_fused_generic, 256, false)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c32, 128, true, 32, 4, 7)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c16, 128, true, 16, 4, 10)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c64, 128, true, 64, 4, 3)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c128, 128, true, 128, 4, 1)
+GDN_FUSED(gdn_decode_fused_generic, 256, false, 32, 0, 3)

@@ -21,6 +21,17 @@ const CONV_SEQ_MAX_TOKENS: usize = 8;
 /// `GDN_COLS` and `GDN_PARTS` of the recurrent kernel.
 const GDN_COLS: usize = 32;
 const GDN_PARTS: usize = 4;
+/// Column tilings of the fused decode kernel's fast path (`COLS`: columns of a value head a
+/// block owns) and its kernels, in that order.
+const DECODE_COLS: [usize; 4] = [16, 32, 64, 128];
+/// `GDN_MAX_GROUPS * GDN_WARP_COLS`: the columns a value head's tiles may span.
+const DECODE_MAX_COLUMNS: usize = 256;
+const DECODE_NAMES: [&str; 4] = [
+    "gdn_decode_fused_dk128_k4_c16",
+    "gdn_decode_fused_dk128_k4_c32",
+    "gdn_decode_fused_dk128_k4_c64",
+    "gdn_decode_fused_dk128_k4_c128",
+];
 /// The recurrent kernels hold k_head_dim / GDN_PARTS state values per thread in registers.
 const GDN_RECURRENT_MAX_DK: usize = 256;
 /// `CH` and `DVB` of the chunked kernel.
@@ -44,8 +55,13 @@ pub(super) struct Kernels {
     gdn_recurrent_rows_dk128: CudaFunction,
     gdn_recurrent_rows_generic: CudaFunction,
     gdn_chunked: CudaFunction,
-    gdn_decode_fused_dk128: CudaFunction,
+    /// The fused decode kernel's fast path, one per column tiling (`DECODE_COLS`).
+    gdn_decode_fused: [CudaFunction; 4],
     gdn_decode_fused_generic: CudaFunction,
+    /// `STRIX_GDN_DECODE_COLS` (one of `DECODE_COLS`): the fused decode kernel's column
+    /// tiling, forced where the shape allows it (benchmarks and tests compare them);
+    /// otherwise chosen per launch.
+    decode_cols: Option<usize>,
     /// Dynamic shared memory the chunked kernel may use, bytes.
     chunked_smem_limit: usize,
 }
@@ -77,8 +93,14 @@ impl Kernels {
             gdn_recurrent_rows_dk128: f("gdn_recurrent_rows_dk128")?,
             gdn_recurrent_rows_generic: f("gdn_recurrent_rows_generic")?,
             gdn_chunked,
-            gdn_decode_fused_dk128: f("gdn_decode_fused_dk128")?,
+            gdn_decode_fused: [
+                f(DECODE_NAMES[0])?,
+                f(DECODE_NAMES[1])?,
+                f(DECODE_NAMES[2])?,
+                f(DECODE_NAMES[3])?,
+            ],
             gdn_decode_fused_generic: f("gdn_decode_fused_generic")?,
+            decode_cols: std::env::var("STRIX_GDN_DECODE_COLS").ok().and_then(|v| v.parse().ok()),
             chunked_smem_limit: limit,
         })
     }
@@ -231,16 +253,54 @@ impl Kernels {
         );
     }
 
-    /// Thread-block cluster size of the fused decode kernel for `shape`: the blocks of one key
-    /// head (its value heads times their column tiles), or `None` past the portable 8.
+    /// Thread-block cluster size of the fused decode kernel for `shape` at its default tiling
+    /// (`GDN_COLS` columns a block): the blocks of one key head (its value heads times their
+    /// column tiles), or `None` past the portable 8, where the op runs unfused.
     pub fn decode_cluster(shape: &DeltaNetShape) -> Option<usize> {
+        Self::decode_cluster_at(shape, GDN_COLS)
+    }
+
+    fn decode_cluster_at(shape: &DeltaNetShape, cols: usize) -> Option<usize> {
         let per_key = shape.num_v_heads / shape.num_k_heads.max(1);
-        let size = per_key * shape.v_head_dim.div_ceil(GDN_COLS);
+        let size = per_key * shape.v_head_dim.div_ceil(cols);
+        // The gated norm's partial sums (one per warp of 8 columns) fit `GDN_MAX_GROUPS`.
         let fits = shape.num_k_heads > 0
             && shape.num_v_heads.is_multiple_of(shape.num_k_heads)
+            && shape.v_head_dim.div_ceil(cols) * cols <= DECODE_MAX_COLUMNS
             && shape.k_head_dim <= GDN_RECURRENT_MAX_DK
             && (1..=CONV_MAX_KERNEL).contains(&shape.conv_kernel);
         (fits && (1..=8).contains(&size)).then_some(size)
+    }
+
+    /// The fused decode kernel for `shape` and a batch of `n`: (kernel, name, columns a block,
+    /// cluster size), for shapes [`Kernels::decode_cluster`] takes. Shapes with dk 128 and a
+    /// conv kernel of 4 (every Qwen3.5) take the fast path, which prefetches the conv weights
+    /// and state into registers; the generic kernel (32 columns) takes the rest. Batches too
+    /// small to give every SM a block of 32 columns take 16-column blocks where the cluster
+    /// stays within 8: twice the blocks, each with half the state to stream. The kernel's sums
+    /// run in column order, so the tiling never changes a result.
+    fn decode_kernel(
+        &self,
+        shape: &DeltaNetShape,
+        n: usize,
+        sm_count: usize,
+    ) -> (&CudaFunction, &'static str, usize, usize) {
+        let cluster32 = Kernels::decode_cluster(shape)
+            .unwrap_or_else(|| panic!("deltanet_decode_rows: no fused kernel for {shape:?}"));
+        if shape.k_head_dim != 128 || shape.conv_kernel != 4 {
+            return (&self.gdn_decode_fused_generic, "gdn_decode_fused_generic", GDN_COLS, cluster32);
+        }
+        let blocks32 = n * shape.num_v_heads * shape.v_head_dim.div_ceil(GDN_COLS);
+        let auto = if blocks32 < sm_count { 16 } else { GDN_COLS };
+        // The forced tiling, else the chosen one, else 32 columns (which every shape here takes).
+        [self.decode_cols.unwrap_or(auto), auto, GDN_COLS]
+            .into_iter()
+            .find_map(|cols| {
+                let i = DECODE_COLS.iter().position(|&c| c == cols)?;
+                let cluster = Kernels::decode_cluster_at(shape, cols)?;
+                Some((&self.gdn_decode_fused[i], DECODE_NAMES[i], cols, cluster))
+            })
+            .expect("32 columns fit every shape decode_cluster takes")
     }
 
     /// One decode token of each of `states.len()` sequences through conv1d + SiLU, the
@@ -266,8 +326,7 @@ impl Kernels {
     ) {
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         let (k, n) = (shape.conv_kernel, states.len());
-        let cluster = Kernels::decode_cluster(shape)
-            .unwrap_or_else(|| panic!("deltanet_decode_rows: no fused kernel for {shape:?}"));
+        let (f, name, cols, cluster) = self.decode_kernel(shape, n, dev.sm_count as usize);
         assert_eq!(convs.len(), n, "deltanet_decode_rows: one conv state per sequence");
         assert!(qkv.len() >= n * shape.conv_dim(), "deltanet_decode_rows: qkv too short");
         assert!(z.len() >= n * shape.value_dim(), "deltanet_decode_rows: z too short");
@@ -285,16 +344,11 @@ impl Kernels {
         let ptrs = state_pointers(states, shape.state_len(), "deltanet_decode_rows");
         let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let q_scale = 1.0 / (dk as f32).sqrt();
-        let (f, name) = if dk == 128 {
-            (&self.gdn_decode_fused_dk128, "gdn_decode_fused_dk128")
-        } else {
-            (&self.gdn_decode_fused_generic, "gdn_decode_fused_generic")
-        };
         dev.launch_clustered(
             name,
             f,
-            ((nv * dv.div_ceil(GDN_COLS)) as u32, n as u32, 1),
-            ((GDN_COLS * GDN_PARTS) as u32, 1, 1),
+            ((nv * dv.div_ceil(cols)) as u32, n as u32, 1),
+            ((cols * GDN_PARTS) as u32, 1, 1),
             0,
             cluster as u32,
             kernel_args![
