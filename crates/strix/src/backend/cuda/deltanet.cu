@@ -57,23 +57,41 @@ extern "C" __global__ void conv1d_silu_rows(float* qkv, const float* weight,
     if (c < C) conv_seq(qkv + (i64)i * C, weight, reinterpret_cast<float*>(states[i]), 1, C, K, c);
 }
 
-// Conv for long runs: every (token, channel) in parallel, reading a copy of the raw inputs.
-// grid (ceil(C / block), T).
+// Conv for long runs, from the raw inputs into another buffer: a thread takes CONV_TT consecutive
+// tokens of one channel and slides along them with the inputs in registers, so each input is
+// read once per run of CONV_TT outputs (not K times), all loads issued before the first FMA.
+// Each output sums its K taps in the order of conv_seq. grid (ceil(C / block), ceil(T / CONV_TT)).
+#define CONV_TT 16
 extern "C" __global__ void conv1d_silu_par(const float* raw, float* qkv,
                                            const float* weight, const float* state,
                                            int T, int C, int K) {
     pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    const int t = blockIdx.y;
+    const int t0 = blockIdx.y * CONV_TT;
     if (c >= C) return;
     const int hist = K - 1;
-    float acc = 0.f;
-    for (int j = 0; j < K; j++) {
-        const int back = K - 1 - j;
-        const float in = back <= t ? raw[(i64)(t - back) * C + c] : state[(i64)c * hist + (hist - (back - t))];
-        acc += weight[(i64)c * K + j] * in;
+    float w[CONV_MAX_HIST + 1];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_HIST + 1; j++) w[j] = j < K ? weight[(i64)c * K + j] : 0.f;
+    // win[i] is the input at token t0 - hist + i (the state's slots before token 0).
+    float win[CONV_MAX_HIST + CONV_TT];
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_HIST + CONV_TT; i++) {
+        const int t = t0 - hist + i;
+        win[i] = i >= hist + CONV_TT || t >= T ? 0.f
+                 : t >= 0                     ? raw[(i64)t * C + c]
+                 : i < hist                   ? state[(i64)c * hist + (hist + t)]
+                                              : 0.f;
     }
-    qkv[(i64)t * C + c] = silu_f(acc);
+#pragma unroll
+    for (int i = 0; i < CONV_TT; i++) {
+        const int t = t0 + i;
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_HIST + 1; j++)
+            if (j < K) acc += w[j] * win[i + j];
+        if (t < T) qkv[(i64)t * C + c] = silu_f(acc);
+    }
 }
 
 // The new conv state after a long run: the last K-1 inputs (older state where T < K-1). One

@@ -15,6 +15,8 @@ pub(super) const SOURCE: &str = include_str!("deltanet.cu");
 
 /// `CONV_MAX_HIST` of the kernels: the longest conv kernel is this plus one.
 const CONV_MAX_KERNEL: usize = 8;
+/// `CONV_TT` of the kernels: tokens a thread of the parallel conv takes.
+const CONV_TT: usize = 16;
 /// Runs of up to this many tokens take the sequential conv kernel: one launch, no copy of the
 /// inputs. Longer runs parallelise over time as well.
 const CONV_SEQ_MAX_TOKENS: usize = 8;
@@ -134,19 +136,21 @@ impl Kernels {
             return ConvRan::Sequential;
         }
         assert!(tokens <= 65535, "conv1d: {tokens} tokens exceed one launch's grid");
-        // The parallel kernel reads the raw inputs while it overwrites qkv, so it works from a
-        // copy (freed, stream-ordered, after both kernels).
-        let raw = dev.alloc(tokens * c).unwrap_or_else(|e| panic!("{e}"));
-        dev.copy_dtod(raw.ptr(), qkv.ptr(), tokens * c * 4);
+        // The parallel kernel writes a new buffer (a thread's inputs are other threads'
+        // outputs), which then takes qkv's place; the raw inputs, still needed by the state
+        // update, are freed (stream-ordered) after both kernels.
+        let mut out = dev.alloc(qkv.len()).unwrap_or_else(|e| panic!("{e}"));
         let (t, c32, k32) = args(tokens);
         dev.launch(
             "conv1d_silu_par",
             &self.conv_par,
-            (c.div_ceil(256) as u32, tokens as u32, 1),
+            (c.div_ceil(256) as u32, tokens.div_ceil(CONV_TT) as u32, 1),
             (256, 1, 1),
             0,
-            kernel_args![raw.ptr(), qkv.ptr(), weight.ptr(), state.ptr(), t, c32, k32],
+            kernel_args![qkv.ptr(), out.ptr(), weight.ptr(), state.ptr(), t, c32, k32],
         );
+        std::mem::swap(qkv, &mut out);
+        let raw = out;
         dev.launch(
             "conv1d_state_update",
             &self.conv_state,
