@@ -11,12 +11,13 @@
 // Block: FA_WARPS warps, each owning 16 query rows of one head. The block covers `hb` heads of
 // one kv group (hb = 4, 2 or 1) and 16 * (FA_WARPS / hb) consecutive tokens, so all its warps
 // share each K/V tile. grid (ceil(T / tokens per block), nkv * group / hb, splits): split s
-// takes keys [s * FA_SPLIT_KEYS, (s + 1) * FA_SPLIT_KEYS). One split: the block writes the gated
+// takes keys [s * split_keys, (s + 1) * split_keys). Blocks take their query tiles from the last
+// (the most keys, causal) to the first, so the short ones fill the tail. One split: the block
+// writes the gated
 // output. Several: (m, l, acc) per row into `partial` [T, nh, splits, hd + 2], merged by
 // flash_attention_combine (m in the exp2 domain; a row that saw no key writes l = 0).
 #define FA_WARPS 4
 #define FA_KT 32
-#define FA_SPLIT_KEYS 512
 
 // n values of each f32 cache from its first row, rounded to bf16 (nearest even) row-major.
 extern "C" __global__ void kv_rows_to_bf16(const float* k_cache, const float* v_cache, bf16_t* kb, bf16_t* vb,
@@ -49,7 +50,7 @@ __device__ __forceinline__ void load_b_frag_x2_trans(u32* b, const bf16_t* m, in
 template <int HD>
 __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, const bf16_t* vb,
                                            const float* gate, float* out, float* partial, int T, int nh,
-                                           int nkv, int pos0, int hb, float scale_log2) {
+                                           int nkv, int pos0, int hb, int split_keys, float scale_log2) {
     constexpr int LDQ = HD + 8;       // Qs / Ks / Vs row stride (bf16)
     constexpr int NT = FA_KT / 8;     // n tiles of S
     constexpr int OT = HD / 8;        // n tiles of O
@@ -66,7 +67,7 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
     const int kh = blockIdx.y / nhb;
     const int h = kh * group + (blockIdx.y % nhb) * hb + warp % hb;
     const int qt = 16 * (FA_WARPS / hb);  // tokens per block
-    const int t0 = blockIdx.x * qt;
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * qt;
     const int tw0 = t0 + 16 * (warp / hb);  // this warp's first token
     const int kv_dim = nkv * HD;
     const int splits = gridDim.z, s = blockIdx.z;
@@ -74,8 +75,8 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
     // Keys this block may need: up to the last token it holds (causal), within its split.
     const int visible = pos0 + imin(T, t0 + qt);
     const int rows = pos0 + T;  // cache rows written
-    const int begin = s * FA_SPLIT_KEYS;
-    const int end = imin(visible, begin + FA_SPLIT_KEYS);
+    const int begin = s * split_keys;
+    const int end = imin(visible, begin + split_keys);
 
     // Streams keys kt0.. of this kv head into buffer b; rows from `visible` on (past the prompt,
     // perhaps past the cache) are zero-filled without a read.
@@ -256,9 +257,9 @@ __device__ __forceinline__ void flash_body(const float* q, const bf16_t* kb, con
 #define FA_KERNEL(HD, MINB)                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, MINB) flash_attention_hd##HD(             \
         const float* q, const bf16_t* kb, const bf16_t* vb, const float* gate, float* out,             \
-        float* partial, int T, int nh, int nkv, int pos0, int hb, float scale_log2) {                    \
+        float* partial, int T, int nh, int nkv, int pos0, int hb, int split_keys, float scale_log2) {    \
         pdl_enter();                                                                                      \
-        flash_body<HD>(q, kb, vb, gate, out, partial, T, nh, nkv, pos0, hb, scale_log2);                  \
+        flash_body<HD>(q, kb, vb, gate, out, partial, T, nh, nkv, pos0, hb, split_keys, scale_log2);      \
     }
 FA_KERNEL(32, 2)
 FA_KERNEL(64, 2)

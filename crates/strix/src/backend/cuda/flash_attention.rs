@@ -8,8 +8,9 @@
 //! copies, double-buffered (V's tiles are transposed in the fragment loads, `ldmatrix.trans`);
 //! an f32 cache is first rounded into a bf16 copy of its visible rows, as one per-call pass.
 //!
-//! Long contexts are split over the keys ([`SPLIT_KEYS`] per block, merged by a second kernel),
-//! so a prompt that continues a long cache still fills the GPU.
+//! Long contexts with few query tiles are split over the keys ([`SPLIT_KEYS`] per block, merged
+//! by a second kernel), so a short prompt that continues a long cache still fills the GPU; a
+//! prompt with enough tiles of its own ([`UNSPLIT_BLOCKS_PER_SM`]) is not split.
 
 use std::sync::Arc;
 
@@ -29,10 +30,15 @@ pub(super) const SOURCE: &str = concat!(
 
 /// Runs of fewer tokens keep the key-split kernel (a 16-row tile would be mostly empty).
 pub const MIN_TOKENS: usize = 16;
-/// `FA_WARPS`, `FA_KT` and `FA_SPLIT_KEYS` of the kernels.
+/// `FA_WARPS` and `FA_KT` of the kernels.
 const WARPS: usize = 4;
 const KEY_TILE: usize = 32;
+/// Keys a block of a split run takes.
 const SPLIT_KEYS: usize = 512;
+/// A run whose (query tile, head block) blocks number at least this many per SM is not split
+/// over the keys: the blocks alone fill the GPU (heaviest tiles first), and no partial results
+/// are written and merged.
+const UNSPLIT_BLOCKS_PER_SM: usize = 4;
 
 pub(super) struct Kernels {
     /// (head_dim, kernel) for each width the kernel is built for.
@@ -152,7 +158,10 @@ impl Kernels {
         let group = nh / nkv;
         let hb = heads_per_block(group);
         let block_tokens = 16 * (WARPS / hb);
-        let splits = (pos0 + tokens).div_ceil(SPLIT_KEYS);
+        let blocks = tokens.div_ceil(block_tokens) * (nkv * group / hb);
+        let split_keys =
+            if blocks >= UNSPLIT_BLOCKS_PER_SM * dev.sm_count as usize { rows } else { SPLIT_KEYS };
+        let splits = rows.div_ceil(split_keys);
         let partial = if splits > 1 { Some(alloc(tokens * nh * splits * (hd + 2))) } else { None };
         let partial_ptr = partial.as_ref().map_or(0, |p| p.ptr());
         let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
@@ -174,6 +183,7 @@ impl Kernels {
                 nkv as i32,
                 pos0 as i32,
                 hb as i32,
+                split_keys as i32,
                 scale_log2
             ],
         );
