@@ -21,12 +21,15 @@ for l in sys.stdin:
 tests=$(test_binary strix cuda)
 quant_tests=$(test_binary strix cuda_quant)
 cli_tests=$(test_binary strix-cli cli)
-cargo build --release -p strix --example cuda_decode_bench --example cuda_quant_bench --example cuda_gemv_bench
+cargo build --release -p strix --example cuda_decode_bench --example cuda_quant_bench --example cuda_gemv_bench \
+  --example cuda_prefill_bench --example cuda_gdn_bench
 cargo build --release -p strix-cli
 cp "$tests" "$out/cuda-tests"
 cp "$quant_tests" "$out/cuda-quant-tests"
 cp "$cli_tests" "$out/cli-tests"
-cp "$target"/release/examples/cuda_decode_bench "$target"/release/examples/cuda_quant_bench \
-  "$target"/release/examples/cuda_gemv_bench "$target"/release/strix "$out/"
-(cd "$out" && strip cuda-tests cuda-quant-tests cli-tests cuda_decode_bench cuda_quant_bench cuda_gemv_bench strix)
+for example in cuda_decode_bench cuda_quant_bench cuda_gemv_bench cuda_prefill_bench cuda_gdn_bench; do
+  cp "$target/release/examples/$example" "$out/"
+done
+cp "$target"/release/strix "$out/"
+(cd "$out" && strip cuda-tests cuda-quant-tests cli-tests cuda_*_bench strix)
 du -sh "$out"

@@ -9,7 +9,9 @@
 //!
 //! `cargo run --release --example cuda_prefill_bench -- [PRESET ...]`
 //! (default presets: qwen3.5-0.8b qwen3.5-9b). `STRIX_PREFILL_BENCH_MODEL=0` skips the whole
-//! prefills (no weights are synthesised then).
+//! prefills (no weights are synthesised then). `STRIX_PROFILE_PREFILL=1` instead runs one
+//! warm-up prefill of 4096 tokens and one more inside a profiler range (the model's own pass
+//! length), for `ncu --profile-from-start off`, and nothing else.
 
 use std::time::Instant;
 
@@ -232,8 +234,26 @@ fn main() -> strix::Result<()> {
     if presets.is_empty() {
         presets = vec!["qwen3.5-0.8b".into(), "qwen3.5-9b".into()];
     }
+    let profile = std::env::var("STRIX_PROFILE_PREFILL").is_ok_and(|v| v == "1");
     for name in &presets {
         let cfg = preset(name)?;
+        if profile {
+            let weights = SyntheticWeights::new(cfg.clone(), 1);
+            let model = Model::from_source(cfg.clone(), &weights, CudaBackend::new(0)?, None)?;
+            let ids: Vec<u32> = (0..PROMPT).map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32).collect();
+            model.forward(&mut model.new_session(PROMPT), &ids, Logits::Last)?;
+            model.backend().synchronize()?;
+            model.backend().profiler_range(true)?;
+            let t = Instant::now();
+            model.forward(&mut model.new_session(PROMPT), &ids, Logits::Last)?;
+            model.backend().synchronize()?;
+            model.backend().profiler_range(false)?;
+            println!(
+                "{name}: profiled prefill of {PROMPT} tokens in {:.1} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            );
+            continue;
+        }
         println!("== {name}: ops of a {PROMPT}-token prefill (passes of {PASS})");
         let b = CudaBackend::new(0)?;
         let ops = breakdown(&cfg, &b);

@@ -531,9 +531,9 @@ impl<B: Backend> Model<B> {
             b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
 
             // SwiGLU MLP.
-            let gate_up = (&layer.gate_proj, &layer.up_proj);
-            seqs.matmul_glu(b, &s.x, t, gate_up, (&mut s.mlp_gate, &mut s.mlp_up), &mut s.mlp_act);
-            seqs.matmul(b, &s.mlp_act, t, &layer.down_proj, &mut s.y);
+            let weights = (&layer.gate_proj, &layer.up_proj, &layer.down_proj);
+            let scratch = (&mut s.mlp_gate, &mut s.mlp_up, &mut s.mlp_act);
+            b.mlp(&s.x, t, weights, scratch, &mut s.y, matches!(seqs, Sequences::Batch(_)));
 
             let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
             b.add_rms_norm(&mut s.h, &s.y, next_norm, hidden, eps, &mut s.x);
@@ -674,20 +674,6 @@ impl<B: Backend> Sequences<'_, '_, B> {
     /// The projections of one input, which a backend may fuse (row-invariantly for a batch).
     fn matmul_many(&self, b: &B, x: &B::Buf, t: usize, ws: &[&B::Weight], outs: &mut [&mut B::Buf]) {
         b.matmul_many(x, t, ws, outs, matches!(self, Sequences::Batch(_)));
-    }
-
-    /// [`Backend::matmul_glu`] (weights and outputs as (gate, up) pairs), with the
-    /// decode-batch contract for a batch.
-    fn matmul_glu(
-        &self,
-        b: &B,
-        x: &B::Buf,
-        t: usize,
-        (gate, up): (&B::Weight, &B::Weight),
-        (gate_out, up_out): (&mut B::Buf, &mut B::Buf),
-        act: &mut B::Buf,
-    ) {
-        b.matmul_glu(x, t, gate, up, gate_out, up_out, act, matches!(self, Sequences::Batch(_)));
     }
 
     /// A batch multiplies row by row with the one-token kernel, so each sequence's numbers do

@@ -454,8 +454,9 @@ fn long_context_attention_matches_cpu() {
 
 /// The tensor-core flash attention of prompts against the CPU: GQA ratios 1, 2, 3, 4 and 6 (4, 2
 /// and 1 heads per block), head widths 32 to 256, runs around the 16-row and 64-key tiles, runs
-/// that continue a cache, and a 4096-token run over a cache that already holds 600 rows (split
-/// over the keys). bf16 operands, f32 accumulation: BF16_TOL.
+/// that continue a cache, a 4096-token run over a cache that already holds 600 rows (split
+/// over the keys: too few query tiles to fill the GPU) and a 2200-token run with enough tiles
+/// to go unsplit (on an H200). bf16 operands, f32 accumulation: BF16_TOL.
 #[test]
 fn flash_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
@@ -467,7 +468,7 @@ fn flash_attention_matches_cpu() {
         ((4, 4, 64), &[(0, 16), (16, 63), (79, 65)]),
         ((4, 2, 128), &[(0, 64), (64, 17), (81, 130)]),
         ((8, 2, 256), &[(0, 130), (130, 64)]),
-        ((16, 4, 256), &[(0, 100), (100, 600)]),
+        ((16, 4, 256), &[(0, 100), (100, 600), (0, 2200)]),
         ((6, 1, 32), &[(0, 33), (33, 40)]),
         ((3, 1, 64), &[(0, 47), (47, 20)]),
         ((4, 1, 128), &[(0, 600), (600, 4096)]),
@@ -503,7 +504,11 @@ fn flash_attention_matches_cpu() {
             );
             let after = g.path_counts();
             assert_eq!(after.flash_attention, before.flash_attention + 1, "{after}");
-            let split = usize::from(pos0 + tokens > 512) as u64;
+            // Split over keys of 512 unless the (16-token tile, head block) blocks fill the GPU
+            // four times over (flash_attention.rs).
+            let hb = [4, 2, 1].into_iter().find(|h| (nh / nkv).is_multiple_of(*h)).unwrap();
+            let blocks = tokens.div_ceil(16 * (4 / hb)) * (nh / hb);
+            let split = u64::from(pos0 + tokens > 512 && blocks < 4 * g.sm_count());
             assert_eq!(after.attention_multi_split, before.attention_multi_split + split, "{after}");
             let what = format!("flash attention h{nh}/{nkv} d{hd} pos0={pos0} T={tokens}");
             check(&what, &down(&g, &out), &reference, BF16_TOL);
@@ -771,7 +776,7 @@ fn flash_prefill_over_a_bf16_cache_equals_the_f32_cache_bitwise() {
     let cases: [((usize, usize, usize), Runs); 5] = [
         ((4, 4, 64), &[(0, 16), (16, 63), (79, 65)]),
         ((8, 2, 256), &[(0, 130), (130, 64)]),
-        ((16, 4, 256), &[(0, 100), (100, 600)]),
+        ((16, 4, 256), &[(0, 100), (100, 600), (0, 2200)]),
         ((3, 1, 64), &[(0, 47), (47, 20)]),
         ((4, 1, 128), &[(0, 600), (600, 4096)]),
     ];
@@ -2194,4 +2199,65 @@ fn fused_deltanet_decode_tilings_agree_bitwise() {
     for g in std::iter::once(&auto).chain(tilings.iter().map(|(g, _)| g)) {
         assert!(g.path_counts().gdn_decode_fused > 0, "{}", g.path_counts());
     }
+}
+
+/// A prompt's projections of one input convert it to bf16 once (`matmul_many`), and its MLP
+/// writes the SwiGLU straight into the down GEMM's bf16 input (`mlp`): both bitwise the
+/// one-weight-at-a-time ops they replace, on the default and the precise (split) cuBLAS paths,
+/// and within the bf16 tolerance of the CPU.
+#[test]
+fn prompt_projections_and_mlp_equal_the_separate_ops_bitwise() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(31);
+    for path in [GemmPath::Auto, GemmPath::CublasSplit] {
+        g.set_gemm_path(path);
+        for &(tokens, hidden, inter) in &[(2usize, 64usize, 96usize), (37, 320, 200), (130, 1024, 3584)] {
+            let w = |rows: usize, cols: usize, rng: &mut Rng| {
+                let v = rng.vec(rows * cols, 0.05);
+                (
+                    g.weight(&tensor(DType::BF16, rows, cols, &v), rows, cols).unwrap(),
+                    cpu.weight(&tensor(DType::BF16, rows, cols, &v), rows, cols).unwrap(),
+                )
+            };
+            let (gate, up, dn) =
+                (w(inter, hidden, &mut rng), w(inter, hidden, &mut rng), w(hidden, inter, &mut rng));
+            let x = rng.vec(tokens * hidden, 1.0);
+            let xg = g.upload(&x);
+            let what = format!("{path:?} T={tokens} {hidden}->{inter}");
+
+            // matmul_many against one matmul per weight.
+            let (mut a, mut b) = (poison(&g, tokens * inter), poison(&g, tokens * inter));
+            g.matmul_many(&xg, tokens, &[&gate.0, &up.0], &mut [&mut a, &mut b], false);
+            let (mut a1, mut b1) = (poison(&g, tokens * inter), poison(&g, tokens * inter));
+            g.matmul(&xg, tokens, &gate.0, &mut a1);
+            g.matmul(&xg, tokens, &up.0, &mut b1);
+            assert!(down(&g, &a) == down(&g, &a1) && down(&g, &b) == down(&g, &b1), "{what}: matmul_many");
+
+            // mlp against matmul_glu + matmul.
+            let mut out = poison(&g, tokens * hidden);
+            let scratch = (
+                &mut poison(&g, tokens * inter),
+                &mut poison(&g, tokens * inter),
+                &mut poison(&g, tokens * inter),
+            );
+            let before = g.path_counts();
+            g.mlp(&xg, tokens, (&gate.0, &up.0, &dn.0), scratch, &mut out, false);
+            let after = g.path_counts();
+            let cublas = |c: &strix::backend::cuda::PathCounts| c.gemm_cublas + c.gemm_cublas_split;
+            assert_eq!(cublas(&after) - cublas(&before), 3, "{what}: three cuBLAS GEMMs");
+            assert_eq!(after.gemm_fallback, before.gemm_fallback, "{what}: no fallback GEMM");
+            let (mut act, mut out1) = (poison(&g, tokens * inter), poison(&g, tokens * hidden));
+            g.matmul_glu(&xg, tokens, &gate.0, &up.0, &mut a1, &mut b1, &mut act, false);
+            g.matmul(&act, tokens, &dn.0, &mut out1);
+            let ours = down(&g, &out);
+            assert!(ours == down(&g, &out1), "{what}: mlp");
+            let mut reference = vec![0.0; tokens * hidden];
+            let (mut cg, mut cu, mut ca) =
+                (vec![0.0; tokens * inter], vec![0.0; tokens * inter], vec![0.0; tokens * inter]);
+            cpu.mlp(&x, tokens, (&gate.1, &up.1, &dn.1), (&mut cg, &mut cu, &mut ca), &mut reference, false);
+            check(&what, &ours, &reference, BF16_TOL);
+        }
+    }
+    g.set_gemm_path(GemmPath::Auto);
 }

@@ -285,6 +285,23 @@ pub trait Backend: Send + Sync {
     ) {
         matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
     }
+    /// The gated MLP, `out = (silu(x · gateᵀ) * (x · upᵀ)) · downᵀ`: [`Backend::matmul_glu`]
+    /// into the scratch `gate_out`, `up_out`, `act`, then the down product (row by row with
+    /// [`Backend::matmul_rows`] for a decode batch). A backend may fuse steps, leaving the
+    /// scratch unspecified; `out` must equal the default's (bitwise where the backend's batch
+    /// invariance depends on it).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        x: &Self::Buf,
+        tokens: usize,
+        (gate, up, down): (&Self::Weight, &Self::Weight, &Self::Weight),
+        (gate_out, up_out, act): (&mut Self::Buf, &mut Self::Buf, &mut Self::Buf),
+        out: &mut Self::Buf,
+        decode_batch: bool,
+    ) {
+        mlp_each(self, x, tokens, (gate, up, down), (gate_out, up_out, act), out, decode_batch);
+    }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.
@@ -514,6 +531,26 @@ pub fn matmul_glu_each<B: Backend + ?Sized>(
 ) {
     b.matmul_many(x, tokens, &[gate, up], &mut [&mut *gate_out, &mut *up_out], decode_batch);
     b.swiglu(gate_out, up_out, tokens * b.weight_shape(gate).0, act);
+}
+
+/// [`Backend::mlp`] as [`Backend::matmul_glu`] then the down product: the default, and a
+/// backend's fallback where it does not fuse.
+#[allow(clippy::too_many_arguments)]
+pub fn mlp_each<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    tokens: usize,
+    (gate, up, down): (&B::Weight, &B::Weight, &B::Weight),
+    (gate_out, up_out, act): (&mut B::Buf, &mut B::Buf, &mut B::Buf),
+    out: &mut B::Buf,
+    decode_batch: bool,
+) {
+    b.matmul_glu(x, tokens, gate, up, gate_out, up_out, act, decode_batch);
+    if decode_batch {
+        b.matmul_rows(act, tokens, down, out);
+    } else {
+        b.matmul(act, tokens, down, out);
+    }
 }
 
 /// [`Backend::matmul_many`] one product at a time: the default, and a backend's fallback for

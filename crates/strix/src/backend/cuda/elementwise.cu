@@ -156,6 +156,18 @@ extern "C" __global__ void swiglu(const float* gate, const float* up,
         out[i] = silu_f(gate[i]) * up[i];
 }
 
+// SwiGLU straight into a GEMM's bf16 input: silu(gate) * up rounded as f32_to_bf16_copy (with
+// `lo`, as f32_to_bf16_split) rounds swiglu's f32 result, without storing that.
+extern "C" __global__ void swiglu_to_bf16(const float* gate, const float* up, bf16_t* hi, bf16_t* lo, i64 n) {
+    pdl_enter();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float v = silu_f(gate[i]) * up[i];
+        const bf16_t h = f32_to_bf16(v);
+        hi[i] = h;
+        if (lo) lo[i] = f32_to_bf16(v - bf16_to_f32(h));
+    }
+}
+
 extern "C" __global__ void f32_to_bf16_copy(const float* x, bf16_t* y, i64 n) {
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)

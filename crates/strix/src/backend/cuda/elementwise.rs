@@ -17,6 +17,7 @@ pub(super) struct Kernels {
     gated_rms_norm_rows: CudaFunction,
     add_inplace: CudaFunction,
     swiglu: CudaFunction,
+    swiglu_to_bf16: CudaFunction,
     f32_to_bf16: CudaFunction,
     f32_to_bf16_split: CudaFunction,
     argmax_rows: CudaFunction,
@@ -71,6 +72,7 @@ impl Kernels {
             gated_rms_norm_rows: f("gated_rms_norm_rows")?,
             add_inplace: f("add_inplace")?,
             swiglu: f("swiglu")?,
+            swiglu_to_bf16: f("swiglu_to_bf16")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
             f32_to_bf16: f("f32_to_bf16_copy")?,
@@ -293,6 +295,19 @@ impl Kernels {
             (256, 1, 1),
             0,
             kernel_args![src, dst, len as i64],
+        );
+    }
+
+    /// `silu(gate) * up` of `len` floats as bf16 at `hi` (and the remainder at `lo` unless 0).
+    pub fn swiglu_to_bf16(&self, dev: &Device, gate: &CudaBuf, up: &CudaBuf, hi: u64, lo: u64, len: usize) {
+        assert!(gate.len() >= len && up.len() >= len, "swiglu_to_bf16: buffers too short");
+        dev.launch(
+            "swiglu_to_bf16",
+            &self.swiglu_to_bf16,
+            (dev.grid_for(len, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![gate.ptr(), up.ptr(), hi, lo, len as i64],
         );
     }
 

@@ -529,6 +529,82 @@ impl Kernels {
             })
     }
 
+    /// The projections of one prompt input (`tokens` > 1, bf16 weights) on cuBLAS with `x`
+    /// converted to bf16 once: `Some` with the path taken, `None` (nothing launched) when the
+    /// policy does not take cuBLAS or a weight is not bf16, for the caller's per-weight path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_many_prompt(
+        &self,
+        dev: &Device,
+        ew: &elementwise::Kernels,
+        blas: Option<&Blas>,
+        policy: GemmPath,
+        x: &CudaBuf,
+        tokens: usize,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaBuf],
+    ) -> Option<Ran> {
+        let (blas, split, ran) = match (policy, blas) {
+            (GemmPath::Auto | GemmPath::Cublas, Some(b)) => (b, false, Ran::Cublas),
+            (GemmPath::CublasSplit, Some(b)) => (b, true, Ran::CublasSplit),
+            _ => return None,
+        };
+        let cols = ws.first()?.cols();
+        if tokens < 2 || ws.iter().any(|w| w.dtype() != DType::BF16 || w.cols() != cols || w.rows() == 0) {
+            return None;
+        }
+        assert_eq!(ws.len(), outs.len(), "matmul_many: one output per weight");
+        for (w, out) in ws.iter().zip(outs.iter()) {
+            assert!(
+                out.len() >= tokens * w.rows(),
+                "matmul: out holds {} floats, not [{tokens}, {}]",
+                out.len(),
+                w.rows()
+            );
+        }
+        assert!(tokens <= i32::MAX as usize && cols <= i32::MAX as usize);
+        let input = Bf16Input::new(dev, ew, x, tokens * cols, split);
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            input.gemm(blas, tokens, w.ptr(), w.rows(), cols, out.ptr(), w.rows());
+        }
+        Some(ran)
+    }
+
+    /// A prompt's gated MLP on cuBLAS, `out = (silu(x·Gᵀ) ⊙ x·Uᵀ)·Dᵀ`: `x` rounded to bf16 once
+    /// for the gate and up GEMMs, their SwiGLU written straight as the down GEMM's bf16 input
+    /// (the f32 product is never stored). Bitwise the separate ops. `None` (nothing launched)
+    /// where [`Kernels::matmul_many_prompt`] declines.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mlp_prompt(
+        &self,
+        dev: &Device,
+        ew: &elementwise::Kernels,
+        blas: Option<&Blas>,
+        policy: GemmPath,
+        x: &CudaBuf,
+        tokens: usize,
+        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        (gate_out, up_out): (&mut CudaBuf, &mut CudaBuf),
+        out: &mut CudaBuf,
+    ) -> Option<Ran> {
+        let inter = gate.rows();
+        if up.rows() != inter || down.cols() != inter || down.dtype() != DType::BF16 || down.rows() == 0 {
+            return None;
+        }
+        assert!(
+            out.len() >= tokens * down.rows(),
+            "mlp: out holds {} floats, not [{tokens}, {}]",
+            out.len(),
+            down.rows()
+        );
+        let ran =
+            self.matmul_many_prompt(dev, ew, blas, policy, x, tokens, &[gate, up], &mut [gate_out, up_out])?;
+        let (blas, split) = (blas.expect("matmul_many_prompt took cuBLAS"), ran == Ran::CublasSplit);
+        let act = Bf16Input::swiglu(dev, ew, gate_out, up_out, tokens * inter, split);
+        act.gemm(blas, tokens, down.ptr(), down.rows(), inter, out.ptr(), down.rows());
+        Some(ran)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -618,9 +694,7 @@ fn cublas_gemm(
 
 /// [`cublas_gemm`] on a bf16 `[rows, cols]` matrix at `w`, writing `out[t * ldc + r]` (a band
 /// of columns of a wider output: the quantized path multiplies by one dequantized band of
-/// weight rows at a time). cuBLAS is column-major: there the row-major `W [rows, cols]` is a
-/// `cols × rows` matrix used transposed, `x` a `cols × tokens` one, and `out` the
-/// `rows × tokens` result with leading dimension `ldc`.
+/// weight rows at a time).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn cublas_gemm_at(
     dev: &Device,
@@ -635,48 +709,107 @@ pub(super) fn cublas_gemm_at(
     ldc: usize,
     split: bool,
 ) {
-    assert!(ldc >= rows && ldc <= i32::MAX as usize);
-    let n = tokens * cols;
-    // Freed (stream-ordered) when it goes out of scope, after the GEMMs in stream order.
-    let (_xb, hi) = dev.alloc_u16(if split { 2 * n } else { n }).unwrap_or_else(|e| panic!("{e}"));
-    let lo = hi + 2 * n as u64;
-    if split {
-        ew.f32_to_bf16_split(dev, x.ptr(), hi, lo, n);
-    } else {
-        ew.f32_to_bf16(dev, x.ptr(), hi, n);
+    let input = Bf16Input::new(dev, ew, x, tokens * cols, split);
+    input.gemm(blas, tokens, w, rows, cols, out, ldc);
+}
+
+/// The activations of a GEMM rounded to bf16 once (with `split`, the remainder too), for every
+/// GEMM of that input: the projections of one input convert it once, not once per weight.
+pub(super) struct Bf16Input {
+    // Freed (stream-ordered) when dropped, after the GEMMs queued before in stream order.
+    _buf: cudarc::driver::CudaSlice<u16>,
+    hi: u64,
+    lo: Option<u64>,
+    len: usize,
+}
+
+impl Bf16Input {
+    pub(super) fn new(
+        dev: &Device,
+        ew: &elementwise::Kernels,
+        x: &CudaBuf,
+        n: usize,
+        split: bool,
+    ) -> Bf16Input {
+        assert!(x.len() >= n, "bf16 input: x holds {} floats, not {n}", x.len());
+        let (buf, hi) = dev.alloc_u16(if split { 2 * n } else { n }).unwrap_or_else(|e| panic!("{e}"));
+        let lo = split.then_some(hi + 2 * n as u64);
+        match lo {
+            Some(lo) => ew.f32_to_bf16_split(dev, x.ptr(), hi, lo, n),
+            None => ew.f32_to_bf16(dev, x.ptr(), hi, n),
+        }
+        Bf16Input { _buf: buf, hi, lo, len: n }
     }
-    let halves: &[(u64, f32)] = if split { &[(hi, 0.0), (lo, 1.0)] } else { &[(hi, 0.0)] };
-    for &(xb, beta) in halves {
-        let alpha = 1.0f32;
-        // SAFETY: the handle is bound to the backend's stream; the pointers are live device
-        // allocations of the sizes asserted by the callers (`xb` holds tokens * cols bf16, `w`
-        // rows * cols bf16, `out` (tokens - 1) * ldc + rows floats); alpha and beta are host
-        // f32s, as the default pointer mode expects.
-        let r = unsafe {
-            blas_result::gemm_ex(
-                *blas.handle.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                rows as i32,
-                tokens as i32,
-                cols as i32,
-                &alpha as *const f32 as *const c_void,
-                w as *const c_void,
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                cols as i32,
-                xb as *const c_void,
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                cols as i32,
-                &beta as *const f32 as *const c_void,
-                out as *mut c_void,
-                blas_sys::cudaDataType::CUDA_R_32F,
-                ldc as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
-        if let Err(e) = r {
-            panic!("cuda: cublasGemmEx ({tokens}x{cols} · {rows}x{cols}ᵀ): {e}");
+
+    /// The bf16 input `silu(gate) * up` (`n` values), as [`Bf16Input::new`] of swiglu's output.
+    pub(super) fn swiglu(
+        dev: &Device,
+        ew: &elementwise::Kernels,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        n: usize,
+        split: bool,
+    ) -> Bf16Input {
+        let (buf, hi) = dev.alloc_u16(if split { 2 * n } else { n }).unwrap_or_else(|e| panic!("{e}"));
+        let lo = split.then_some(hi + 2 * n as u64);
+        ew.swiglu_to_bf16(dev, gate, up, hi, lo.unwrap_or(0), n);
+        Bf16Input { _buf: buf, hi, lo, len: n }
+    }
+
+    /// `out[t * ldc + r] = x · Wᵀ` for the bf16 `[rows, cols]` matrix at `w`. cuBLAS is
+    /// column-major: there the row-major `W [rows, cols]` is a `cols × rows` matrix used
+    /// transposed, `x` a `cols × tokens` one, and `out` the `rows × tokens` result with leading
+    /// dimension `ldc`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm(
+        &self,
+        blas: &Blas,
+        tokens: usize,
+        w: u64,
+        rows: usize,
+        cols: usize,
+        out: u64,
+        ldc: usize,
+    ) {
+        assert!(ldc >= rows && ldc <= i32::MAX as usize);
+        assert!(
+            tokens * cols <= self.len,
+            "bf16 input: {tokens} x {cols} outside the {} converted",
+            self.len
+        );
+        let halves = [(Some(self.hi), 0.0f32), (self.lo, 1.0)];
+        for (xb, beta) in halves.into_iter().filter_map(|(p, b)| p.map(|p| (p, b))) {
+            let alpha = 1.0f32;
+            // SAFETY: the handle is bound to the backend's stream; the pointers are live device
+            // allocations of the sizes asserted by the callers (`xb` holds tokens * cols bf16,
+            // `w` rows * cols bf16, `out` (tokens - 1) * ldc + rows floats); alpha and beta are
+            // host f32s, as the default pointer mode expects.
+            let r = unsafe {
+                blas_result::gemm_ex(
+                    *blas.handle.handle(),
+                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    rows as i32,
+                    tokens as i32,
+                    cols as i32,
+                    &alpha as *const f32 as *const c_void,
+                    w as *const c_void,
+                    blas_sys::cudaDataType::CUDA_R_16BF,
+                    cols as i32,
+                    xb as *const c_void,
+                    blas_sys::cudaDataType::CUDA_R_16BF,
+                    cols as i32,
+                    &beta as *const f32 as *const c_void,
+                    out as *mut c_void,
+                    blas_sys::cudaDataType::CUDA_R_32F,
+                    ldc as i32,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            if let Err(e) = r {
+                panic!("cuda: cublasGemmEx ({tokens}x{cols} · {rows}x{cols}ᵀ): {e}");
+            }
         }
     }
 }

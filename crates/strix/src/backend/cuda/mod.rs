@@ -332,6 +332,11 @@ impl CudaBackend {
         self.dev.cc
     }
 
+    /// The device's streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.dev.sm_count as usize
+    }
+
     /// Whether cuBLAS loaded (multi-token matmuls run on tensor cores).
     pub fn has_cublas(&self) -> bool {
         self.blas.is_some()
@@ -900,6 +905,17 @@ impl Backend for CudaBackend {
         decode_batch: bool,
     ) {
         if !decode_batch {
+            // A prompt's projections: the input rounded to bf16 once for all their GEMMs.
+            self.dev.bind();
+            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
+            if let Some(ran) = mm.matmul_many_prompt(&self.dev, &self.ew, blas, path, x, tokens, ws, outs) {
+                let counter = match ran {
+                    matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
+                    _ => &self.counters.gemm_cublas,
+                };
+                counter.fetch_add(ws.len() as u64, Ordering::Relaxed);
+                return;
+            }
             return crate::backend::matmul_each(self, x, tokens, ws, outs, decode_batch);
         }
         // Packed and bf16 weights fuse separately (a GGUF file may keep small matrices in
@@ -957,6 +973,42 @@ impl Backend for CudaBackend {
             return;
         }
         crate::backend::matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
+    }
+
+    fn mlp(
+        &self,
+        x: &CudaBuf,
+        tokens: usize,
+        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        (gate_out, up_out, act): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+        out: &mut CudaBuf,
+        decode_batch: bool,
+    ) {
+        if !decode_batch && tokens > 1 {
+            // A prompt: the SwiGLU goes straight into the down GEMM's bf16 input.
+            self.dev.bind();
+            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
+            let outs = (&mut *gate_out, &mut *up_out);
+            if let Some(ran) =
+                mm.mlp_prompt(&self.dev, &self.ew, blas, path, x, tokens, (gate, up, down), outs, out)
+            {
+                let counter = match ran {
+                    matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
+                    _ => &self.counters.gemm_cublas,
+                };
+                counter.fetch_add(3, Ordering::Relaxed);
+                return;
+            }
+        }
+        crate::backend::mlp_each(
+            self,
+            x,
+            tokens,
+            (gate, up, down),
+            (gate_out, up_out, act),
+            out,
+            decode_batch,
+        );
     }
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
