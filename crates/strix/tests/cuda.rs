@@ -1913,6 +1913,111 @@ fn argmax_on_the_device_matches_the_host() {
     }
 }
 
+/// One case of the fused Gated DeltaNet decode: a shape's weights and `n` rows of inputs, conv
+/// states and recurrent states, all random.
+struct GdnDecodeCase {
+    sh: DeltaNetShape,
+    n: usize,
+    conv_w: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm: Vec<f32>,
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    conv0: Vec<Vec<f32>>,
+    state0: Vec<Vec<f32>>,
+}
+
+/// A decode step's output rows, then each row's conv state and recurrent state after it.
+type GdnDecodeOut = (Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+impl GdnDecodeCase {
+    fn new(sh: DeltaNetShape, n: usize, rng: &mut Rng) -> GdnDecodeCase {
+        let (cd, nv) = (sh.conv_dim(), sh.num_v_heads);
+        GdnDecodeCase {
+            sh,
+            n,
+            conv_w: rng.vec(cd * sh.conv_kernel, 0.5),
+            a_log: rng.vec(nv, 1.0),
+            dt_bias: rng.vec(nv, 1.0),
+            norm: rng.vec(sh.v_head_dim, 1.0),
+            qkv: rng.vec(n * cd, 1.0),
+            z: rng.vec(n * sh.value_dim(), 1.0),
+            a: rng.vec(n * nv, 2.0),
+            b: rng.vec(n * nv, 2.0),
+            conv0: (0..n).map(|_| rng.vec(sh.conv_state_len(), 1.0)).collect(),
+            state0: (0..n).map(|_| rng.vec(sh.state_len(), 0.5)).collect(),
+        }
+    }
+
+    fn what(&self) -> String {
+        let sh = &self.sh;
+        format!(
+            "fused gdn heads {}/{} dims {}/{} kernel {} {:?} n={}",
+            sh.num_k_heads,
+            sh.num_v_heads,
+            sh.k_head_dim,
+            sh.v_head_dim,
+            sh.conv_kernel,
+            sh.value_head_order,
+            self.n
+        )
+    }
+
+    /// Every row on the CPU (the trait's default: the three ops).
+    fn cpu(&self, cpu: &CpuBackend) -> GdnDecodeOut {
+        let mut qkv = self.qkv.clone();
+        let (mut convs, mut states) = (self.conv0.clone(), self.state0.clone());
+        let mut out = vec![0.0; self.n * self.sh.value_dim()];
+        cpu.deltanet_decode_rows(
+            &self.sh,
+            &mut qkv,
+            &self.z,
+            &self.a,
+            &self.b,
+            &self.conv_w,
+            &self.a_log,
+            &self.dt_bias,
+            &self.norm,
+            &mut convs.iter_mut().collect::<Vec<_>>(),
+            &mut states.iter_mut().collect::<Vec<_>>(),
+            &mut out,
+        );
+        (out, convs, states)
+    }
+
+    /// `rows` of the case as one decode batch on `g`.
+    fn gpu(&self, g: &CudaBackend, rows: std::ops::Range<usize>) -> GdnDecodeOut {
+        let (cd, vd, nv) = (self.sh.conv_dim(), self.sh.value_dim(), self.sh.num_v_heads);
+        let part = |v: &[f32], w: usize| g.upload(&v[rows.start * w..rows.end * w]);
+        let mut qkv = part(&self.qkv, cd);
+        let mut convs: Vec<_> = self.conv0[rows.clone()].iter().map(|s| g.upload(s)).collect();
+        let mut states: Vec<_> = self.state0[rows.clone()].iter().map(|s| g.upload(s)).collect();
+        let mut out = poison(g, rows.len() * vd);
+        g.deltanet_decode_rows(
+            &self.sh,
+            &mut qkv,
+            &part(&self.z, vd),
+            &part(&self.a, nv),
+            &part(&self.b, nv),
+            &g.upload(&self.conv_w),
+            &g.upload(&self.a_log),
+            &g.upload(&self.dt_bias),
+            &g.upload(&self.norm),
+            &mut convs.iter_mut().collect::<Vec<_>>(),
+            &mut states.iter_mut().collect::<Vec<_>>(),
+            &mut out,
+        );
+        (
+            down(g, &out),
+            convs.iter().map(|c| down(g, c)).collect(),
+            states.iter().map(|s| down(g, s)).collect(),
+        )
+    }
+}
+
 #[test]
 fn fused_deltanet_decode_matches_cpu_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
@@ -1929,72 +2034,18 @@ fn fused_deltanet_decode_matches_cpu_and_is_batch_invariant() {
         tiled,
     ];
     for sh in shapes {
-        let (cd, vd, nv, dv) = (sh.conv_dim(), sh.value_dim(), sh.num_v_heads, sh.v_head_dim);
-        let conv_w = rng.vec(cd * sh.conv_kernel, 0.5);
-        let (a_log, dt_bias, norm) = (rng.vec(nv, 1.0), rng.vec(nv, 1.0), rng.vec(dv, 1.0));
-        let (cwg, alg, dtg, ng) = (g.upload(&conv_w), g.upload(&a_log), g.upload(&dt_bias), g.upload(&norm));
+        let vd = sh.value_dim();
         for &n in &[1usize, 3, 8] {
-            let qkv = rng.vec(n * cd, 1.0);
-            let z = rng.vec(n * vd, 1.0);
-            let (a, b) = (rng.vec(n * nv, 2.0), rng.vec(n * nv, 2.0));
-            let conv0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.conv_state_len(), 1.0)).collect();
-            let state0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.state_len(), 0.5)).collect();
-            let what = format!(
-                "fused gdn heads {}/{nv} dims {}/{dv} kernel {} {:?} n={n}",
-                sh.num_k_heads, sh.k_head_dim, sh.conv_kernel, sh.value_head_order
-            );
+            let case = GdnDecodeCase::new(sh, n, &mut rng);
+            let what = case.what();
             // The CPU runs the three ops (the trait's default).
-            let mut qc = qkv.clone();
-            let mut conv_c = conv0.clone();
-            let mut state_c = state0.clone();
-            let mut oc = vec![0.0; n * vd];
-            cpu.deltanet_decode_rows(
-                &sh,
-                &mut qc,
-                &z,
-                &a,
-                &b,
-                &conv_w,
-                &a_log,
-                &dt_bias,
-                &norm,
-                &mut conv_c.iter_mut().collect::<Vec<_>>(),
-                &mut state_c.iter_mut().collect::<Vec<_>>(),
-                &mut oc,
-            );
-            let run = |rows: std::ops::Range<usize>| {
-                let m = rows.len();
-                let mut qg = g.upload(&qkv[rows.start * cd..rows.end * cd]);
-                let zg = g.upload(&z[rows.start * vd..rows.end * vd]);
-                let ag = g.upload(&a[rows.start * nv..rows.end * nv]);
-                let bg = g.upload(&b[rows.start * nv..rows.end * nv]);
-                let mut convs: Vec<_> = conv0[rows.clone()].iter().map(|s| g.upload(s)).collect();
-                let mut states: Vec<_> = state0[rows.clone()].iter().map(|s| g.upload(s)).collect();
-                let mut out = poison(&g, m * vd);
-                g.deltanet_decode_rows(
-                    &sh,
-                    &mut qg,
-                    &zg,
-                    &ag,
-                    &bg,
-                    &cwg,
-                    &alg,
-                    &dtg,
-                    &ng,
-                    &mut convs.iter_mut().collect::<Vec<_>>(),
-                    &mut states.iter_mut().collect::<Vec<_>>(),
-                    &mut out,
-                );
-                let convs: Vec<Vec<f32>> = convs.iter().map(|c| down(&g, c)).collect();
-                let states: Vec<Vec<f32>> = states.iter().map(|s| down(&g, s)).collect();
-                (down(&g, &out), convs, states)
-            };
-            let (og, conv_g, state_g) = run(0..n);
+            let (oc, conv_c, state_c) = case.cpu(&cpu);
+            let (og, conv_g, state_g) = case.gpu(&g, 0..n);
             check(&format!("{what} out"), &og, &oc, F32_TOL);
             assert_eq!(conv_g, conv_c, "{what}: conv states");
             check(&format!("{what} state"), &state_g.concat(), &state_c.concat(), F32_TOL);
             for i in 0..n {
-                let (o1, c1, s1) = run(i..i + 1);
+                let (o1, c1, s1) = case.gpu(&g, i..i + 1);
                 assert_eq!(&og[i * vd..(i + 1) * vd], &o1[..], "{what}: row {i} alone vs in the batch");
                 assert_eq!(conv_g[i], c1[0], "{what}: conv state {i} alone vs in the batch");
                 assert_eq!(state_g[i], s1[0], "{what}: state {i} alone vs in the batch");
@@ -2121,75 +2172,23 @@ fn fused_deltanet_decode_tilings_agree_bitwise() {
         tiled(3, 3, 96, 32, 5),
     ];
     for sh in shapes {
-        let (cd, vd, nv, dv) = (sh.conv_dim(), sh.value_dim(), sh.num_v_heads, sh.v_head_dim);
-        let conv_w = rng.vec(cd * sh.conv_kernel, 0.5);
-        let (a_log, dt_bias, norm) = (rng.vec(nv, 1.0), rng.vec(nv, 1.0), rng.vec(dv, 1.0));
+        let vd = sh.value_dim();
         for n in [1usize, 3, 64] {
-            let qkv = rng.vec(n * cd, 1.0);
-            let z = rng.vec(n * vd, 1.0);
-            let (a, b) = (rng.vec(n * nv, 2.0), rng.vec(n * nv, 2.0));
-            let conv0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.conv_state_len(), 1.0)).collect();
-            let state0: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(sh.state_len(), 0.5)).collect();
-            let what = format!(
-                "fused gdn heads {}/{nv} dims {}/{dv} kernel {} {:?} n={n}",
-                sh.num_k_heads, sh.k_head_dim, sh.conv_kernel, sh.value_head_order
-            );
-            let mut qc = qkv.clone();
-            let (mut conv_c, mut state_c) = (conv0.clone(), state0.clone());
-            let mut oc = vec![0.0; n * vd];
-            cpu.deltanet_decode_rows(
-                &sh,
-                &mut qc,
-                &z,
-                &a,
-                &b,
-                &conv_w,
-                &a_log,
-                &dt_bias,
-                &norm,
-                &mut conv_c.iter_mut().collect::<Vec<_>>(),
-                &mut state_c.iter_mut().collect::<Vec<_>>(),
-                &mut oc,
-            );
-            let run = |g: &CudaBackend, rows: std::ops::Range<usize>| {
-                let m = rows.len();
-                let mut qg = g.upload(&qkv[rows.start * cd..rows.end * cd]);
-                let zg = g.upload(&z[rows.start * vd..rows.end * vd]);
-                let ag = g.upload(&a[rows.start * nv..rows.end * nv]);
-                let bg = g.upload(&b[rows.start * nv..rows.end * nv]);
-                let mut convs: Vec<_> = conv0[rows.clone()].iter().map(|s| g.upload(s)).collect();
-                let mut states: Vec<_> = state0[rows.clone()].iter().map(|s| g.upload(s)).collect();
-                let mut out = poison(g, m * vd);
-                g.deltanet_decode_rows(
-                    &sh,
-                    &mut qg,
-                    &zg,
-                    &ag,
-                    &bg,
-                    &g.upload(&conv_w),
-                    &g.upload(&a_log),
-                    &g.upload(&dt_bias),
-                    &g.upload(&norm),
-                    &mut convs.iter_mut().collect::<Vec<_>>(),
-                    &mut states.iter_mut().collect::<Vec<_>>(),
-                    &mut out,
-                );
-                let convs: Vec<Vec<f32>> = convs.iter().map(|c| down(g, c)).collect();
-                let states: Vec<Vec<f32>> = states.iter().map(|s| down(g, s)).collect();
-                (down(g, &out), convs, states)
-            };
-            let (og, conv_g, state_g) = run(&auto, 0..n);
+            let case = GdnDecodeCase::new(sh, n, &mut rng);
+            let what = case.what();
+            let (oc, conv_c, state_c) = case.cpu(&cpu);
+            let (og, conv_g, state_g) = case.gpu(&auto, 0..n);
             check(&format!("{what} out"), &og, &oc, F32_TOL);
             assert_eq!(conv_g, conv_c, "{what}: conv states");
             check(&format!("{what} state"), &state_g.concat(), &state_c.concat(), F32_TOL);
             for (g, cols) in &tilings {
-                let (o, c, s) = run(g, 0..n);
+                let (o, c, s) = case.gpu(g, 0..n);
                 assert!(o == og, "{what}: out with {cols}-column tiles differs from the default tiling");
                 assert!(c == conv_g, "{what}: conv states with {cols}-column tiles differ");
                 assert!(s == state_g, "{what}: states with {cols}-column tiles differ");
             }
             for i in [0, n - 1] {
-                let (o1, c1, s1) = run(&auto, i..i + 1);
+                let (o1, c1, s1) = case.gpu(&auto, i..i + 1);
                 assert!(o1[..] == og[i * vd..(i + 1) * vd], "{what}: row {i} alone vs in the batch");
                 assert!(c1[0] == conv_g[i], "{what}: conv state {i} alone vs in the batch");
                 assert!(s1[0] == state_g[i], "{what}: state {i} alone vs in the batch");

@@ -296,34 +296,31 @@ extern "C" __global__ void attention_combine(const float* partial, const float* 
     out[at] = o / sum * sigmoid_f(gate[at]);
 }
 
-// Writes row i of k and v ([batch, kv_dim]) into sequence i's f32 caches at row positions[i].
-extern "C" __global__ void kv_scatter(const float* k, const float* v,
-                                      const unsigned long long* k_caches,
-                                      const unsigned long long* v_caches,
-                                      const u32* positions, int kv_dim) {
+// A value as a cache of element type T stores it: f32 as is, bf16 rounded to nearest even.
+__device__ __forceinline__ void cache_store(float* dst, float x) { *dst = x; }
+__device__ __forceinline__ void cache_store(bf16_t* dst, float x) { *dst = f32_to_bf16(x); }
+
+// Writes row i of k and v ([batch, kv_dim]) into sequence i's caches at row positions[i].
+template <typename T>
+__device__ __forceinline__ void kv_scatter_row(const float* k, const float* v, const unsigned long long* k_caches,
+                                               const unsigned long long* v_caches, const u32* positions,
+                                               int kv_dim) {
     pdl_enter();
     const int i = blockIdx.x;
-    float* kc = reinterpret_cast<float*>(k_caches[i]) + (i64)positions[i] * kv_dim;
-    float* vc = reinterpret_cast<float*>(v_caches[i]) + (i64)positions[i] * kv_dim;
+    T* kc = reinterpret_cast<T*>(k_caches[i]) + (i64)positions[i] * kv_dim;
+    T* vc = reinterpret_cast<T*>(v_caches[i]) + (i64)positions[i] * kv_dim;
     for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
-        kc[d] = k[(i64)i * kv_dim + d];
-        vc[d] = v[(i64)i * kv_dim + d];
+        cache_store(kc + d, k[(i64)i * kv_dim + d]);
+        cache_store(vc + d, v[(i64)i * kv_dim + d]);
     }
 }
-
-// kv_scatter into bf16 caches, each value rounded to nearest even.
-extern "C" __global__ void kv_scatter_bf16(const float* k, const float* v,
-                                           const unsigned long long* k_caches,
-                                           const unsigned long long* v_caches,
-                                           const u32* positions, int kv_dim) {
-    pdl_enter();
-    const int i = blockIdx.x;
-    bf16_t* kc = reinterpret_cast<bf16_t*>(k_caches[i]) + (i64)positions[i] * kv_dim;
-    bf16_t* vc = reinterpret_cast<bf16_t*>(v_caches[i]) + (i64)positions[i] * kv_dim;
-    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
-        kc[d] = f32_to_bf16(k[(i64)i * kv_dim + d]);
-        vc[d] = f32_to_bf16(v[(i64)i * kv_dim + d]);
-    }
+extern "C" __global__ void kv_scatter(const float* k, const float* v, const unsigned long long* k_caches,
+                                      const unsigned long long* v_caches, const u32* positions, int kv_dim) {
+    kv_scatter_row<float>(k, v, k_caches, v_caches, positions, kv_dim);
+}
+extern "C" __global__ void kv_scatter_bf16(const float* k, const float* v, const unsigned long long* k_caches,
+                                           const unsigned long long* v_caches, const u32* positions, int kv_dim) {
+    kv_scatter_row<bf16_t>(k, v, k_caches, v_caches, positions, kv_dim);
 }
 
 // n consecutive values of k and v into bf16 cache rows (a prompt's rows, from its first),

@@ -26,105 +26,78 @@ __device__ __forceinline__ v4f norm_scale4(v4f v, float s, v4f w) {
     return v4f{v.x * s * (1.f + w.x), v.y * s * (1.f + w.y), v.z * s * (1.f + w.z), v.w * s * (1.f + w.w)};
 }
 
-// Qwen3_5RMSNorm, one block per row: out = x / rms(x) * (1 + w).
-extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, const float* w,
-                                         float* out, int dim, float eps, int vec) {
-    pdl_launch_dependents();
+// One row of either norm: v = x (ADD: residual + x, stored back into the residual), then
+// out = v / rms(v) * (1 + w). Without ADD, `r` is unused. In the scalar loop each thread
+// reads back only the elements it wrote itself: no barrier between the add and the norm.
+template <bool ADD>
+__device__ __forceinline__ void norm_row(float* r, const float* xr, const float* w, float* o, int dim, float eps,
+                                         int vec) {
     __shared__ float scratch[32];
-    const float* xr = x + (i64)blockIdx.x * dim;
-    float* o = out + (i64)blockIdx.x * dim;
     if (vec) {
         const int nv = dim >> 2;
-        v4f wv[NORM_VECS], xv[NORM_VECS];
+        v4f wv[NORM_VECS], v[NORM_VECS];
 #pragma unroll
         for (int k = 0; k < NORM_VECS; ++k) {
             const int i = threadIdx.x + k * blockDim.x;
             if (i < nv) wv[k] = ((const v4f*)w)[i];
         }
         pdl_wait();
+        v4f rv[NORM_VECS];
+#pragma unroll
+        for (int k = 0; k < NORM_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nv) {
+                if (ADD) rv[k] = ((const v4f*)r)[i];
+                v[k] = ((const v4f*)xr)[i];
+            }
+        }
         float ss = 0.f;
 #pragma unroll
         for (int k = 0; k < NORM_VECS; ++k) {
             const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) xv[k] = ((const v4f*)xr)[i];
+            if (i < nv) {
+                if (ADD) {
+                    v[k] = v4f{rv[k].x + v[k].x, rv[k].y + v[k].y, rv[k].z + v[k].z, rv[k].w + v[k].w};
+                    ((v4f*)r)[i] = v[k];
+                }
+                ss += sum_squares4(v[k]);
+            }
         }
-#pragma unroll
-        for (int k = 0; k < NORM_VECS; ++k)
-            if (threadIdx.x + k * blockDim.x < nv) ss += sum_squares4(xv[k]);
         ss = block_sum(ss, scratch);
         const float s = 1.f / sqrtf(ss / (float)dim + eps);
 #pragma unroll
         for (int k = 0; k < NORM_VECS; ++k) {
             const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) ((v4f*)o)[i] = norm_scale4(xv[k], s, wv[k]);
+            if (i < nv) ((v4f*)o)[i] = norm_scale4(v[k], s, wv[k]);
         }
         return;
     }
     pdl_wait();
+    const float* in = ADD ? r : xr;
     float ss = 0.f;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        if (ADD) r[c] += xr[c];
+        ss += in[c] * in[c];
+    }
     ss = block_sum(ss, scratch);
     const float s = 1.f / sqrtf(ss / (float)dim + eps);
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = xr[c] * s * (1.f + w[c]);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = in[c] * s * (1.f + w[c]);
+}
+
+// Qwen3_5RMSNorm, one block per row: out = x / rms(x) * (1 + w).
+extern "C" __global__ void __launch_bounds__(1024)
+    rms_norm_rows(const float* x, const float* w, float* out, int dim, float eps, int vec) {
+    pdl_launch_dependents();
+    const i64 row = (i64)blockIdx.x * dim;
+    norm_row<false>(nullptr, x + row, w, out + row, dim, eps, vec);
 }
 
 // residual += x, then out = rms_norm(residual), one block per row.
-extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_rows(float* residual, const float* x,
-                                             const float* w, float* out,
-                                             int dim, float eps, int vec) {
+extern "C" __global__ void __launch_bounds__(1024)
+    add_rms_norm_rows(float* residual, const float* x, const float* w, float* out, int dim, float eps, int vec) {
     pdl_launch_dependents();
-    __shared__ float scratch[32];
-    float* r = residual + (i64)blockIdx.x * dim;
-    const float* xr = x + (i64)blockIdx.x * dim;
-    float* o = out + (i64)blockIdx.x * dim;
-    if (vec) {
-        const int nv = dim >> 2;
-        v4f wv[NORM_VECS], rv[NORM_VECS], xv[NORM_VECS];
-#pragma unroll
-        for (int k = 0; k < NORM_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) wv[k] = ((const v4f*)w)[i];
-        }
-        pdl_wait();
-#pragma unroll
-        for (int k = 0; k < NORM_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) {
-                rv[k] = ((const v4f*)r)[i];
-                xv[k] = ((const v4f*)xr)[i];
-            }
-        }
-        float ss = 0.f;
-#pragma unroll
-        for (int k = 0; k < NORM_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) {
-                rv[k] = v4f{rv[k].x + xv[k].x, rv[k].y + xv[k].y, rv[k].z + xv[k].z, rv[k].w + xv[k].w};
-                ((v4f*)r)[i] = rv[k];
-                ss += sum_squares4(rv[k]);
-            }
-        }
-        ss = block_sum(ss, scratch);
-        const float s = 1.f / sqrtf(ss / (float)dim + eps);
-#pragma unroll
-        for (int k = 0; k < NORM_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) ((v4f*)o)[i] = norm_scale4(rv[k], s, wv[k]);
-        }
-        return;
-    }
-    // Each thread reads back only the elements it wrote itself: no barrier between the add and
-    // the norm.
-    pdl_wait();
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
-        const float v = r[c] + xr[c];
-        r[c] = v;
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    const float s = 1.f / sqrtf(ss / (float)dim + eps);
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = r[c] * s * (1.f + w[c]);
+    const i64 row = (i64)blockIdx.x * dim;
+    norm_row<true>(residual + row, x + row, w, out + row, dim, eps, vec);
 }
 
 // Qwen3_5RMSNormGated in place, one warp per row: x = w * (x / rms(x)) * silu(z).
