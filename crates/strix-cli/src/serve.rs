@@ -52,8 +52,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MIB", default_value_t = 4096)]
     pub state_budget_mib: u64,
 
-    /// Prompt tokens prefilled per scheduler step, between decode steps (rounded up to
-    /// whole passes of --ubatch tokens)
+    /// Prompt tokens prefilled per scheduler step, between decode steps (rounded up to whole
+    /// passes; the pass is this rounded up to a multiple of 64 unless --ubatch sets it, so a
+    /// long prompt does not hold up the running streams for a whole 4096-token pass)
     #[arg(long, value_name = "N", default_value_t = 512)]
     pub prefill_chunk: usize,
 
@@ -71,9 +72,18 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let opened = device::open(&args.model.device, false)?;
     with_backend!(opened, backend => {
         let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        if args.model.device.ubatch.is_none() {
+            model.set_pass_tokens(serve_pass_tokens(args.prefill_chunk))?;
+        }
         args.model.device.configure(&mut model)?;
         serve_with(&args, &dir, model)
     })
+}
+
+/// The server's pass length without --ubatch: the prefill chunk rounded up to the delta rule's
+/// chunk, so a scheduler step prefills about --prefill-chunk tokens, as documented.
+fn serve_pass_tokens(prefill_chunk: usize) -> usize {
+    prefill_chunk.max(1).next_multiple_of(strix::model::PASS_TOKENS_ALIGN)
 }
 
 /// Starts the server on whichever backend the model was loaded on and waits for it to stop.
@@ -126,4 +136,18 @@ fn serve_with<B: strix::backend::Backend + 'static>(
     );
     server.wait();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::serve_pass_tokens;
+
+    #[test]
+    fn the_server_pass_follows_the_prefill_chunk() {
+        assert_eq!(serve_pass_tokens(512), 512);
+        assert_eq!(serve_pass_tokens(600), 640);
+        assert_eq!(serve_pass_tokens(1), 64);
+        assert_eq!(serve_pass_tokens(0), 64);
+        assert_eq!(serve_pass_tokens(4096), 4096);
+    }
 }
