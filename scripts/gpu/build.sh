@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, here (where Rust is), the stripped x86-64 binaries the GPU suite runs on a CUDA
 # machine that has no Rust toolchain: the CUDA test binaries (bf16 and packed weights), the
-# decode and packed-GEMV benchmarks, `strix` and the CLI's test binary (whose `device_*` tests run the prebuilt `strix` on the GPU).
+# decode, bf16 GEMV, packed-GEMV, prefill and GDN-decode benchmarks, `strix` and the CLI's test
+# binary (whose `device_*` tests run the prebuilt `strix` on the GPU).
 # They land in .gpu/ (git-ignored), or in the folder given as the first argument; copy that
 # folder and scripts/gpu/run.sh to the GPU host. Honours CARGO_TARGET_DIR.
 set -euo pipefail
