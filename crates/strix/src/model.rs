@@ -223,7 +223,13 @@ impl<B: Backend> Model<B> {
         report(total_layers);
 
         let inv_freq = backend.upload(&rope_inv_freq(c));
-        let pass_tokens = backend.preferred_pass_tokens();
+        // A device with its own memory gets a pass whose activations take at most a quarter of
+        // what the weights left free, so sessions still fit beside it.
+        let per_token = pass_bytes_per_token(&config);
+        let pass_tokens = match backend.free_memory() {
+            Some(free) => capped_pass_tokens(backend.preferred_pass_tokens(), free / 4, per_token),
+            None => backend.preferred_pass_tokens(),
+        };
         Ok(Model {
             config,
             backend,
@@ -242,7 +248,8 @@ impl<B: Backend> Model<B> {
     }
 
     /// Sets [`Model::pass_tokens`]: larger passes make larger, faster matrix products and need
-    /// more scratch memory (about `tokens × (3 × intermediate + 4 × hidden)` floats).
+    /// more device memory ([`pass_bytes_per_token`] a token, which [`Model::try_new_session`]
+    /// keeps free beside the session).
     pub fn set_pass_tokens(&mut self, tokens: usize) -> Result<()> {
         if tokens == 0 || !tokens.is_multiple_of(PASS_TOKENS_ALIGN) {
             return Err(Error::input(format!(
@@ -302,13 +309,18 @@ impl<B: Backend> Model<B> {
         if let Some(free) = self.backend.free_memory() {
             let need = self.session_bytes(max_context);
             // Leave room for the activations of a prefill pass and the allocator's slack.
-            let headroom = free / 10 + (256 << 20);
+            let pass = self.pass_tokens.min(max_context.max(1)) * pass_bytes_per_token(&self.config);
+            let headroom = (free / 10).max(pass) + (256 << 20);
             if need + headroom > free {
+                let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
                 return Err(Error::input(format!(
-                    "a {max_context}-token session needs {:.2} GiB of device memory but {:.2} GiB is free; \
-                     ask for a shorter context",
-                    need as f64 / (1u64 << 30) as f64,
-                    free.saturating_sub(headroom) as f64 / (1u64 << 30) as f64
+                    "a {max_context}-token session needs {:.2} GiB of device memory but {:.2} GiB is free, \
+                     {:.2} GiB of it kept for prefill passes of up to {} tokens and the allocator; ask for \
+                     a shorter context or shorter passes",
+                    gib(need),
+                    gib(free),
+                    gib(headroom),
+                    self.pass_tokens
                 )));
             }
             session.reserve(&self.backend, max_context, attention_shape(&self.config).kv_dim());
@@ -686,6 +698,33 @@ impl<B: Backend> Sequences<'_, '_, B> {
     }
 }
 
+/// Device bytes a prompt pass holds per token, an estimate on the high side for memory
+/// checks: its activations ([`Scratch`]), bf16 copies of two GEMM inputs of the widest kind,
+/// the conv's output buffer and the chunked delta rule's per-chunk products (bf16 W, q·e^γ,
+/// decayed kᵀ and the q·k block, f32 U, per value head).
+pub fn pass_bytes_per_token(c: &ModelConfig) -> usize {
+    let d = deltanet_shape(c);
+    let a = attention_shape(c);
+    let q_dim = a.num_heads * a.head_dim;
+    let activations = 3 * c.hidden_size
+        + 3 * c.intermediate_size
+        + d.conv_dim()
+        + 2 * d.value_dim()
+        + 2 * d.num_v_heads
+        + 4 * q_dim
+        + 2 * a.kv_dim();
+    let widest = c.hidden_size.max(c.intermediate_size).max(d.value_dim()).max(d.conv_dim());
+    let chunk_products = d.num_v_heads * (3 * d.k_head_dim * 2 + 64 * 2 + d.v_head_dim * 4);
+    4 * activations + 2 * 2 * widest + 4 * d.conv_dim() + chunk_products
+}
+
+/// `preferred` cut to the longest pass (a multiple of [`PASS_TOKENS_ALIGN`], at least one
+/// chunk) whose [`pass_bytes_per_token`] fit in `budget` bytes.
+pub fn capped_pass_tokens(preferred: usize, budget: usize, per_token: usize) -> usize {
+    let fits = budget / per_token.max(1) / PASS_TOKENS_ALIGN * PASS_TOKENS_ALIGN;
+    preferred.min(fits).max(PASS_TOKENS_ALIGN)
+}
+
 /// The activations of one pass of `t` rows, allocated once and reused by every layer.
 struct Scratch<B: Backend> {
     h: B::Buf,
@@ -768,4 +807,22 @@ pub fn rope_inv_freq(c: &ModelConfig) -> Vec<f32> {
     let dim = c.rotary_dim as f32;
     let theta = c.rope_theta as f32;
     (0..c.rotary_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / dim)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::preset;
+
+    #[test]
+    fn pass_memory_grows_with_the_model_and_caps_the_pass() {
+        let small = pass_bytes_per_token(&preset("qwen3.5-0.8b").unwrap());
+        let large = pass_bytes_per_token(&preset("qwen3.5-9b").unwrap());
+        // The 9B shape's activations alone are ~88k floats a token.
+        assert!(large > small && (300_000..1_000_000).contains(&large), "{small} {large}");
+        assert_eq!(capped_pass_tokens(4096, usize::MAX, large), 4096, "room for the preferred pass");
+        assert_eq!(capped_pass_tokens(4096, 1000 * large, large), 960, "cut to a multiple of 64");
+        assert_eq!(capped_pass_tokens(4096, 10, large), 64, "never below one chunk");
+        assert_eq!(capped_pass_tokens(512, 100_000 * large, large), 512);
+    }
 }
