@@ -704,15 +704,7 @@ impl<B: Backend> Sequences<'_, '_, B> {
 /// decayed kᵀ and the q·k block, f32 U, per value head).
 pub fn pass_bytes_per_token(c: &ModelConfig) -> usize {
     let d = deltanet_shape(c);
-    let a = attention_shape(c);
-    let q_dim = a.num_heads * a.head_dim;
-    let activations = 3 * c.hidden_size
-        + 3 * c.intermediate_size
-        + d.conv_dim()
-        + 2 * d.value_dim()
-        + 2 * d.num_v_heads
-        + 4 * q_dim
-        + 2 * a.kv_dim();
+    let activations: usize = scratch_widths(c).iter().sum();
     let widest = c.hidden_size.max(c.intermediate_size).max(d.value_dim()).max(d.conv_dim());
     let chunk_products = d.num_v_heads * (3 * d.k_head_dim * 2 + 64 * 2 + d.v_head_dim * 4);
     4 * activations + 2 * 2 * widest + 4 * d.conv_dim() + chunk_products
@@ -750,34 +742,59 @@ struct Scratch<B: Backend> {
 
 impl<B: Backend> Scratch<B> {
     fn new(b: &B, c: &ModelConfig, t: usize) -> Scratch<B> {
-        let d = deltanet_shape(c);
-        let a = attention_shape(c);
-        let q_dim = a.num_heads * a.head_dim;
-        let has = |kind| c.layer_kinds.contains(&kind);
-        // Every op overwrites its output in full, so nothing needs zeroing; buffers of a layer
-        // kind the model lacks stay empty.
-        let buf = |len: usize, needed: bool| b.scratch(if needed { t * len } else { 0 });
-        let (dn, at) = (has(LayerKind::DeltaNet), has(LayerKind::Attention));
+        // Every op overwrites its output in full, so nothing needs zeroing.
+        let [h, x, y, mlp_gate, mlp_up, mlp_act, qkv, z, beta_in, decay_in, core, q_and_gate, q, gate, k, v, attn] =
+            scratch_widths(c).map(|width| b.scratch(t * width));
         Scratch {
-            h: buf(c.hidden_size, true),
-            x: buf(c.hidden_size, true),
-            y: buf(c.hidden_size, true),
-            mlp_gate: buf(c.intermediate_size, true),
-            mlp_up: buf(c.intermediate_size, true),
-            mlp_act: buf(c.intermediate_size, true),
-            qkv: buf(d.conv_dim(), dn),
-            z: buf(d.value_dim(), dn),
-            beta_in: buf(d.num_v_heads, dn),
-            decay_in: buf(d.num_v_heads, dn),
-            core: buf(d.value_dim(), dn),
-            q_and_gate: buf(2 * q_dim, at),
-            q: buf(q_dim, at),
-            gate: buf(q_dim, at),
-            k: buf(a.kv_dim(), at),
-            v: buf(a.kv_dim(), at),
-            attn: buf(q_dim, at),
+            h,
+            x,
+            y,
+            mlp_gate,
+            mlp_up,
+            mlp_act,
+            qkv,
+            z,
+            beta_in,
+            decay_in,
+            core,
+            q_and_gate,
+            q,
+            gate,
+            k,
+            v,
+            attn,
         }
     }
+}
+
+/// Floats per token of each [`Scratch`] buffer, in field order; 0 for the buffers of a layer
+/// kind the model lacks.
+fn scratch_widths(c: &ModelConfig) -> [usize; 17] {
+    let d = deltanet_shape(c);
+    let a = attention_shape(c);
+    let q_dim = a.num_heads * a.head_dim;
+    let has = |kind| usize::from(c.layer_kinds.contains(&kind));
+    let (dn, at) = (has(LayerKind::DeltaNet), has(LayerKind::Attention));
+    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+    [
+        hidden,
+        hidden,
+        hidden,
+        inter,
+        inter,
+        inter,
+        dn * d.conv_dim(),
+        dn * d.value_dim(),
+        dn * d.num_v_heads,
+        dn * d.num_v_heads,
+        dn * d.value_dim(),
+        at * 2 * q_dim,
+        at * q_dim,
+        at * q_dim,
+        at * a.kv_dim(),
+        at * a.kv_dim(),
+        at * q_dim,
+    ]
 }
 
 pub fn deltanet_shape(c: &ModelConfig) -> DeltaNetShape {

@@ -182,12 +182,16 @@ fn embed_matches_cpu() {
     }
 }
 
+/// The row norms (plain and with the residual add), SwiGLU and the bf16 copy against the CPU,
+/// at widths the norms take in their scalar loop (1, 33, past 16,384) and with one, a partial
+/// and two float4s a thread.
 #[test]
 fn norms_add_swiglu_copy_match_cpu() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng(4);
-    for &(rows, dim) in &[(1usize, 1usize), (3, 33), (130, 1024), (2, 4096), (5, 1000)] {
+    for &(rows, dim) in &[(1usize, 1usize), (3, 33), (130, 1024), (2, 4096), (5, 1000), (3, 5120), (2, 16400)]
+    {
         let n = rows * dim;
         let x = rng.vec(n, 2.0);
         let w = rng.vec(dim, 0.5);

@@ -544,11 +544,7 @@ impl Kernels {
         ws: &[&CudaWeight],
         outs: &mut [&mut CudaBuf],
     ) -> Option<Ran> {
-        let (blas, split, ran) = match (policy, blas) {
-            (GemmPath::Auto | GemmPath::Cublas, Some(b)) => (b, false, Ran::Cublas),
-            (GemmPath::CublasSplit, Some(b)) => (b, true, Ran::CublasSplit),
-            _ => return None,
-        };
+        let (blas, ran) = cublas_path(policy, blas)?;
         let cols = ws.first()?.cols();
         if tokens < 2 || ws.iter().any(|w| w.dtype() != DType::BF16 || w.cols() != cols || w.rows() == 0) {
             return None;
@@ -563,7 +559,7 @@ impl Kernels {
             );
         }
         assert!(tokens <= i32::MAX as usize && cols <= i32::MAX as usize);
-        let input = Bf16Input::new(dev, ew, x, tokens * cols, split);
+        let input = Bf16Input::new(dev, ew, x, tokens * cols, ran == Ran::CublasSplit);
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             input.gemm(blas, tokens, w.ptr(), w.rows(), cols, out.ptr(), w.rows());
         }
@@ -599,8 +595,8 @@ impl Kernels {
         );
         let ran =
             self.matmul_many_prompt(dev, ew, blas, policy, x, tokens, &[gate, up], &mut [gate_out, up_out])?;
-        let (blas, split) = (blas.expect("matmul_many_prompt took cuBLAS"), ran == Ran::CublasSplit);
-        let act = Bf16Input::swiglu(dev, ew, gate_out, up_out, tokens * inter, split);
+        let blas = blas.expect("matmul_many_prompt ran on cuBLAS");
+        let act = Bf16Input::swiglu(dev, ew, gate_out, up_out, tokens * inter, ran == Ran::CublasSplit);
         act.gemm(blas, tokens, down.ptr(), down.rows(), inter, out.ptr(), down.rows());
         Some(ran)
     }
@@ -645,21 +641,10 @@ impl Kernels {
             );
             return Ran::Gemv;
         }
-        let need_blas = || blas.expect("matmul: a cuBLAS path was requested but cuBLAS did not load");
-        let (blas, split) = match policy {
-            GemmPath::Fallback => (None, false),
-            GemmPath::Auto => (blas, false),
-            GemmPath::Cublas => (Some(need_blas()), false),
-            GemmPath::CublasSplit => (Some(need_blas()), true),
-        };
-        match blas {
-            Some(blas) => {
-                cublas_gemm(dev, ew, blas, x, tokens, w, out, split);
-                if split {
-                    Ran::CublasSplit
-                } else {
-                    Ran::Cublas
-                }
+        match cublas_path(policy, blas) {
+            Some((blas, ran)) => {
+                cublas_gemm(dev, ew, blas, x, tokens, w, out, ran == Ran::CublasSplit);
+                ran
             }
             None => {
                 dev.launch(
@@ -673,6 +658,19 @@ impl Kernels {
                 Ran::Fallback
             }
         }
+    }
+}
+
+/// The cuBLAS handle a multi-token product takes under `policy`, and which cuBLAS path that is
+/// (`Ran::Cublas` or `Ran::CublasSplit`); `None` for the tiled fallback (the policy's choice,
+/// or `Auto` without cuBLAS). A cuBLAS path requested when cuBLAS did not load panics.
+fn cublas_path(policy: GemmPath, blas: Option<&Blas>) -> Option<(&Blas, Ran)> {
+    let need_blas = || blas.expect("matmul: a cuBLAS path was requested but cuBLAS did not load");
+    match policy {
+        GemmPath::Fallback => None,
+        GemmPath::Auto => blas.map(|b| (b, Ran::Cublas)),
+        GemmPath::Cublas => Some((need_blas(), Ran::Cublas)),
+        GemmPath::CublasSplit => Some((need_blas(), Ran::CublasSplit)),
     }
 }
 

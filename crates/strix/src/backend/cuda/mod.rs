@@ -383,6 +383,21 @@ impl CudaBackend {
         or_panic(CudaCache::upload(&self.dev, data, self.kv_cache_type()))
     }
 
+    /// Counts `n` matrix products that took the path `ran`.
+    fn count_matmuls(&self, ran: matmul::Ran, n: u64) {
+        let c = &self.counters;
+        if ran == matmul::Ran::GemvMma {
+            c.gemv_mma.fetch_add(n, Ordering::Relaxed);
+        }
+        let counter = match ran {
+            matmul::Ran::Gemv | matmul::Ran::GemvMma => &c.gemv,
+            matmul::Ran::Cublas => &c.gemm_cublas,
+            matmul::Ran::CublasSplit => &c.gemm_cublas_split,
+            matmul::Ran::Fallback => &c.gemm_fallback,
+        };
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
     fn tensor_core_prefill(&self) -> bool {
         self.prefill_path.load(Ordering::Relaxed) == PrefillPath::Auto as u8
     }
@@ -745,15 +760,7 @@ impl Backend for CudaBackend {
         } else {
             self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out)
         };
-        if ran == matmul::Ran::GemvMma {
-            bump(&self.counters.gemv_mma);
-        }
-        bump(match ran {
-            matmul::Ran::Gemv | matmul::Ran::GemvMma => &self.counters.gemv,
-            matmul::Ran::Cublas => &self.counters.gemm_cublas,
-            matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
-            matmul::Ran::Fallback => &self.counters.gemm_fallback,
-        });
+        self.count_matmuls(ran, 1);
     }
 
     fn rms_norm(&self, x: &CudaBuf, weight: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
@@ -909,12 +916,7 @@ impl Backend for CudaBackend {
             self.dev.bind();
             let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
             if let Some(ran) = mm.matmul_many_prompt(&self.dev, &self.ew, blas, path, x, tokens, ws, outs) {
-                let counter = match ran {
-                    matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
-                    _ => &self.counters.gemm_cublas,
-                };
-                counter.fetch_add(ws.len() as u64, Ordering::Relaxed);
-                return;
+                return self.count_matmuls(ran, ws.len() as u64);
             }
             return crate::backend::matmul_each(self, x, tokens, ws, outs, decode_batch);
         }
@@ -992,12 +994,7 @@ impl Backend for CudaBackend {
             if let Some(ran) =
                 mm.mlp_prompt(&self.dev, &self.ew, blas, path, x, tokens, (gate, up, down), outs, out)
             {
-                let counter = match ran {
-                    matmul::Ran::CublasSplit => &self.counters.gemm_cublas_split,
-                    _ => &self.counters.gemm_cublas,
-                };
-                counter.fetch_add(3, Ordering::Relaxed);
-                return;
+                return self.count_matmuls(ran, 3);
             }
         }
         crate::backend::mlp_each(
