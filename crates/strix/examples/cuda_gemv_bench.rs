@@ -1,12 +1,13 @@
 //! The bf16 decode GEMVs at the Qwen3.5-9B shapes, tensor-core against CUDA-core: measures the
 //! device's copy bandwidth (read + write), then for each matrix (and each fused projection set
 //! the model launches as one GEMV) times the call at batch 1, 16 and 64 on the CUDA-core
-//! kernels and on the tensor-core kernel, and at batch 1, 16 and 64 on the compiled tilings of the
-//! tensor-core kernel; prints µs per call, GB/s of weight bytes read and the % of the measured
-//! bandwidth.
+//! kernels, at batch 1, 8, 16, 32 and 64 on each tensor-core kernel (warpgroup, streamed,
+//! per-warp), and with `--sweep` at batch 1, 16 and 64 on the compiled tilings of the per-warp
+//! kernel; prints µs per call, GB/s of weight bytes read and the % of the measured bandwidth.
 //!
-//! `cargo run --release --example cuda_gemv_bench -- [--quick]` (`--quick`: the model's
-//! launches only, not the single matrices)
+//! `cargo run --release --example cuda_gemv_bench -- [--quick] [--sweep]` (`--quick`: the
+//! model's launches only, not the single matrices; `--sweep`: every tiling of the per-warp
+//! tensor-core kernel too)
 //!
 //! Weights are random bf16 in enough copies to rotate through several times the L2 cache, so
 //! every call streams them from device memory. Calls are timed back to back on the host
@@ -15,7 +16,7 @@
 use std::time::Instant;
 
 use rayon::prelude::*;
-use strix::backend::cuda::{CudaBackend, CudaWeight};
+use strix::backend::cuda::{CudaBackend, CudaWeight, TensorCoreKernel};
 use strix::backend::Backend;
 use strix::tensor::{Bytes, DType, HostTensor};
 
@@ -81,6 +82,7 @@ fn sweep_skip(nt: usize, batch: usize) -> bool {
 
 fn main() -> strix::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
+    let sweep = std::env::args().any(|a| a == "--sweep");
     let g = CudaBackend::new(0)?;
     println!("device: {} (sm_{}{})", g.device_name(), g.compute_capability().0, g.compute_capability().1);
     let bw = g.measure_copy_bandwidth(2 << 30, 20)?;
@@ -131,8 +133,21 @@ fn main() -> strix::Result<()> {
             run("cuda-core", batch);
         }
         g.set_tensor_core_gemv(true);
-        for batch in [1, 16, 64] {
-            run("tensor-core", batch);
+        for (name, kernel) in [
+            ("tc wgmma", TensorCoreKernel::Warpgroup),
+            ("tc streamed", TensorCoreKernel::Streamed),
+            ("tc per-warp", TensorCoreKernel::PerWarp),
+        ] {
+            if !g.set_tensor_core_kernel(kernel) {
+                continue;
+            }
+            for batch in [1, 8, 16, 32, 64] {
+                run(name, batch);
+            }
+        }
+        g.set_tensor_core_kernel(TensorCoreKernel::PerWarp);
+        if !sweep {
+            continue;
         }
         for batch in [1, 16, 64] {
             for &(nt, rt, u) in CudaBackend::gemv_tile_configs() {

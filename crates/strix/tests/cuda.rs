@@ -33,7 +33,7 @@ mod common;
 
 use common::{argmax, cases, fixtures, gpu, rel_err, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
-use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath};
+use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath, TensorCoreKernel};
 use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType, ValueHeadOrder};
 use strix::config::LayerKind;
 use strix::model::{Logits, Model};
@@ -1785,6 +1785,29 @@ fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
 #[test]
 fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
     let Some(g) = gpu() else { return };
+    // Every kernel that loads: the warpgroup one (Hopper), the streamed `mma.sync` one and the
+    // per-warp one with every tiling.
+    let default = g.tensor_core_kernel();
+    for kernel in [TensorCoreKernel::Warpgroup, TensorCoreKernel::Streamed, TensorCoreKernel::PerWarp] {
+        if !g.set_tensor_core_kernel(kernel) {
+            println!("{kernel:?}: not on this device");
+            continue;
+        }
+        let streamed = kernel != TensorCoreKernel::PerWarp;
+        let before = g.path_counts();
+        tensor_core_gemv_is_batch_invariant(&g, streamed);
+        let ran = g.path_counts();
+        let launches = ran.gemv_mma - before.gemv_mma;
+        let expect = if streamed { launches } else { 0 };
+        assert_eq!(ran.gemv_streamed - before.gemv_streamed, expect, "{kernel:?}: {ran}");
+    }
+    g.set_tensor_core_kernel(default);
+}
+
+/// The body of the test above for one tensor-core kernel; the K splits of the streamed kernel
+/// (8, 4, 2 and 1 ranges, aligned and unaligned widths, fused segments of different splits)
+/// are among these shapes.
+fn tensor_core_gemv_is_batch_invariant(g: &CudaBackend, streamed: bool) {
     let cpu = CpuBackend::new();
     let mut rng = Rng(23);
     const MAX_BATCH: usize = 70;
@@ -1812,9 +1835,9 @@ fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
         let before = g.path_counts();
         let alone: Vec<Vec<f32>> = (0..MAX_BATCH)
             .map(|i| {
-                let mut one = poison(&g, rows);
+                let mut one = poison(g, rows);
                 g.matmul(&g.upload(&x[i * cols..(i + 1) * cols]), 1, &wg, &mut one);
-                down(&g, &one)
+                down(g, &one)
             })
             .collect();
         let ran = g.path_counts().gemv_mma - before.gemv_mma;
@@ -1825,15 +1848,15 @@ fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
         for n in batches {
             let xg = g.upload(&x[..n * cols]);
             // Every compiled tiling: each token still bitwise its one-token self.
-            let tilings =
-                std::iter::once(None).chain(CudaBackend::gemv_tile_configs().iter().map(|&c| Some(c)));
+            let per_warp = CudaBackend::gemv_tile_configs().iter().map(|&c| Some(c));
+            let tilings = std::iter::once(None).chain(per_warp.filter(|_| !streamed));
             for tiles in tilings {
                 assert!(g.set_gemv_tiles(tiles));
                 let before = g.path_counts().gemv_mma;
-                let mut out = poison(&g, n * rows);
+                let mut out = poison(g, n * rows);
                 g.matmul_rows(&xg, n, &wg, &mut out);
                 assert_eq!(g.path_counts().gemv_mma, before + 1, "batch {n} off the tensor-core GEMV");
-                let batched = down(&g, &out);
+                let batched = down(g, &out);
                 for (i, one) in alone.iter().enumerate().take(n) {
                     assert_eq!(
                         &batched[i * rows..(i + 1) * rows],
@@ -1844,9 +1867,9 @@ fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
             }
         }
         g.set_gemv_tiles(None);
-        let mut out = poison(&g, MAX_BATCH * rows);
+        let mut out = poison(g, MAX_BATCH * rows);
         g.matmul_rows(&g.upload(&x), MAX_BATCH, &wg, &mut out);
-        check(&format!("mma gemv {rows}x{cols} batch {MAX_BATCH}"), &down(&g, &out), &reference, F32_TOL);
+        check(&format!("mma gemv {rows}x{cols} batch {MAX_BATCH}"), &down(g, &out), &reference, F32_TOL);
     }
     assert!(!g.set_gemv_tiles(Some((3, 3, 3))), "a tiling that is not compiled was taken");
     // Fused projections: each segment split as it is alone, so bitwise the separate matmul.
@@ -1865,7 +1888,7 @@ fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
         let tiles = CudaBackend::gemv_tile_configs()[n % CudaBackend::gemv_tile_configs().len()];
         assert!(g.set_gemv_tiles(Some(tiles)));
         let before = g.path_counts();
-        let mut fused: Vec<_> = seg_rows.iter().map(|&r| poison(&g, n * r)).collect();
+        let mut fused: Vec<_> = seg_rows.iter().map(|&r| poison(g, n * r)).collect();
         g.matmul_many(&xg, n, &wr, &mut fused.iter_mut().collect::<Vec<_>>(), true);
         let after = g.path_counts();
         assert_eq!(
@@ -1875,9 +1898,9 @@ fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
         );
         g.set_gemv_tiles(None);
         for (j, w) in ws.iter().enumerate() {
-            let mut alone = poison(&g, n * seg_rows[j]);
+            let mut alone = poison(g, n * seg_rows[j]);
             g.matmul_rows(&xg, n, w, &mut alone);
-            assert_eq!(down(&g, &fused[j]), down(&g, &alone), "fused segment {j} batch {n} tiles {tiles:?}");
+            assert_eq!(down(g, &fused[j]), down(g, &alone), "fused segment {j} batch {n} tiles {tiles:?}");
         }
     }
 }

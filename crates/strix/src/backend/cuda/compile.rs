@@ -78,7 +78,7 @@ pub(super) fn load_module(dev: &Device, name: &str, source: &str) -> Result<(Arc
         ));
     }
     no_panic("compiling kernels", || {
-        let arch = format!("sm_{}{}", dev.cc.0, dev.cc.1);
+        let arch = device_arch(dev.cc);
         let (nv_major, nv_minor) = nvrtc_version()?;
         let options = options(&arch);
         let full = full_source(name, source);
@@ -117,6 +117,13 @@ pub(super) fn load_module(dev: &Device, name: &str, source: &str) -> Result<(Arc
         memo().lock().map_err(|_| cuda_error("kernel cache lock poisoned"))?.insert(key, cubin);
         Ok((module, Origin::Compiled))
     })
+}
+
+/// The architecture a device's cubins are built for: its own, with Hopper's arch-specific
+/// features (`sm_90a`: the warpgroup MMA) on compute capability 9.0.
+pub(super) fn device_arch(cc: (i32, i32)) -> String {
+    let suffix = if cc == (9, 0) { "a" } else { "" };
+    format!("sm_{}{}{suffix}", cc.0, cc.1)
 }
 
 /// NVRTC options: a cubin for the device's own architecture; line info for the profilers.
@@ -180,7 +187,8 @@ fn compile(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
 
-    /// Every kernel source compiles for Hopper. Needs only NVRTC, no GPU: skipped without it.
+    /// Every kernel source compiles for Hopper, with and without its arch-specific features.
+    /// Needs only NVRTC, no GPU: skipped without it.
     #[test]
     fn kernel_sources_compile() {
         if !nvrtc_present() {
@@ -199,8 +207,10 @@ mod tests {
             ("flash_attention", flash_attention::SOURCE),
             ("deltanet_chunked", deltanet_chunked::SOURCE),
         ] {
-            let cubin = compile(name, &full_source(name, src), &options("sm_90")).unwrap();
-            assert!(cubin.starts_with(b"\x7fELF"), "{name}: not an ELF cubin");
+            for arch in ["sm_90", "sm_90a"] {
+                let cubin = compile(name, &full_source(name, src), &options(arch)).unwrap();
+                assert!(cubin.starts_with(b"\x7fELF"), "{name} ({arch}): not an ELF cubin");
+            }
         }
     }
 

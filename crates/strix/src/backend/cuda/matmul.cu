@@ -260,13 +260,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Two floats as bf16x2, round to nearest even: `a` in the low half (the lower k), `b` high.
-__device__ __forceinline__ u32 pack_bf16x2(float a, float b) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-
 // x[c], x[c+1] as hi = bf16x2(x) and lo = bf16x2(x - hi).
 __device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
     hi = pack_bf16x2(a, b);
@@ -467,6 +460,567 @@ MMA_ALIGNED(4, 4, 2, 1)
 MMA_ALIGNED(1, 1, 4, 4)
 MMA_ALIGNED(1, 2, 2, 4)
 MMA_ALIGNED(1, 4, 1, 4)
+
+// ---- Streamed tensor-core GEMV (decode batches) -----------------------------------------------
+// The batched decode product on the tensor cores with the weights streamed through shared
+// memory: a block of 4 warps owns GS_BM = 128 weight rows, up to 64 tokens (NT n-tiles of 8)
+// and a contiguous range of K. Weights and x go through a STAGES-deep ring of GS_BK-column
+// stages by cp.async, so the next stages' bytes are in flight while the mmas of this one run
+// (the per-warp kernel above loads into registers and waits for them before its mma chain,
+// which left the loads and the mmas of an SM barely overlapping). x is staged as f32 and split
+// into hi/lo bf16 at the fragment load, as there.
+//
+// Batch invariance: a token's outputs come from its own x column and a sequence of mmas and
+// additions fixed by the matrix shape alone. K is walked in 32-column steps in increasing order
+// (thread t owns columns t*8 .. t*8+7 of a step, the slot -> column map of the per-warp kernel),
+// hi then lo per k-half; the split of K into nsplit contiguous ranges of whole stages comes from
+// the row count (gs_nsplit in matmul.rs), and the ranges' partial sums are added in range
+// order 0, 1, ..., nsplit-1 by the block that finishes its row block last. NT, the warp layout
+// and the ring depth decide only which warp computes what and when.
+#define GS_BM 128
+#define GS_BK 64
+#define GS_THREADS 128
+// Bytes of one weight row / one token's x within a stage.
+#define GS_WROW (GS_BK * 2)
+#define GS_XROW (GS_BK * 4)
+// Floats of one partial-sum slot: GS_BM rows x 64 tokens.
+#define GS_SLOT (GS_BM * 64)
+
+template <int NT>
+struct GsStage {
+    static constexpr int W = GS_BM * GS_WROW;
+    static constexpr int X = NT * 8 * GS_XROW;
+    static constexpr int BYTES = W + X;
+};
+
+// Shared-memory layout, swizzled so that the fragment loads (8 lanes per phase: rows or tokens
+// g and g+1 of one parity each, four 16-byte chunks) hit distinct banks: a weight row's chunk c
+// sits at c ^ 4 when the row is odd, a token's x chunk c at c ^ 1 when the token is odd.
+__device__ __forceinline__ int gs_wchunk(int row, int c) { return row * GS_WROW + ((c ^ ((row & 1) << 2)) << 4); }
+__device__ __forceinline__ int gs_xchunk(int tok, int c) { return tok * GS_XROW + ((c ^ (tok & 1)) << 4); }
+
+// The weights of K stage `kt` (columns kt * GS_BK ..) of rows row0 .. row0 + GS_BM into `slot`,
+// zeros past the matrix. AL: cols % 8 == 0 (16-byte chunks, copied asynchronously).
+template <bool AL>
+__device__ __forceinline__ void gs_load_w(unsigned char* slot, const bf16_t* w, int row0, int rows, int cols, int kt) {
+#pragma unroll
+    for (int i = 0; i < GS_BM * 8 / GS_THREADS; i++) {
+        const int c = threadIdx.x + i * GS_THREADS;
+        const int r = c >> 3, ch = c & 7;
+        const int row = row0 + r, col = kt * GS_BK + ch * 8;
+        unsigned char* dst = slot + gs_wchunk(r, ch);
+        const bool in = row < rows && col < cols;
+        const bf16_t* src = w + (in ? (i64)row * cols + col : 0);
+        if (AL) {
+            cp_async16_zfill(dst, src, in);
+        } else {
+            u32 e[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) e[k] = in && col + k < cols ? (u32)src[k] : 0u;
+            *reinterpret_cast<v4u*>(dst) =
+                v4u{e[0] | (e[1] << 16), e[2] | (e[3] << 16), e[4] | (e[5] << 16), e[6] | (e[7] << 16)};
+        }
+    }
+}
+
+// x of K stage `kt` for tokens 0 .. NT * 8 (zeros past the batch or the row).
+template <int NT, bool AL>
+__device__ __forceinline__ void gs_load_x(unsigned char* slot, const float* x, int tokens, int cols, int kt) {
+#pragma unroll
+    for (int i = 0; i < NT * 8 * 16 / GS_THREADS; i++) {
+        const int c = threadIdx.x + i * GS_THREADS;
+        const int tok = c >> 4, ch = c & 15;
+        const int col = kt * GS_BK + ch * 4;
+        unsigned char* dst = slot + GsStage<NT>::W + gs_xchunk(tok, ch);
+        const bool in = tok < tokens && col < cols;
+        const float* src = x + (in ? (i64)tok * cols + col : 0);
+        if (AL) {
+            cp_async16_zfill(dst, src, in);
+        } else {
+            float e[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) e[k] = in && col + k < cols ? src[k] : 0.f;
+            *reinterpret_cast<v4f*>(dst) = v4f{e[0], e[1], e[2], e[3]};
+        }
+    }
+}
+
+// The mmas of one stage: warp (wm, wn) takes row tiles wm * RT .. and n-tiles wn * NTW ...
+template <int NT, int WM>
+__device__ __forceinline__ void gs_compute(const unsigned char* slot, float (&acc)[GS_BM / 16 / WM][NT / (4 / WM)][4],
+                                           int wm, int wn, int g, int t) {
+    constexpr int RT = GS_BM / 16 / WM, NTW = NT / (4 / WM);
+    const unsigned char* xs = slot + GsStage<NT>::W;
+#pragma unroll
+    for (int st = 0; st < GS_BK / 32; st++) {
+        v4u a[RT][2];
+#pragma unroll
+        for (int r = 0; r < RT; r++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = (wm * RT + r) * 16 + g + 8 * h;
+                a[r][h] = *reinterpret_cast<const v4u*>(slot + gs_wchunk(row, st * 4 + t));
+            }
+#pragma unroll
+        for (int j = 0; j < NTW; j++) {
+            const int tok = (wn * NTW + j) * 8 + g;
+            const v4f p = *reinterpret_cast<const v4f*>(xs + gs_xchunk(tok, st * 8 + 2 * t));
+            const v4f q = *reinterpret_cast<const v4f*>(xs + gs_xchunk(tok, st * 8 + 2 * t + 1));
+            u32 hi[4], lo[4];
+            split_pair(p.x, p.y, hi[0], lo[0]);
+            split_pair(p.z, p.w, hi[1], lo[1]);
+            split_pair(q.x, q.y, hi[2], lo[2]);
+            split_pair(q.z, q.w, hi[3], lo[3]);
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+                const v4u& u0 = a[r][0];
+                const v4u& u1 = a[r][1];
+                mma_bf16(acc[r][j], u0.x, u1.x, u0.y, u1.y, hi[0], hi[1]);
+                mma_bf16(acc[r][j], u0.x, u1.x, u0.y, u1.y, lo[0], lo[1]);
+                mma_bf16(acc[r][j], u0.z, u1.z, u0.w, u1.w, hi[2], hi[3]);
+                mma_bf16(acc[r][j], u0.z, u1.z, u0.w, u1.w, lo[2], lo[3]);
+            }
+        }
+    }
+}
+
+// One block: rows mblock * GS_BM .., K range `split` of `nsplit`, tokens 0 .. min(tokens, NT * 8).
+// With nsplit > 1 the block leaves its partial sums in slot `pslot` of `partials` (slots
+// pslot - split .. are its row block's) and the last of the row block's blocks to arrive, by
+// `counters[pslot - split]`, adds them up in range order and writes `out`.
+template <int NT, int WM, int STAGES, bool AL>
+__device__ __forceinline__ void gs_body(const bf16_t* w, const float* x, float* out, int rows, int cols, int tokens,
+                                        int mblock, int split, int nsplit, int pslot, float* partials,
+                                        unsigned* counters) {
+    constexpr int RT = GS_BM / 16 / WM, NTW = NT / (4 / WM), STAGE = GsStage<NT>::BYTES;
+    extern __shared__ __align__(128) unsigned char gs_smem[];
+    __shared__ int gs_last;
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wm = warp % WM, wn = warp / WM;
+    const int row0 = mblock * GS_BM;
+    const int nk = (cols + GS_BK - 1) / GS_BK;
+    const int kb = (int)((i64)nk * split / nsplit);
+    const int n = (int)((i64)nk * (split + 1) / nsplit) - kb;
+    float acc[RT][NTW][4];
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int j = 0; j < NTW; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
+    // The weights never depend on the previous kernel: the first stages' go out before the wait
+    // (in the first commit group, with x's first stage).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        if (s < n) gs_load_w<AL>(gs_smem + s * STAGE, w, row0, rows, cols, kb + s);
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < n) gs_load_x<NT, AL>(gs_smem + s * STAGE, x, tokens, cols, kb + s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        cp_async_wait<STAGES - 2>();
+        // Stage i has landed for every thread, and every warp is done with stage i - 1's slot.
+        __syncthreads();
+        const int next = i + STAGES - 1;
+        if (next < n) {
+            unsigned char* slot = gs_smem + (next % STAGES) * STAGE;
+            gs_load_w<AL>(slot, w, row0, rows, cols, kb + next);
+            gs_load_x<NT, AL>(slot, x, tokens, cols, kb + next);
+        }
+        cp_async_commit();
+        gs_compute<NT, WM>(gs_smem + (i % STAGES) * STAGE, acc, wm, wn, g, t);
+    }
+    cp_async_wait<0>();
+    // C fragment: acc[r][j][0..1] row g, tokens 2t, 2t+1; [2..3] row g + 8, the same tokens.
+    if (nsplit == 1) {
+#pragma unroll
+        for (int r = 0; r < RT; r++)
+#pragma unroll
+            for (int j = 0; j < NTW; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int row = row0 + (wm * RT + r) * 16 + g + 8 * (e >> 1);
+                    const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
+                    if (row < rows && tok < tokens) out[(i64)tok * rows + row] = acc[r][j][e];
+                }
+        return;
+    }
+    float* mine = partials + (i64)pslot * GS_SLOT;
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int j = 0; j < NTW; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int rl = (wm * RT + r) * 16 + g + 8 * (e >> 1);
+                const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
+                mine[tok * GS_BM + rl] = acc[r][j][e];
+            }
+    // Release the partials before counting in; the last block acquires everyone's.
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = counters + (pslot - split);
+    if (threadIdx.x == 0) gs_last = atomicAdd(counter, 1u) == (unsigned)(nsplit - 1);
+    __syncthreads();
+    if (!gs_last) return;
+    __threadfence();
+    // Range by range, every output's load of a range issued together.
+    const float* first = partials + (i64)(pslot - split) * GS_SLOT;
+    float sum[RT][NTW][4];
+    for (int q = 0; q < nsplit; q++) {
+#pragma unroll
+        for (int r = 0; r < RT; r++)
+#pragma unroll
+            for (int j = 0; j < NTW; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int rl = (wm * RT + r) * 16 + g + 8 * (e >> 1);
+                    const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
+                    const float v = q == split ? acc[r][j][e] : __ldcg(first + (i64)q * GS_SLOT + tok * GS_BM + rl);
+                    sum[r][j][e] = q == 0 ? v : sum[r][j][e] + v;
+                }
+    }
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int j = 0; j < NTW; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int rl = (wm * RT + r) * 16 + g + 8 * (e >> 1);
+                const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
+                if (row0 + rl < rows && tok < tokens) out[(i64)tok * rows + row0 + rl] = sum[r][j][e];
+            }
+    // Ready for the next launch that splits this row block (kernels on the stream run in order).
+    if (threadIdx.x == 0) *counter = 0u;
+}
+
+// Up to GEMV_MAX_SEGS weights that read the same x in one launch (one weight is one segment):
+// segment j owns the units [unit_end[j-1], unit_end[j]) along x, a unit being (row block,
+// K range), K ranges fastest; its split is the one its matrix gets alone, and its partial
+// slots start at pslot0[j]. Unused segments end at the total.
+struct GsSegs {
+    unsigned long long w[GEMV_MAX_SEGS];
+    unsigned long long out[GEMV_MAX_SEGS];
+    int rows[GEMV_MAX_SEGS];
+    int unit_end[GEMV_MAX_SEGS];
+    int nsplit[GEMV_MAX_SEGS];
+    int pslot0[GEMV_MAX_SEGS];
+};
+
+// grid (units), block GS_THREADS, dynamic shared memory STAGES * GsStage<NT>::BYTES; x and the
+// outputs start at the launch's first token, `tokens` <= NT * 8.
+#define GS_GEMV(NT, WM, STAGES, AL, SUFFIX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS, 2)                                              \
+        gemv_gs_n##NT##SUFFIX(GsSegs segs, const float* x, int cols, int tokens, float* partials,            \
+                              unsigned* counters) {                                                          \
+        const int u = blockIdx.x;                                                                            \
+        unsigned long long w = segs.w[0], o = segs.out[0];                                                   \
+        int rows = segs.rows[0], nsplit = segs.nsplit[0], pslot0 = segs.pslot0[0], first = 0;                \
+        _Pragma("unroll") for (int j = 1; j < GEMV_MAX_SEGS; j++) {                                          \
+            if (u >= segs.unit_end[j - 1]) {                                                                 \
+                w = segs.w[j], o = segs.out[j], rows = segs.rows[j], nsplit = segs.nsplit[j];                \
+                pslot0 = segs.pslot0[j], first = segs.unit_end[j - 1];                                       \
+            }                                                                                                \
+        }                                                                                                    \
+        const int local = u - first;                                                                         \
+        gs_body<NT, WM, STAGES, AL>(reinterpret_cast<const bf16_t*>(w), x, reinterpret_cast<float*>(o), rows,  \
+                                    cols, tokens, local / nsplit, local % nsplit, nsplit, pslot0 + local,     \
+                                    partials, counters);                                                     \
+    }
+// (n-tiles, warps along the rows, ring depth): the launcher's table (GS_CONFIGS in matmul.rs).
+#define GS_CONFIG(NT, WM, STAGES)                                                                            \
+    GS_GEMV(NT, WM, STAGES, true, )                                                                          \
+    GS_GEMV(NT, WM, STAGES, false, _any)
+GS_CONFIG(1, 4, 6)
+GS_CONFIG(2, 4, 5)
+GS_CONFIG(4, 2, 4)
+GS_CONFIG(8, 2, 3)
+
+// ---- Warpgroup tensor-core GEMV (decode batches, sm_90a) ---------------------------------------
+// The batched decode product on Hopper's warpgroup MMA: `wgmma` m64nNk16 reads both operands
+// from shared memory, so no warp stages fragments through its registers, and it runs
+// asynchronously beside the copies of the next stages. A block (one warpgroup, 4 warps) owns
+// WG_BM = 128 weight rows (two m64 tiles), N = 8, 16, 32 or 64 tokens (the fewest that hold
+// the launch's batch; zero columns past it) and a contiguous range of K (the split of
+// gs_nsplit, partial sums added in range order as in the streamed kernel above). x is split
+// into hi/lo bf16 B tiles once per launch by wg_split_x; weights and those tiles go through a
+// cp.async ring of stages.
+//
+// Shared-memory tiles are K-major with the 128-byte swizzle (rows of 64 bf16 = 128 bytes; the
+// 16-byte chunk c of row r at c ^ (r % 8); 8-row groups 1024 bytes apart), the layout the
+// wgmma descriptors below describe; the k16 steps of a stage advance the start address 32 bytes.
+// wg_split_x writes x's tiles in that layout already, so they are copied as they are.
+//
+// Batch invariance: a column's outputs come from the same instruction sequence (k16 steps in
+// order, hi then lo, then the K ranges in order) whatever N is; the columns of a wgmma are
+// independent, so a token's outputs depend on its own column of B and the matrix shape alone
+// (the tests check every batch against the one-token call bitwise).
+#define WG_BM 128
+#define WG_BK 64
+#define WG_THREADS 128
+#define WG_WTILE (WG_BM * WG_BK * 2)
+// x's tile of NT tokens (one of hi, lo); a stage is the weight tile, then x's hi and lo tiles.
+#define WG_XTILE(NT) ((NT) * WG_BK * 2)
+#define WG_STAGE(NT) (WG_WTILE + 2 * WG_XTILE(NT))
+
+__device__ __forceinline__ int wg_swz(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// x [tokens, cols] (tokens <= nt, nt one of 8, 16, 32, 64) as the B tiles of nt tokens of
+// every K stage: stage kt at kt * 2 * WG_XTILE(nt), its hi tile then its lo tile, zeros past the
+// batch or the row. grid (stages), block WG_THREADS.
+extern "C" __global__ void __launch_bounds__(WG_THREADS)
+    wg_split_x(const float* x, int tokens, int nt, int cols, unsigned char* xs) {
+    pdl_enter();
+    const int kt = blockIdx.x;
+    unsigned char* hi = xs + (i64)kt * 2 * WG_XTILE(nt);
+    for (int c = threadIdx.x; c < nt * 16; c += WG_THREADS) {
+        const int tok = c >> 4, q = c & 15, col = kt * WG_BK + q * 4;
+        float e[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) e[k] = tok < tokens && col + k < cols ? x[(i64)tok * cols + col + k] : 0.f;
+        u32 h0, l0, h1, l1;
+        split_pair(e[0], e[1], h0, l0);
+        split_pair(e[2], e[3], h1, l1);
+        const int off = wg_swz(tok, q >> 1) + (q & 1) * 8;
+        *reinterpret_cast<uint2*>(hi + off) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(hi + WG_XTILE(nt) + off) = make_uint2(l0, l1);
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor: start address, leading-byte offset (unused by swizzled
+// K-major tiles), stride-byte offset 1024 (between 8-row groups), 128-byte swizzle.
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// d (64 x N f32, N / 2 per thread) += A (64 x 16 bf16) * B (16 x N bf16), both from shared memory.
+template <int N>
+__device__ __forceinline__ void wg_mma(float* d, unsigned long long a, unsigned long long b);
+template <>
+__device__ __forceinline__ void wg_mma<8>(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wg_mma<16>(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wg_mma<32>(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wg_mma<64>(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// This thread's generic-proxy writes to shared memory (cp.async, stores) become visible to
+// the async proxy that wgmma reads through.
+__device__ __forceinline__ void wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The weights of K stage `kt` into a ring slot (zeros past the matrix). AL: cols % 8 == 0.
+template <bool AL>
+__device__ __forceinline__ void wg_load_w(unsigned char* slot, const bf16_t* w, int row0, int rows, int cols, int kt) {
+#pragma unroll
+    for (int i = 0; i < WG_BM * 8 / WG_THREADS; i++) {
+        const int c = threadIdx.x + i * WG_THREADS;
+        const int r = c >> 3, ch = c & 7;
+        const int row = row0 + r, col = kt * WG_BK + ch * 8;
+        unsigned char* dst = slot + wg_swz(r, ch);
+        const bool in = row < rows && col < cols;
+        const bf16_t* src = w + (in ? (i64)row * cols + col : 0);
+        if (AL) {
+            cp_async16_zfill(dst, src, in);
+        } else {
+            u32 e[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) e[k] = in && col + k < cols ? (u32)src[k] : 0u;
+            *reinterpret_cast<v4u*>(dst) =
+                v4u{e[0] | (e[1] << 16), e[2] | (e[3] << 16), e[4] | (e[5] << 16), e[6] | (e[7] << 16)};
+        }
+    }
+}
+
+// x's hi and lo tiles of K stage `kt` (wg_split_x's layout) into the slot after its weights.
+template <int NT>
+__device__ __forceinline__ void wg_load_x(unsigned char* slot, const unsigned char* xs, int kt) {
+    const unsigned char* src = xs + (i64)kt * 2 * WG_XTILE(NT);
+#pragma unroll
+    for (int i = 0; i < 2 * WG_XTILE(NT) / 16 / WG_THREADS; i++) {
+        const int c = (threadIdx.x + i * WG_THREADS) * 16;
+        cp_async16(slot + WG_WTILE + c, src + c);
+    }
+}
+#endif
+
+// One block: rows mblock * WG_BM .., K range `split` of `nsplit`, tokens 0 .. min(tokens, NT)
+// from wg_split_x's tiles `xs`, a STAGES-deep ring; partial sums and the last block's
+// reduction as gs_body's.
+template <int NT, int STAGES, bool AL>
+__device__ __forceinline__ void wg_body(const bf16_t* w, const unsigned char* xs, float* out, int rows, int cols,
+                                        int tokens, int mblock, int split, int nsplit, int pslot,
+                                        float* partials, unsigned* counters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char wg_raw[];
+    __shared__ int wg_last;
+    pdl_launch_dependents();
+    unsigned char* smem = reinterpret_cast<unsigned char*>(((unsigned long long)wg_raw + 1023) & ~1023ull);
+    const u32 smem_a = (u32)__cvta_generic_to_shared(smem);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = mblock * WG_BM;
+    const int nk = (cols + WG_BK - 1) / WG_BK;
+    const int kb = (int)((i64)nk * split / nsplit);
+    const int n = (int)((i64)nk * (split + 1) / nsplit) - kb;
+    constexpr int NA = NT / 2, STAGE = WG_STAGE(NT);
+    float acc[2][NA];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int i = 0; i < NA; i++) acc[m][i] = 0.f;
+    // The weights never depend on the previous kernel: the first stages' go out before the
+    // wait (in the first commit group, with x's first stage).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        if (s < n) wg_load_w<AL>(smem + s * STAGE, w, row0, rows, cols, kb + s);
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < n) wg_load_x<NT>(smem + s * STAGE, xs, kb + s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        cp_async_wait<STAGES - 2>();
+        wg_proxy_fence();
+        // Stage i's tiles are in place for the whole warpgroup.
+        __syncthreads();
+        const u32 wa = smem_a + (i % STAGES) * STAGE, xa = wa + WG_WTILE;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) {
+            const unsigned long long bh = wg_desc(xa + kk * 32), bl = wg_desc(xa + WG_XTILE(NT) + kk * 32);
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const unsigned long long a = wg_desc(wa + m * (WG_WTILE / 2) + kk * 32);
+                wg_mma<NT>(acc[m], a, bh);
+                wg_mma<NT>(acc[m], a, bl);
+            }
+        }
+        wg_commit();
+        // Stage i - 1's MMAs are done in every warp: its slot takes stage i + STAGES - 1.
+        wg_wait<1>();
+        __syncthreads();
+        const int next = i + STAGES - 1;
+        if (next < n) {
+            unsigned char* slot = smem + (next % STAGES) * STAGE;
+            wg_load_w<AL>(slot, w, row0, rows, cols, kb + next);
+            wg_load_x<NT>(slot, xs, kb + next);
+        }
+        cp_async_commit();
+    }
+    wg_wait<0>();
+    cp_async_wait<0>();
+    // Accumulator layout: acc[m][i] is row m * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2),
+    // token 8 * (i / 4) + 2 * (lane % 4) + i % 2.
+#define WG_ROW(m, i) ((m) * 64 + warp * 16 + (lane >> 2) + 8 * (((i) >> 1) & 1))
+#define WG_TOK(i) (8 * ((i) >> 2) + 2 * (lane & 3) + ((i) & 1))
+    if (nsplit == 1) {
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                const int row = row0 + WG_ROW(m, i), tok = WG_TOK(i);
+                if (row < rows && tok < tokens) out[(i64)tok * rows + row] = acc[m][i];
+            }
+        return;
+    }
+    float* mine = partials + (i64)pslot * GS_SLOT;
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int i = 0; i < NA; i++) mine[WG_TOK(i) * WG_BM + WG_ROW(m, i)] = acc[m][i];
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = counters + (pslot - split);
+    if (threadIdx.x == 0) wg_last = atomicAdd(counter, 1u) == (unsigned)(nsplit - 1);
+    __syncthreads();
+    if (!wg_last) return;
+    __threadfence();
+    // Range by range (this block's own read back too, so its accumulators are free), every
+    // output's load of a range issued together.
+    const float* first = partials + (i64)(pslot - split) * GS_SLOT;
+    float sum[2][NA];
+    for (int q = 0; q < nsplit; q++) {
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                const float v = __ldcg(first + (i64)q * GS_SLOT + WG_TOK(i) * WG_BM + WG_ROW(m, i));
+                sum[m][i] = q == 0 ? v : sum[m][i] + v;
+            }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int i = 0; i < NA; i++) {
+            const int row = row0 + WG_ROW(m, i), tok = WG_TOK(i);
+            if (row < rows && tok < tokens) out[(i64)tok * rows + row] = sum[m][i];
+        }
+#undef WG_ROW
+#undef WG_TOK
+    if (threadIdx.x == 0) *counter = 0u;
+#endif
+}
+
+// grid (units), block WG_THREADS, dynamic shared memory STAGES * WG_STAGE(NT) + 1 KB (to align
+// the ring to the swizzle's 1 KB period); segments as gemv_gs_n*; `xs` from wg_split_x.
+#define WG_GEMV(NT, STAGES, AL, SUFFIX)                                                                       \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 2)                                              \
+        gemv_wg_n##NT##SUFFIX(GsSegs segs, const unsigned char* xs, int cols, int tokens, float* partials,         \
+                        unsigned* counters) {                                                                \
+        const int u = blockIdx.x;                                                                            \
+        unsigned long long w = segs.w[0], o = segs.out[0];                                                   \
+        int rows = segs.rows[0], nsplit = segs.nsplit[0], pslot0 = segs.pslot0[0], first = 0;                \
+        _Pragma("unroll") for (int j = 1; j < GEMV_MAX_SEGS; j++) {                                          \
+            if (u >= segs.unit_end[j - 1]) {                                                                 \
+                w = segs.w[j], o = segs.out[j], rows = segs.rows[j], nsplit = segs.nsplit[j];                \
+                pslot0 = segs.pslot0[j], first = segs.unit_end[j - 1];                                       \
+            }                                                                                                \
+        }                                                                                                    \
+        const int local = u - first;                                                                         \
+        wg_body<NT, STAGES, AL>(reinterpret_cast<const bf16_t*>(w), xs, reinterpret_cast<float*>(o), rows, cols, tokens,   \
+                    local / nsplit, local % nsplit, nsplit, pslot0 + local, partials, counters);             \
+    }
+// (tokens of the launch's N, ring depth): the launcher's table (WG_CONFIGS in matmul.rs).
+#define WG_CONFIG(NT, STAGES)                                                                                \
+    WG_GEMV(NT, STAGES, true, )                                                                              \
+    WG_GEMV(NT, STAGES, false, _any)
+WG_CONFIG(8, 5)
+WG_CONFIG(16, 5)
+WG_CONFIG(32, 4)
+WG_CONFIG(64, 3)
 
 // grid (ceil(rows / 16), ceil(tokens / 16)), block (16, 16).
 extern "C" __global__ void gemm_bf16_tiled(const bf16_t* w, const float* x,

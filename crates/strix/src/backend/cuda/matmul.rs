@@ -22,18 +22,21 @@
 //! Which one ran is counted in the backend's path counters.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
+use super::compile;
 use super::device::{cuda_error, kernel_args, no_panic, CudaBuf, CudaWeight, Device};
 use super::elementwise;
 use crate::error::Result;
 use crate::tensor::DType;
 
-pub(super) const SOURCE: &str = include_str!("matmul.cu");
+pub(super) const SOURCE: &str =
+    concat!(include_str!("mma.cuh"), "\n#line 1 \"matmul.cu\"\n", include_str!("matmul.cu"));
 
 /// Which kernel runs a matmul of more than one token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,6 +105,197 @@ pub(super) struct Kernels {
     sm_count: usize,
     /// `gemv_glu_s*` by split, as `gemv`.
     gemv_glu: [CudaFunction; 4],
+    /// The streamed tensor-core GEMVs and their K-split workspace; `None` where a
+    /// configuration's shared memory does not fit.
+    gs: Option<Streamed>,
+    /// The [`TensorCoreKernel`] the tensor-core path takes, as its discriminant.
+    tc_kernel: AtomicU8,
+}
+
+/// Which kernel runs the tensor-core GEMVs. Each is bitwise batch-invariant on its own; they
+/// differ from each other in the last bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorCoreKernel {
+    /// `gemv_mma_*`: each warp loads its weight fragments into registers, then multiplies.
+    PerWarp = 0,
+    /// `gemv_gs_n*`: `mma.sync` on weights and x streamed through a shared-memory ring.
+    Streamed = 1,
+    /// `gemv_wg`: Hopper's warpgroup MMA (`wgmma`) on the same ring, N = 64 for every batch
+    /// (compute capability 9.0 only).
+    Warpgroup = 2,
+}
+
+impl TensorCoreKernel {
+    /// `STRIX_CUDA_MMA_KERNEL=warp|streamed|wgmma`.
+    fn from_env() -> Option<TensorCoreKernel> {
+        match std::env::var("STRIX_CUDA_MMA_KERNEL").ok()?.as_str() {
+            "warp" => Some(TensorCoreKernel::PerWarp),
+            "streamed" => Some(TensorCoreKernel::Streamed),
+            "wgmma" => Some(TensorCoreKernel::Warpgroup),
+            _ => None,
+        }
+    }
+
+    fn from_u8(v: u8) -> TensorCoreKernel {
+        match v {
+            1 => TensorCoreKernel::Streamed,
+            2 => TensorCoreKernel::Warpgroup,
+            _ => TensorCoreKernel::PerWarp,
+        }
+    }
+}
+
+/// The warpgroup kernels (see [`Streamed::wg`]).
+struct Warpgroup {
+    aligned: Vec<CudaFunction>,
+    any: Vec<CudaFunction>,
+    split_x: CudaFunction,
+}
+
+/// The streamed tensor-core GEMVs' kernels and the workspace of their K splits.
+struct Streamed {
+    aligned: Vec<CudaFunction>,
+    any: Vec<CudaFunction>,
+    /// `gemv_wg_n*` and `gemv_wg_n*_any` by [`WG_CONFIGS`] index, and their x preparation
+    /// `wg_split_x`: where the module was built for `sm_90a`.
+    wg: Option<Warpgroup>,
+    /// [`GS_SLOTS_PER_SM`] × SMs slots of [`GS_SLOT`] partial sums.
+    partials: CudaBuf,
+    /// One arrival counter per slot (zero between launches; `u32` in the kernel).
+    counters: CudaBuf,
+    slots: usize,
+}
+
+/// The streamed kernel's compiled configurations, (n-tiles of 8 tokens, warps along the rows,
+/// ring depth), as `GS_CONFIG` instantiates them in `matmul.cu`: a launch of up to 8, 16, 32
+/// and 64 tokens takes the first, second, third and fourth.
+const GS_CONFIGS: [(usize, usize, usize); 4] = [(1, 4, 6), (2, 4, 5), (4, 2, 4), (8, 2, 3)];
+
+/// `GS_BM`, `GS_BK`, `GS_THREADS` and `GS_SLOT` of the kernels.
+const GS_BM: usize = 128;
+const GS_BK: usize = 64;
+const GS_THREADS: u32 = 128;
+const GS_SLOT: usize = GS_BM * 64;
+/// The warpgroup kernel's compiled configurations, (N tokens, ring depth), as `WG_CONFIG`
+/// instantiates them in `matmul.cu`; picked by [`gs_config`] as the streamed ones.
+const WG_CONFIGS: [(usize, usize); 4] = [(8, 5), (16, 5), (32, 4), (64, 3)];
+
+/// Bytes of one K stage's x tiles (hi and lo) of configuration `cfg` (`2 * WG_XTILE(N)`).
+fn wg_x_stage_bytes(cfg: usize) -> usize {
+    2 * WG_CONFIGS[cfg].0 * GS_BK * 2
+}
+
+/// Dynamic shared memory of warpgroup configuration `cfg`: its ring of stages of 128 × 64
+/// bf16 weights and x's tiles, and 1 KB to align the swizzled tiles.
+fn wg_smem_bytes(cfg: usize) -> usize {
+    WG_CONFIGS[cfg].1 * (GS_BM * GS_BK * 2 + wg_x_stage_bytes(cfg)) + 1024
+}
+/// Tokens one streamed launch takes (a larger batch is launched in groups of this many).
+const GS_TOKENS: usize = 64;
+/// Partial-sum slots of the workspace per SM: a matrix is split over K only while its row
+/// blocks × splits stay under the SM count, so one weight takes fewer than 2 × SMs slots and a
+/// fused launch of [`MAX_SEGMENTS`] fewer than this many.
+const GS_SLOTS_PER_SM: usize = 2 * MAX_SEGMENTS;
+
+/// Dynamic shared memory of configuration `cfg`: its ring of stages of 128 weight rows and
+/// 8 × n-tiles tokens of x, `GS_BK` columns each.
+fn gs_smem_bytes(cfg: usize) -> usize {
+    let (nt, _, stages) = GS_CONFIGS[cfg];
+    stages * (GS_BM * GS_BK * 2 + nt * 8 * GS_BK * 4)
+}
+
+/// The streamed configuration for a launch of `tokens` (at most [`GS_TOKENS`]).
+fn gs_config(tokens: usize) -> usize {
+    match tokens {
+        0..=8 => 0,
+        9..=16 => 1,
+        17..=32 => 2,
+        _ => 3,
+    }
+}
+
+/// Contiguous K ranges the streamed kernel splits a `rows` × `cols` matrix into (1, 2, 4 or 8):
+/// the fewest that give every SM a block, keeping at least two stages per range. From the
+/// shape alone: it fixes each output's order of summation, which must not change with the batch.
+fn gs_nsplit(rows: usize, cols: usize, sm_count: usize) -> usize {
+    let (blocks, stages) = (rows.div_ceil(GS_BM), cols.div_ceil(GS_BK));
+    let mut split = 1;
+    while split < 8 && blocks * split < sm_count && stages >= 4 * split {
+        split *= 2;
+    }
+    split
+}
+
+impl Streamed {
+    /// The kernels with their shared memory opted in, and the workspace; `None` on a device
+    /// whose blocks cannot have that much shared memory.
+    fn load(module: &Arc<CudaModule>, dev: &Device) -> Result<Option<Streamed>> {
+        if (0..GS_CONFIGS.len()).any(|c| gs_smem_bytes(c) > dev.max_smem_optin as usize) {
+            return Ok(None);
+        }
+        let kernels = |suffix: &str| -> Result<Vec<CudaFunction>> {
+            let mut fs = Vec::new();
+            for (cfg, &(nt, _, _)) in GS_CONFIGS.iter().enumerate() {
+                let name = format!("gemv_gs_n{nt}{suffix}");
+                let f = module.load_function(&name).map_err(|e| cuda_error(format!("kernel {name}: {e}")))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    gs_smem_bytes(cfg) as i32,
+                )
+                .map_err(|e| cuda_error(format!("{name} shared memory opt-in: {e}")))?;
+                fs.push(f);
+            }
+            Ok(fs)
+        };
+        let (aligned, any) = (kernels("")?, kernels("_any")?);
+        let fits = (0..WG_CONFIGS.len()).all(|c| wg_smem_bytes(c) <= dev.max_smem_optin as usize);
+        let wg = if compile::device_arch(dev.cc).ends_with("90a") && fits {
+            let load = |name: String, smem: usize| -> Result<CudaFunction> {
+                let f = module.load_function(&name).map_err(|e| cuda_error(format!("kernel {name}: {e}")))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(|e| cuda_error(format!("{name} shared memory opt-in: {e}")))?;
+                Ok(f)
+            };
+            let by_config = |suffix: &str| -> Result<Vec<CudaFunction>> {
+                (0..WG_CONFIGS.len())
+                    .map(|c| load(format!("gemv_wg_n{}{suffix}", WG_CONFIGS[c].0), wg_smem_bytes(c)))
+                    .collect()
+            };
+            Some(Warpgroup {
+                aligned: by_config("")?,
+                any: by_config("_any")?,
+                split_x: module
+                    .load_function("wg_split_x")
+                    .map_err(|e| cuda_error(format!("kernel wg_split_x: {e}")))?,
+            })
+        } else {
+            None
+        };
+        let slots = GS_SLOTS_PER_SM * dev.sm_count as usize;
+        Ok(Some(Streamed {
+            aligned,
+            any,
+            wg,
+            partials: dev.alloc(slots * GS_SLOT)?,
+            counters: dev.zeros(slots)?,
+            slots,
+        }))
+    }
+}
+
+/// `GsSegs` of `matmul.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GsSegs {
+    w: [u64; MAX_SEGMENTS],
+    out: [u64; MAX_SEGMENTS],
+    rows: [i32; MAX_SEGMENTS],
+    unit_end: [i32; MAX_SEGMENTS],
+    nsplit: [i32; MAX_SEGMENTS],
+    pslot0: [i32; MAX_SEGMENTS],
 }
 
 /// The tensor-core GEMV's compiled configurations, (n-tiles of 8 tokens, row tiles of 16 rows,
@@ -264,7 +458,7 @@ impl Kernels {
                 f(&format!("{prefix}8"))?,
             ])
         };
-        Ok(Kernels {
+        let kernels = Kernels {
             gemv: by_split("gemv_bf16_s")?,
             gemv_rows: by_split("gemv_bf16_rows_s")?,
             gemv_multi: by_split("gemv_multi_s")?,
@@ -288,7 +482,111 @@ impl Kernels {
             mma_forced: AtomicUsize::new(mma_override()),
             sm_count: dev.sm_count as usize,
             gemv_glu: by_split("gemv_glu_s")?,
-        })
+            gs: Streamed::load(module, dev)?,
+            tc_kernel: AtomicU8::new(0),
+        };
+        let best = [TensorCoreKernel::Warpgroup, TensorCoreKernel::Streamed, TensorCoreKernel::PerWarp]
+            .into_iter()
+            .find(|&k| kernels.has(k))
+            .expect("the per-warp kernel is always there");
+        let chosen = TensorCoreKernel::from_env().filter(|&k| kernels.has(k)).unwrap_or(best);
+        kernels.tc_kernel.store(chosen as u8, Ordering::Relaxed);
+        Ok(kernels)
+    }
+
+    /// Whether `kernel` loaded on this device.
+    pub fn has(&self, kernel: TensorCoreKernel) -> bool {
+        match kernel {
+            TensorCoreKernel::PerWarp => true,
+            TensorCoreKernel::Streamed => self.gs.is_some(),
+            TensorCoreKernel::Warpgroup => self.gs.as_ref().is_some_and(|g| g.wg.is_some()),
+        }
+    }
+
+    /// The kernel the tensor-core GEMVs run on: by default the warpgroup one where it loaded,
+    /// else the streamed one (`STRIX_CUDA_MMA_KERNEL=warp|streamed|wgmma` picks).
+    pub fn tc_kernel(&self) -> TensorCoreKernel {
+        TensorCoreKernel::from_u8(self.tc_kernel.load(Ordering::Relaxed))
+    }
+
+    /// The tensor-core kernel from the next call on; false, and nothing changes, when it did
+    /// not load on this device.
+    pub fn set_tc_kernel(&self, kernel: TensorCoreKernel) -> bool {
+        if !self.has(kernel) {
+            return false;
+        }
+        self.tc_kernel.store(kernel as u8, Ordering::Relaxed);
+        true
+    }
+
+    /// `outs[j] = x · ws[j]ᵀ` on the streamed kernel, all weights of one width in one launch
+    /// per group of [`GS_TOKENS`] tokens; each split over K as it is alone.
+    fn gs_gemv(&self, dev: &Device, x: &CudaBuf, tokens: usize, ws: &[&CudaWeight], outs: &[u64]) {
+        let gs = self.gs.as_ref().expect("the streamed GEMV loaded");
+        let cols = ws[0].cols();
+        let mut segs = GsSegs::default();
+        let mut slots = 0;
+        for (j, w) in ws.iter().enumerate() {
+            let split = gs_nsplit(w.rows(), cols, self.sm_count);
+            segs.w[j] = w.ptr();
+            segs.rows[j] = w.rows() as i32;
+            segs.nsplit[j] = split as i32;
+            if split > 1 {
+                segs.pslot0[j] = slots as i32;
+                slots += w.rows().div_ceil(GS_BM) * split;
+            }
+        }
+        let units;
+        (segs.unit_end, units) = segment_ends(
+            ws.iter().zip(segs.nsplit).map(|(w, split)| w.rows().div_ceil(GS_BM) * split as usize),
+        );
+        assert!(slots <= gs.slots, "gemv_gs: {slots} partial slots, the workspace has {}", gs.slots);
+        assert!(units <= i32::MAX as usize, "gemv_gs: {units} blocks");
+        let aligned = cols.is_multiple_of(8);
+        let wg = gs.wg.as_ref().filter(|_| self.tc_kernel() == TensorCoreKernel::Warpgroup);
+        // The warpgroup kernel's x tiles (hi and lo bf16 per K stage), sized for the first and
+        // largest token group and reused by every group.
+        let stages = cols.div_ceil(GS_BK);
+        let tiles = wg.map(|_| {
+            let bytes = stages * wg_x_stage_bytes(gs_config(tokens.min(GS_TOKENS)));
+            dev.alloc(bytes / 4).unwrap_or_else(|e| panic!("{e}"))
+        });
+        for g0 in (0..tokens).step_by(GS_TOKENS) {
+            let n = GS_TOKENS.min(tokens - g0);
+            let cfg = gs_config(n);
+            for (j, w) in ws.iter().enumerate() {
+                segs.out[j] = outs[j] + (g0 * w.rows() * 4) as u64;
+            }
+            let xp = x.ptr() + (g0 * cols * 4) as u64;
+            let args = (cols as i32, n as i32, gs.partials.ptr(), gs.counters.ptr());
+            if let (Some(wg), Some(tiles)) = (wg, &tiles) {
+                dev.launch(
+                    "wg_split_x",
+                    &wg.split_x,
+                    (stages as u32, 1, 1),
+                    (GS_THREADS, 1, 1),
+                    0,
+                    kernel_args![xp, args.1, WG_CONFIGS[cfg].0 as i32, args.0, tiles.ptr()],
+                );
+                dev.launch(
+                    "gemv_wg",
+                    if aligned { &wg.aligned[cfg] } else { &wg.any[cfg] },
+                    (units as u32, 1, 1),
+                    (GS_THREADS, 1, 1),
+                    wg_smem_bytes(cfg) as u32,
+                    kernel_args![segs, tiles.ptr(), args.0, args.1, args.2, args.3],
+                );
+            } else {
+                dev.launch(
+                    "gemv_gs",
+                    if aligned { &gs.aligned[cfg] } else { &gs.any[cfg] },
+                    (units as u32, 1, 1),
+                    (GS_THREADS, 1, 1),
+                    gs_smem_bytes(cfg) as u32,
+                    kernel_args![segs, xp, args.0, args.1, args.2, args.3],
+                );
+            }
+        }
     }
 
     /// Whether the GEMVs run on the tensor cores (`STRIX_CUDA_GEMV=simt` turns them off).
@@ -335,6 +633,9 @@ impl Kernels {
     /// `out = x · Wᵀ` for `tokens` tokens on the tensor-core GEMV (any shape; `tokens`,
     /// `rows` and `cols` positive).
     fn mma_gemv(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        if self.tc_kernel() != TensorCoreKernel::PerWarp {
+            return self.gs_gemv(dev, x, tokens, &[w], &[out.ptr()]);
+        }
         let (rows, cols) = (w.rows(), w.cols());
         let split = mma_split_log2(rows, self.sm_count);
         let aligned = cols.is_multiple_of(8);
@@ -492,9 +793,12 @@ impl Kernels {
         ws: &[&CudaWeight],
         outs: &mut [&mut CudaBuf],
     ) {
+        let (w, out, rows) = segment_pointers(ws, outs, tokens);
+        if self.tc_kernel() != TensorCoreKernel::PerWarp {
+            return self.gs_gemv(dev, x, tokens, ws, &out[..ws.len()]);
+        }
         let cols = ws[0].cols();
         let cfg = self.mma_config(tokens);
-        let (w, out, rows) = segment_pointers(ws, outs, tokens);
         let mut segs = MmaSegs { w, out, rows, block_end: [0; MAX_SEGMENTS], split_log2: [0; MAX_SEGMENTS] };
         for (j, w) in ws.iter().enumerate() {
             segs.split_log2[j] = mma_split_log2(w.rows(), self.sm_count) as i32;

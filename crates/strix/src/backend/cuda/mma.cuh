@@ -49,6 +49,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
+// The same copy for a chunk that may lie past the matrix: `full` false copies nothing and
+// zero-fills the 16 bytes (the source is not read; pass any valid address).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool full) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

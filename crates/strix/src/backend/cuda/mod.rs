@@ -49,7 +49,7 @@ use crate::tensor::HostTensor;
 
 pub use attention::CudaCache;
 pub use device::{device_count, CudaBuf, CudaWeight};
-pub use matmul::GemmPath;
+pub use matmul::{GemmPath, TensorCoreKernel};
 pub use quant::set_qgemv_rows;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 
@@ -73,6 +73,9 @@ pub struct PathCounts {
     /// bf16 GEMV launches on the tensor cores: one-token matmuls, decode-batch matmuls and
     /// fused projections alike (`STRIX_CUDA_GEMV=simt` sends them to the CUDA-core kernels).
     pub gemv_mma: u64,
+    /// Of those, launches of a streamed kernel (weights through a shared-memory ring: the
+    /// warpgroup or the `mma.sync` one, see [`TensorCoreKernel`]) rather than the per-warp one.
+    pub gemv_streamed: u64,
     /// Decode-batch projections of one input fused into one GEMV launch.
     pub gemv_fused: u64,
     /// Of those, one-token gate/up projections with the MLP's SwiGLU in the same launch
@@ -137,10 +140,11 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 31] {
+    pub fn named(&self) -> [(&'static str, u64); 32] {
         [
             ("gemv", self.gemv),
             ("gemv_mma", self.gemv_mma),
+            ("gemv_streamed", self.gemv_streamed),
             ("gemv_fused", self.gemv_fused),
             ("gemv_glu", self.gemv_glu),
             ("gemm_cublas", self.gemm_cublas),
@@ -178,7 +182,7 @@ impl std::fmt::Display for PathCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "gemv {} fused {} (with swiglu {}) tensor-core {} | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
+            "gemv {} fused {} (with swiglu {}) tensor-core {} (streamed {}) | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
              gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
@@ -187,6 +191,7 @@ impl std::fmt::Display for PathCounts {
             self.gemv_fused,
             self.gemv_glu,
             self.gemv_mma,
+            self.gemv_streamed,
             self.gemm_cublas,
             self.gemm_cublas_split,
             self.gemm_fallback,
@@ -222,6 +227,7 @@ impl std::fmt::Display for PathCounts {
 struct Counters {
     gemv: AtomicU64,
     gemv_mma: AtomicU64,
+    gemv_streamed: AtomicU64,
     gemv_fused: AtomicU64,
     gemv_glu: AtomicU64,
     gemm_cublas: AtomicU64,
@@ -383,11 +389,19 @@ impl CudaBackend {
         or_panic(CudaCache::upload(&self.dev, data, self.kv_cache_type()))
     }
 
+    /// Counts `n` tensor-core GEMV launches, and which kernel ran them.
+    fn count_mma(&self, n: u64) {
+        self.counters.gemv_mma.fetch_add(n, Ordering::Relaxed);
+        if self.mm.tc_kernel() != TensorCoreKernel::PerWarp {
+            self.counters.gemv_streamed.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
     /// Counts `n` matrix products that took the path `ran`.
     fn count_matmuls(&self, ran: matmul::Ran, n: u64) {
         let c = &self.counters;
         if ran == matmul::Ran::GemvMma {
-            c.gemv_mma.fetch_add(n, Ordering::Relaxed);
+            self.count_mma(n);
         }
         let counter = match ran {
             matmul::Ran::Gemv | matmul::Ran::GemvMma => &c.gemv,
@@ -419,6 +433,20 @@ impl CudaBackend {
         self.mm.set_mma(on);
     }
 
+    /// The kernel of the tensor-core GEMVs from the next call on (as
+    /// `STRIX_CUDA_MMA_KERNEL=warp|streamed|wgmma` picks at start): each is bitwise
+    /// batch-invariant on its own; decode steps recorded under another are not replayed. False,
+    /// and nothing changes, for a kernel that did not load on this device (the warpgroup one
+    /// needs compute capability 9.0, the streamed ones ~100 KB of shared memory per block).
+    pub fn set_tensor_core_kernel(&self, kernel: TensorCoreKernel) -> bool {
+        self.mm.set_tc_kernel(kernel)
+    }
+
+    /// The kernel the tensor-core GEMVs run on.
+    pub fn tensor_core_kernel(&self) -> TensorCoreKernel {
+        self.mm.tc_kernel()
+    }
+
     /// The tensor-core GEMV's (n-tiles of 8 tokens, row tiles of 16 rows, 32-column steps in
     /// flight) per warp for every batch, for tuning (as `STRIX_CUDA_MMA_TILES=NTxRTxU` does); `None`
     /// restores the choice by batch size. A token's outputs do not depend on it. False, and
@@ -439,6 +467,7 @@ impl CudaBackend {
         PathCounts {
             gemv: g(&c.gemv),
             gemv_mma: g(&c.gemv_mma),
+            gemv_streamed: g(&c.gemv_streamed),
             gemv_fused: g(&c.gemv_fused),
             gemv_glu: g(&c.gemv_glu),
             gemm_cublas: g(&c.gemm_cublas),
@@ -477,6 +506,7 @@ impl CudaBackend {
         for a in [
             &c.gemv,
             &c.gemv_mma,
+            &c.gemv_streamed,
             &c.gemv_fused,
             &c.gemv_glu,
             &c.gemm_cublas,
@@ -671,7 +701,8 @@ impl Backend for CudaBackend {
     ) {
         self.dev.bind();
         // A recording holds the GEMV kernels of the mode it was made in.
-        let key = if self.mm.uses_mma() { key } else { key ^ (1 << 63) };
+        let key =
+            if self.mm.uses_mma() { key ^ ((self.mm.tc_kernel() as u64) << 61) } else { key ^ (1 << 63) };
         let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
             bump(&self.counters.steps_eager);
             read(&step());
@@ -945,7 +976,7 @@ impl Backend for CudaBackend {
             bump(&self.counters.batch_rows);
             bump(&self.counters.gemv_fused);
             if self.mm.uses_mma() {
-                bump(&self.counters.gemv_mma);
+                self.count_mma(1);
             }
         } else {
             crate::backend::matmul_each(self, x, tokens, &dense_w, &mut dense_o, decode_batch);
@@ -1016,7 +1047,7 @@ impl Backend for CudaBackend {
         } else {
             self.mm.matmul_rows(&self.dev, x, tokens, w, out);
             if self.mm.uses_mma() && tokens > 0 && w.rows() > 0 && w.cols() > 0 {
-                bump(&self.counters.gemv_mma);
+                self.count_mma(1);
             }
         }
         bump(&self.counters.batch_rows);
