@@ -6,6 +6,16 @@
 //! call, GB/s of weight bytes read and the % of the measured bandwidth.
 //!
 //! `cargo run --release --example cuda_quant_bench -- [--quick] [--bf16] [--variants] [--eager] [--prefill]`
+//! `cargo run --release --example cuda_quant_bench -- --decode q4_0[,q8_0,q4_k,...] [--preset qwen3.5-9b]`
+//!
+//! `--decode SCHEMES`: instead, whole decode steps (batch 1, recorded graphs, greedy on the
+//! device, as `strix bench` decodes at context 128) of the preset's random weights quantized on
+//! load by each scheme, with the packed GEMVs reading activations quantized by their producer
+//! (the norms, the SwiGLU) and with the separate `quantize_x` before every GEMV, alternating
+//! the two on one loaded model (synthesised once) so the comparison shares machine and
+//! weights; prints tok/s of each round and the medians. `--wait FILE`: after loading, wait
+//! until FILE exists before timing (so a run can synthesise its weights while other GPU work
+//! finishes, and time alone).
 //!
 //! Calls are recorded into a CUDA graph (as a decode step is: launches chained by programmatic
 //! dependent launch) and the graph is replayed, so the figures are what a decode step sees,
@@ -164,8 +174,93 @@ fn time_eager(
     })
 }
 
+/// The value after `--name`, if given.
+fn value(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn median_of(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// `--decode`: batch-1 decode steps with producer quantization on and off (module docs).
+fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<()> {
+    use strix::model::{Logits, Model};
+    use strix::quant::on_load::{QuantScheme, QuantizingSource};
+    const CONTEXT: usize = 128;
+    const STEPS: usize = 64;
+    const ROUNDS: usize = 4;
+    for scheme in schemes.split(',') {
+        let scheme: QuantScheme = scheme.parse()?;
+        let config = strix::synthetic::preset(preset)?;
+        let weights = strix::synthetic::SyntheticWeights::new(config.clone(), 0x5eed);
+        let started = Instant::now();
+        let src = QuantizingSource::new(&weights, &config, scheme);
+        let model = Model::from_source(config.clone(), &src, CudaBackend::new(0)?, None)?;
+        println!("{preset} {} loaded in {:.1} s", scheme.name(), started.elapsed().as_secs_f64());
+        // As `strix bench` decodes a single stream (its bf16 matrices on the CUDA-core GEMVs).
+        model.backend().set_tensor_core_gemv(false);
+        if let Some(file) = wait {
+            let waited = Instant::now();
+            while !std::path::Path::new(file).exists() {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            println!("waited {:.1} s for {file}", waited.elapsed().as_secs_f64());
+        }
+        let vocab = config.vocab_size;
+        let prompt: Vec<u32> = (0..CONTEXT).map(|i| (splitmix(i as u64) % vocab as u64) as u32).collect();
+        let mut runs: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        for round in 0..ROUNDS {
+            for (k, on) in [(0usize, true), (1, false)] {
+                let g = model.backend();
+                g.set_producer_quant(on);
+                let mut s = model.new_session(CONTEXT + STEPS + 8);
+                let logits = model.forward(&mut s, &prompt, Logits::Last)?;
+                let mut next =
+                    (0..vocab).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap_or(0) as u32;
+                // Warm-up: the first sight of the step runs op by op, the second records it.
+                for _ in 0..3 {
+                    next = model.decode_batch_greedy(&mut [&mut s], &[next])?[0];
+                }
+                let before = g.path_counts();
+                let t = Instant::now();
+                for _ in 0..STEPS {
+                    next = model.decode_batch_greedy(&mut [&mut s], &[next])?[0];
+                }
+                let tok_s = STEPS as f64 / t.elapsed().as_secs_f64();
+                let after = g.path_counts();
+                runs[k].push(tok_s);
+                println!(
+                    "{} round {round} producer quantization {}: {tok_s:.1} tok/s (graph replays {}, prequantized GEMVs recorded so far {})",
+                    scheme.name(),
+                    if on { "on " } else { "off" },
+                    after.graph_replays - before.graph_replays,
+                    after.gemv_quant_prequantized
+                );
+            }
+        }
+        let (a, b) = (median_of(&runs[0]), median_of(&runs[1]));
+        println!(
+            "{preset} {} decode at context {CONTEXT}, batch 1: producer quantization {a:.1} tok/s ({:.3} ms a step), \
+             quantize_x {b:.1} tok/s ({:.3} ms); {:+.1} %",
+            scheme.name(),
+            1e3 / a,
+            1e3 / b,
+            100.0 * (a / b - 1.0)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> strix::Result<()> {
     let arg = |a: &str| std::env::args().any(|x| x == a);
+    if let Some(schemes) = value("--decode") {
+        let preset = value("--preset").unwrap_or_else(|| "qwen3.5-9b".into());
+        return decode_ab(&schemes, &preset, value("--wait").as_deref());
+    }
     let (quick, variants, eager, prefill) =
         (arg("--quick"), arg("--variants"), arg("--eager"), arg("--prefill"));
     let bf16 = arg("--bf16");

@@ -564,3 +564,198 @@ fn gemv_rows_per_warp_and_long_rows_are_bitwise_batch_invariant() {
         }
     }
 }
+
+/// The row norms and the one-token SwiGLU write their output quantized for the packed GEMV
+/// that reads it next (`quant.rs`, "activations quantized by their producer"). With that on,
+/// every output (the norm's f32 row, the residual, the GEMV, the fused projections, the MLP) is
+/// bitwise what the separate `quantize_x` path gives, and the counter shows the GEMVs did read
+/// the producer's quantization. Then the record must never be used stale: the norm's output
+/// rewritten in place, its buffer freed and its memory handed to a new upload, a GEMV of
+/// another buffer, an unrelated op in between — each GEMV must give the result of the
+/// buffer's current contents (through `quantize_x`), which a stale side buffer (the norm's
+/// values) would not.
+#[test]
+fn producer_quantized_activations_are_bitwise_and_never_stale() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(31);
+    let eps = 1e-6f32;
+    let bitwise =
+        |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let used = |g: &CudaBackend| g.path_counts().gemv_quant_prequantized;
+    for dtype in FORMATS {
+        // One warp's worth of float4s (96), one float4 a thread (4096), and a second float4
+        // for some of the 1024 threads (5120).
+        let dims = if block(dtype) == 32 { [96usize, 4096, 5120] } else { [256, 4096, 5120] };
+        for dim in dims {
+            let what = format!("{dtype:?} dim {dim}");
+            let rows = 300;
+            let inter = 2 * dim;
+            let (t, deq) = packed(&mut rng, dtype, rows, dim);
+            let w = g.weight(&t, rows, dim).unwrap();
+            let w2 = g.weight(&packed(&mut rng, dtype, 77, dim).0, 77, dim).unwrap();
+            let gate = g.weight(&packed(&mut rng, dtype, inter, dim).0, inter, dim).unwrap();
+            let up = g.weight(&packed(&mut rng, dtype, inter, dim).0, inter, dim).unwrap();
+            let dn = g.weight(&packed(&mut rng, dtype, dim, inter).0, dim, inter).unwrap();
+            let (h, y, nw) = (rng.blocky(dim), rng.blocky(dim), rng.vec(dim, 0.5));
+
+            let run = |on: bool| -> (Vec<Vec<f32>>, u64) {
+                g.set_producer_quant(on);
+                let before = used(&g);
+                // Every buffer is made first: an upload between a producer and its GEMV is work
+                // on the device, after which the GEMV must not read the producer's record.
+                let (mut hg, yg, nwg) = (g.upload(&h), g.upload(&y), g.upload(&nw));
+                let (mut x, mut x2, mut x3) = (poison(&g, dim), poison(&g, dim), poison(&g, dim));
+                let (mut o1, mut o3) = (poison(&g, rows), poison(&g, rows));
+                let mut fused = [poison(&g, rows), poison(&g, 77)];
+                g.add_rms_norm(&mut hg, &yg, &nwg, dim, eps, &mut x);
+                g.matmul_rows(&x, 1, &w, &mut o1);
+                g.rms_norm(&hg, &nwg, dim, eps, &mut x2);
+                g.matmul_many(&x2, 1, &[&w, &w2], &mut fused.iter_mut().collect::<Vec<_>>(), true);
+                g.rms_norm(&yg, &nwg, dim, eps, &mut x3);
+                g.matmul(&x3, 1, &w, &mut o3);
+                // The MLP of one token, as a decode batch and as a prompt's last token runs it.
+                let mut outs = Vec::new();
+                for decode_batch in [true, false] {
+                    let mut x4 = poison(&g, dim);
+                    let (mut go, mut uo, mut act) = (poison(&g, inter), poison(&g, inter), poison(&g, inter));
+                    let mut o4 = poison(&g, dim);
+                    g.rms_norm(&hg, &nwg, dim, eps, &mut x4);
+                    g.mlp(&x4, 1, (&gate, &up, &dn), (&mut go, &mut uo, &mut act), &mut o4, decode_batch);
+                    outs.extend([down(&g, &act), down(&g, &o4)]);
+                }
+                let mut all = vec![down(&g, &x), down(&g, &hg), down(&g, &o1), down(&g, &x2)];
+                all.extend(fused.iter().map(|o| down(&g, o)));
+                all.extend([down(&g, &x3), down(&g, &o3)]);
+                all.extend(outs);
+                (all, used(&g) - before)
+            };
+            let (off, used_off) = run(false);
+            let (on, used_on) = run(true);
+            assert_eq!(used_off, 0, "{what}: producer quantization read while switched off");
+            // Norm -> GEMV, norm -> fused pair, norm -> one-token matmul, the decode batch's
+            // MLP norm -> fused gate/up and SwiGLU -> down, the prompt-side MLP SwiGLU -> down
+            // (its gate and up run as separate matmuls, each quantizing x).
+            assert_eq!(used_on, 6, "{what}: GEMVs that read the producer's quantization");
+            for (k, (a, b)) in on.iter().zip(&off).enumerate() {
+                assert!(bitwise(a, b), "{what}: output {k} differs from the quantize_x path");
+            }
+            check_int8(&format!("{what} norm -> gemv"), &on[2], &on[0], 1, &deq, rows, dim);
+
+            // Staleness: `expect` is the GEMV of what the buffer holds now, by quantize_x.
+            let gemv_off = |v: &[f32]| -> Vec<f32> {
+                g.set_producer_quant(false);
+                let mut o = poison(&g, rows);
+                g.matmul_rows(&g.upload(v), 1, &w, &mut o);
+                g.set_producer_quant(true);
+                down(&g, &o)
+            };
+            let z = rng.blocky(dim);
+            let (hg, nwg, zg) = (g.upload(&h), g.upload(&nw), g.upload(&z));
+            let normed = {
+                let mut x = poison(&g, dim);
+                g.rms_norm(&hg, &nwg, dim, eps, &mut x);
+                down(&g, &x)
+            };
+            let mut plus = normed.clone();
+            plus.iter_mut().zip(&z).for_each(|(a, b)| *a += b);
+            let cases: [(&str, Vec<f32>); 5] = [
+                ("rewritten in place", plus),
+                ("freed, memory reused by an upload", z.clone()),
+                ("another buffer", z.clone()),
+                ("an unrelated op in between", normed.clone()),
+                ("control: the next op", normed.clone()),
+            ];
+            for (case, (name, now)) in cases.iter().enumerate() {
+                let before = used(&g);
+                // Every buffer made before the norm: an upload is work on the device too.
+                let (mut x, mut o) = (poison(&g, dim), poison(&g, rows));
+                g.rms_norm(&hg, &nwg, dim, eps, &mut x);
+                match case {
+                    0 => {
+                        g.add(&mut x, &zg, dim);
+                        g.matmul_rows(&x, 1, &w, &mut o);
+                    }
+                    1 => {
+                        drop(x);
+                        let reused = g.upload(&z);
+                        g.matmul_rows(&reused, 1, &w, &mut o);
+                    }
+                    2 => g.matmul_rows(&zg, 1, &w, &mut o),
+                    3 => {
+                        let mut other = g.upload(&z);
+                        g.add(&mut other, &zg, dim);
+                        g.matmul_rows(&x, 1, &w, &mut o);
+                    }
+                    _ => g.matmul_rows(&x, 1, &w, &mut o),
+                }
+                let o = down(&g, &o);
+                let expect = gemv_off(now);
+                assert!(bitwise(&o, &expect), "{what}: {name}: the GEMV did not read the buffer's contents");
+                let read = used(&g) - before;
+                assert_eq!(read, u64::from(case == 4), "{what}: {name}: producer quantization reads");
+            }
+        }
+    }
+}
+
+/// Whole decode steps with producer quantization on and off, on a synthetic model (hidden 256,
+/// so the K-quants apply): batch-1 steps (eager, recorded and replayed graphs) give bitwise the
+/// same logits either way, and a sequence in a batch of two (where every packed GEMV quantizes
+/// its own input) bitwise its batch-1 logits.
+#[test]
+fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut c = strix::synthetic::preset("qwen3.5-0.8b").unwrap();
+    c.vocab_size = 2048;
+    c.hidden_size = 256;
+    c.intermediate_size = 768;
+    c.num_layers = 4;
+    c.layer_kinds.truncate(4);
+    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
+    let mut rng = Rng(8);
+    let prompt: Vec<u32> = (0..9).map(|_| rng.below(c.vocab_size) as u32).collect();
+    let other: Vec<u32> = (0..4).map(|_| rng.below(c.vocab_size) as u32).collect();
+    let vocab = c.vocab_size;
+    let bitwise =
+        |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+        let src = Quantized { inner: &weights, dtype };
+        let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
+            let gpu = Model::from_source(c.clone(), &src, CudaBackend::new(0).unwrap(), None).unwrap();
+            gpu.backend().set_producer_quant(on);
+            let (mut a, mut a2, mut b) = (gpu.new_session(64), gpu.new_session(64), gpu.new_session(64));
+            gpu.forward(&mut a, &prompt, Logits::Last).unwrap();
+            gpu.forward(&mut a2, &prompt, Logits::Last).unwrap();
+            gpu.forward(&mut b, &other, Logits::Last).unwrap();
+            let (mut single, mut pair) = (Vec::new(), Vec::new());
+            let mut next = prompt[0];
+            for _ in 0..6 {
+                let l1 = gpu.decode_batch(&mut [&mut a], &[next]).unwrap();
+                let l2 = gpu.decode_batch(&mut [&mut a2, &mut b], &[next, next]).unwrap();
+                pair.push(l2[..vocab].to_vec());
+                next = argmax(&l1);
+                single.push(l1);
+            }
+            (single, pair, gpu.backend().path_counts())
+        };
+        let (off, off_pair, off_counts) = run(false);
+        let (on, on_pair, on_counts) = run(true);
+        println!("{dtype:?} producer quantization on: {on_counts}");
+        assert_eq!(off_counts.gemv_quant_prequantized, 0, "{dtype:?}: read while off");
+        assert!(on_counts.gemv_quant_prequantized > 0, "{dtype:?}: producer quantization never read");
+        assert!(on_counts.graph_replays > 0 && on_counts.graph_captures > 0, "{dtype:?}: no graphs ran");
+        for step in 0..on.len() {
+            assert!(
+                bitwise(&on[step], &off[step]),
+                "{dtype:?} step {step}: batch 1 differs with producer quantization"
+            );
+            assert!(
+                bitwise(&on_pair[step], &on[step]),
+                "{dtype:?} step {step}: batch 2 differs from batch 1"
+            );
+            assert!(bitwise(&off_pair[step], &off[step]), "{dtype:?} step {step}: batch 2 differs (off)");
+        }
+    }
+}

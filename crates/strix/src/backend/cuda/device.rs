@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
@@ -106,6 +106,9 @@ pub(super) struct Device {
     prev_kernel: AtomicBool,
     /// The current decode step's token ids and positions, where recorded steps read them.
     step: StepInputs,
+    /// Bumped by every op's `bind` and by everything queued on the stream (kernels, copies,
+    /// memsets, captures): equal values mean nothing ran in between ([`Device::work_seq`]).
+    work: AtomicU64,
 }
 
 /// Rows a recorded decode step can carry: the step-input buffer holds this many token ids and
@@ -263,15 +266,29 @@ impl Device {
                 host: Mutex::new(step_host),
                 rows: AtomicUsize::new(0),
             },
+            work: AtomicU64::new(0),
         })
     }
 
     /// Makes the context current on the calling thread (the model may be driven from any
     /// thread). Panics on a sticky error recorded by an earlier asynchronous failure.
     pub fn bind(&self) {
+        self.bump_work();
         if let Err(e) = self.ctx.bind_to_thread() {
             panic!("cuda: device {} is in an error state: {e}", self.ordinal);
         }
+    }
+
+    /// A number that changes whenever an op starts (`bind`) or work is queued on the stream:
+    /// if it reads the same at two points, no kernel, copy or op ran between them. A kernel's
+    /// side output (`quant.rs`: activations quantized by the kernel that wrote them) is valid
+    /// for the next op only while this still reads what it read right after that kernel.
+    pub fn work_seq(&self) -> u64 {
+        self.work.load(Ordering::SeqCst)
+    }
+
+    fn bump_work(&self) {
+        self.work.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Waits for all queued work; asynchronous kernel faults surface here.
@@ -345,6 +362,7 @@ impl Device {
     /// buffer), so a recorded step holds kernels only.
     pub fn upload_words<T: Copy>(&self, data: &[T]) -> Result<(CudaBuf, u64)> {
         let bytes = std::mem::size_of_val(data);
+        self.bump_work();
         let buf = self.alloc(bytes.div_ceil(4))?;
         let ptr = buf.ptr;
         if !self.is_capturing() {
@@ -402,6 +420,7 @@ impl Device {
     /// Queues the copy of a step's ids and positions into the step-input buffer.
     pub fn write_step_inputs(&self, ids: &[u32], positions: &[usize]) -> Result<()> {
         let n = ids.len();
+        self.bump_work();
         if n > MAX_STEP_ROWS || positions.len() != n {
             return Err(cuda_error(format!("a recorded step carries at most {MAX_STEP_ROWS} rows, not {n}")));
         }
@@ -433,6 +452,7 @@ impl Device {
     /// while capturing are synchronous copies into buffers the drained stream no longer uses).
     /// Relaxed mode: those copies and the side-stream allocations are not stream work.
     pub fn begin_capture(&self) -> Result<()> {
+        self.bump_work();
         self.synchronize()?;
         *self.cache.captured.lock().map_err(|_| cuda_error("capture lock poisoned"))? = Some(Vec::new());
         self.capturing.store(true, Ordering::Relaxed);
@@ -445,6 +465,7 @@ impl Device {
     /// Ends a capture: the instantiated graph (an error when the capture failed) and what it
     /// must keep alive.
     pub fn end_capture(&self) -> (Result<cudarc::driver::CudaGraph>, Captured) {
+        self.bump_work();
         let graph = self
             .stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
@@ -497,6 +518,7 @@ impl Device {
     /// Queues a copy from host memory. The source may be dropped on return: from pageable
     /// memory the driver stages the bytes before `cuMemcpyHtoDAsync` returns.
     pub fn copy_htod<T>(&self, dst: u64, src: &[T]) -> Result<()> {
+        self.bump_work();
         self.prev_kernel.store(false, Ordering::Relaxed);
         if src.is_empty() {
             return Ok(());
@@ -532,6 +554,7 @@ impl Device {
 
     /// Copies to host memory and waits for it (and for everything queued before it).
     pub fn copy_dtoh<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
+        self.bump_work();
         self.prev_kernel.store(false, Ordering::Relaxed);
         if !dst.is_empty() {
             // SAFETY: `src` points at least `size_of_val(dst)` readable device bytes.
@@ -542,6 +565,7 @@ impl Device {
     }
 
     pub fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
+        self.bump_work();
         self.prev_kernel.store(false, Ordering::Relaxed);
         if bytes == 0 {
             return;
@@ -552,6 +576,7 @@ impl Device {
     }
 
     pub fn memset_zero(&self, dst: u64, bytes: usize) {
+        self.bump_work();
         self.prev_kernel.store(false, Ordering::Relaxed);
         if bytes == 0 {
             return;
@@ -588,6 +613,7 @@ impl Device {
         cluster: u32,
         args: &mut [*mut c_void],
     ) {
+        self.bump_work();
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }

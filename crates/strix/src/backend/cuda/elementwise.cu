@@ -26,12 +26,37 @@ __device__ __forceinline__ v4f norm_scale4(v4f v, float s, v4f w) {
     return v4f{v.x * s * (1.f + w.x), v.y * s * (1.f + w.y), v.z * s * (1.f + w.z), v.w * s * (1.f + w.w)};
 }
 
+// The int8 activations a packed GEMV reads (quant.cu's `quantize_x`: per 32 values
+// d = amax / 127, q = round(v / d) by the same float operations, an f32 scale per 32 and the
+// sum of each 16 quants), made by the kernel that writes the values: eight consecutive threads
+// hold a group of 32 as one float4 each (`i` the float4's index, `on` false past the row, for
+// lanes that only join the shuffles). Bitwise what quantize_x makes of the stored values.
+__device__ __forceinline__ void quantize4(v4f v, int i, bool on, signed char* xq, float* xd, int* xs) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const int q0 = (int)roundf(__fmul_rn(v.x, id)), q1 = (int)roundf(__fmul_rn(v.y, id));
+    const int q2 = (int)roundf(__fmul_rn(v.z, id)), q3 = (int)roundf(__fmul_rn(v.w, id));
+    int s = q0 + q1 + q2 + q3;
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (on) {
+        ((u32*)xq)[i] = (u32)(q0 & 0xff) | (u32)(q1 & 0xff) << 8 | (u32)(q2 & 0xff) << 16 | (u32)(q3 & 0xff) << 24;
+        if ((i & 7) == 0) xd[i >> 3] = d;
+        if ((i & 3) == 0) xs[i >> 2] = s;
+    }
+}
+
 // One row of either norm: v = x (ADD: residual + x, stored back into the residual), then
 // out = v / rms(v) * (1 + w). Without ADD, `r` is unused. In the scalar loop each thread
 // reads back only the elements it wrote itself: no barrier between the add and the norm.
-template <bool ADD>
+// With QX (vec only, dim % 32 == 0) the row is also written quantized for a packed GEMV.
+template <bool ADD, bool QX = false>
 __device__ __forceinline__ void norm_row(float* r, const float* xr, const float* w, float* o, int dim, float eps,
-                                         int vec) {
+                                         int vec, signed char* xq = nullptr, float* xd = nullptr,
+                                         int* xs = nullptr) {
     __shared__ float scratch[32];
     if (vec) {
         const int nv = dim >> 2;
@@ -68,7 +93,16 @@ __device__ __forceinline__ void norm_row(float* r, const float* xr, const float*
 #pragma unroll
         for (int k = 0; k < NORM_VECS; ++k) {
             const int i = threadIdx.x + k * blockDim.x;
-            if (i < nv) ((v4f*)o)[i] = norm_scale4(v[k], s, wv[k]);
+            if (QX) {
+                // Every lane of a warp joins the shuffles; nv % 8 == 0, so a group of eight
+                // float4s is wholly inside the row or wholly past it.
+                if (k * blockDim.x >= nv) break;
+                const v4f ov = i < nv ? norm_scale4(v[k], s, wv[k]) : v4f{0.f, 0.f, 0.f, 0.f};
+                if (i < nv) ((v4f*)o)[i] = ov;
+                quantize4(ov, i, i < nv, xq, xd, xs);
+            } else if (i < nv) {
+                ((v4f*)o)[i] = norm_scale4(v[k], s, wv[k]);
+            }
         }
         return;
     }
@@ -100,6 +134,23 @@ extern "C" __global__ void __launch_bounds__(1024)
     norm_row<true>(residual + row, x + row, w, out + row, dim, eps, vec);
 }
 
+// One row of each norm above, also written quantized for the packed GEMV that reads it next
+// (`xq` [dim] i8, `xd` [dim / 32] scales, `xs` [dim / 16] sums); the launcher guarantees the
+// `vec` layout and dim % 32 == 0.
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_row_q(const float* x, const float* w, float* out,
+                                                                  signed char* xq, float* xd, int* xs, int dim,
+                                                                  float eps) {
+    pdl_launch_dependents();
+    norm_row<false, true>(nullptr, x, w, out, dim, eps, 1, xq, xd, xs);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    add_rms_norm_row_q(float* residual, const float* x, const float* w, float* out, signed char* xq, float* xd,
+                       int* xs, int dim, float eps) {
+    pdl_launch_dependents();
+    norm_row<true, true>(residual, x, w, out, dim, eps, 1, xq, xd, xs);
+}
+
 // Qwen3_5RMSNormGated in place, one warp per row: x = w * (x / rms(x)) * silu(z).
 extern "C" __global__ void gated_rms_norm_rows(float* x, const float* z,
                                                const float* w, int rows, int dim, float eps) {
@@ -127,6 +178,31 @@ extern "C" __global__ void swiglu(const float* gate, const float* up,
     pdl_enter();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = silu_f(gate[i]) * up[i];
+}
+
+// swiglu of one token's [32 * groups] values, also written quantized for the down projection's
+// packed GEMV: one warp per 32, the values and operations of swiglu and quantize_x.
+extern "C" __global__ void swiglu_q(const float* gate, const float* up, float* out, signed char* xq, float* xd,
+                                    int* xs, int groups) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const i64 g = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (g >= groups) return;
+    const i64 i = g * 32 + lane;
+    const float v = silu_f(gate[i]) * up[i];
+    out[i] = v;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const int q = (int)roundf(__fmul_rn(v, id));
+    xq[i] = (signed char)q;
+    int s = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) xd[g] = d;
+    if ((lane & 15) == 0) xs[g * 2 + (lane >> 4)] = s;
 }
 
 // SwiGLU straight into a GEMM's bf16 input: silu(gate) * up rounded as f32_to_bf16_copy (with

@@ -1,10 +1,13 @@
 //! Launchers for `elementwise.cu`: the embedding gather, the RMSNorms (plain, fused with the
 //! residual add, gated), the residual add, SwiGLU, the f32 → bf16 conversion feeding cuBLAS,
-//! and picking tokens from logits rows (greedy, and prepared draws: `sampling.rs`).
+//! and picking tokens from logits rows (greedy, and prepared draws: `sampling.rs`). The
+//! one-row norms and the one-token SwiGLU can also write their output quantized for the packed
+//! GEMV that reads it next (`quant.rs`, "activations quantized by their producer").
 
 use cudarc::driver::CudaFunction;
 
 use super::device::{kernel_args, CudaBuf, CudaWeight, Device};
+use super::quant::XQuant;
 use crate::error::Result;
 use crate::sampling::PreparedSample;
 
@@ -14,9 +17,12 @@ pub(super) struct Kernels {
     embed_rows: CudaFunction,
     rms_norm_rows: CudaFunction,
     add_rms_norm_rows: CudaFunction,
+    rms_norm_row_q: CudaFunction,
+    add_rms_norm_row_q: CudaFunction,
     gated_rms_norm_rows: CudaFunction,
     add_inplace: CudaFunction,
     swiglu: CudaFunction,
+    swiglu_q: CudaFunction,
     swiglu_to_bf16: CudaFunction,
     f32_to_bf16: CudaFunction,
     f32_to_bf16_split: CudaFunction,
@@ -69,9 +75,12 @@ impl Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm_rows: f("rms_norm_rows")?,
             add_rms_norm_rows: f("add_rms_norm_rows")?,
+            rms_norm_row_q: f("rms_norm_row_q")?,
+            add_rms_norm_row_q: f("add_rms_norm_row_q")?,
             gated_rms_norm_rows: f("gated_rms_norm_rows")?,
             add_inplace: f("add_inplace")?,
             swiglu: f("swiglu")?,
+            swiglu_q: f("swiglu_q")?,
             swiglu_to_bf16: f("swiglu_to_bf16")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
@@ -102,24 +111,42 @@ impl Kernels {
         );
     }
 
-    pub fn rms_norm(&self, dev: &Device, x: &CudaBuf, w: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
+    /// With `xq`, a single row of the vectorised layout also goes into `xq` quantized: true
+    /// when it did (the launch is then the last work on the device).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+        xq: Option<&XQuant>,
+    ) -> bool {
         assert!(w.len() >= dim, "rms_norm: weight shorter than dim");
         let rows = x.len().min(out.len()) / dim;
+        let vec = norm_vec(dim, &[x.ptr(), w.ptr(), out.ptr()]);
+        if let Some(xq) = xq.filter(|_| rows == 1 && vec == 1 && dim.is_multiple_of(32)) {
+            dev.launch(
+                "rms_norm_row_q",
+                &self.rms_norm_row_q,
+                (1, 1, 1),
+                (row_threads(dim), 1, 1),
+                0,
+                kernel_args![x.ptr(), w.ptr(), out.ptr(), xq.q, xq.d, xq.s, dim as i32, eps],
+            );
+            return true;
+        }
         dev.launch(
             "rms_norm_rows",
             &self.rms_norm_rows,
             (rows as u32, 1, 1),
             (row_threads(dim), 1, 1),
             0,
-            kernel_args![
-                x.ptr(),
-                w.ptr(),
-                out.ptr(),
-                dim as i32,
-                eps,
-                norm_vec(dim, &[x.ptr(), w.ptr(), out.ptr()])
-            ],
+            kernel_args![x.ptr(), w.ptr(), out.ptr(), dim as i32, eps, vec],
         );
+        false
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -132,25 +159,31 @@ impl Kernels {
         dim: usize,
         eps: f32,
         out: &mut CudaBuf,
-    ) {
+        xq: Option<&XQuant>,
+    ) -> bool {
         assert!(w.len() >= dim, "add_rms_norm: weight shorter than dim");
         let rows = residual.len().min(x.len()).min(out.len()) / dim;
+        let vec = norm_vec(dim, &[residual.ptr(), x.ptr(), w.ptr(), out.ptr()]);
+        if let Some(xq) = xq.filter(|_| rows == 1 && vec == 1 && dim.is_multiple_of(32)) {
+            dev.launch(
+                "add_rms_norm_row_q",
+                &self.add_rms_norm_row_q,
+                (1, 1, 1),
+                (row_threads(dim), 1, 1),
+                0,
+                kernel_args![residual.ptr(), x.ptr(), w.ptr(), out.ptr(), xq.q, xq.d, xq.s, dim as i32, eps],
+            );
+            return true;
+        }
         dev.launch(
             "add_rms_norm_rows",
             &self.add_rms_norm_rows,
             (rows as u32, 1, 1),
             (row_threads(dim), 1, 1),
             0,
-            kernel_args![
-                residual.ptr(),
-                x.ptr(),
-                w.ptr(),
-                out.ptr(),
-                dim as i32,
-                eps,
-                norm_vec(dim, &[residual.ptr(), x.ptr(), w.ptr(), out.ptr()])
-            ],
+            kernel_args![residual.ptr(), x.ptr(), w.ptr(), out.ptr(), dim as i32, eps, vec],
         );
+        false
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -198,6 +231,30 @@ impl Kernels {
             (256, 1, 1),
             0,
             kernel_args![gate.ptr(), up.ptr(), out.ptr(), len as i64],
+        );
+    }
+
+    /// [`Kernels::swiglu`] of one token's `len` values (`len % 32 == 0`), also written
+    /// quantized into `xq`.
+    pub fn swiglu_q(
+        &self,
+        dev: &Device,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        len: usize,
+        out: &mut CudaBuf,
+        xq: &XQuant,
+    ) {
+        assert!(gate.len() >= len && up.len() >= len && out.len() >= len, "swiglu: buffers too short");
+        assert!(len.is_multiple_of(32) && len <= i32::MAX as usize, "swiglu_q: {len} values");
+        let groups = len / 32;
+        dev.launch(
+            "swiglu_q",
+            &self.swiglu_q,
+            (groups.div_ceil(8) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![gate.ptr(), up.ptr(), out.ptr(), xq.q, xq.d, xq.s, groups as i32],
         );
     }
 

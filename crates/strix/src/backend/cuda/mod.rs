@@ -128,6 +128,9 @@ pub struct PathCounts {
     /// Decode-batch projections of one input on packed weights in fused GEMV launches
     /// (activations quantized once).
     pub gemv_quant_fused: u64,
+    /// Packed GEMV calls (one-token, single or fused) that read the activations as their
+    /// producer (a row norm, the SwiGLU) quantized them, with no `quantize_x` (`quant.rs`).
+    pub gemv_quant_prequantized: u64,
     /// Matmuls on packed weights dequantized to bf16 for a GEMM (the GEMM is counted too).
     pub gemm_dequant: u64,
     /// Embedding gathers from a packed table.
@@ -140,7 +143,7 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 32] {
+    pub fn named(&self) -> [(&'static str, u64); 33] {
         [
             ("gemv", self.gemv),
             ("gemv_mma", self.gemv_mma),
@@ -170,6 +173,7 @@ impl PathCounts {
             ("gemv_quant", self.gemv_quant),
             ("gemv_quant_rows", self.gemv_quant_rows),
             ("gemv_quant_fused", self.gemv_quant_fused),
+            ("gemv_quant_prequantized", self.gemv_quant_prequantized),
             ("gemm_dequant", self.gemm_dequant),
             ("embed_quant", self.embed_quant),
             ("sample_device", self.sample_device),
@@ -186,7 +190,7 @@ impl std::fmt::Display for PathCounts {
              gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
-             packed gemv {} rows {} fused {} dequant-gemm {} embed {} | sampled on device {} host {}",
+             packed gemv {} rows {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} host {}",
             self.gemv,
             self.gemv_fused,
             self.gemv_glu,
@@ -215,6 +219,7 @@ impl std::fmt::Display for PathCounts {
             self.gemv_quant,
             self.gemv_quant_rows,
             self.gemv_quant_fused,
+            self.gemv_quant_prequantized,
             self.gemm_dequant,
             self.embed_quant,
             self.sample_device,
@@ -253,6 +258,7 @@ struct Counters {
     gemv_quant: AtomicU64,
     gemv_quant_rows: AtomicU64,
     gemv_quant_fused: AtomicU64,
+    gemv_quant_prequantized: AtomicU64,
     gemm_dequant: AtomicU64,
     embed_quant: AtomicU64,
     sample_device: AtomicU64,
@@ -493,11 +499,30 @@ impl CudaBackend {
             gemv_quant: g(&c.gemv_quant),
             gemv_quant_rows: g(&c.gemv_quant_rows),
             gemv_quant_fused: g(&c.gemv_quant_fused),
+            gemv_quant_prequantized: g(&c.gemv_quant_prequantized),
             gemm_dequant: g(&c.gemm_dequant),
             embed_quant: g(&c.embed_quant),
             sample_device: g(&c.sample_device),
             sample_host: g(&c.sample_host),
         }
+    }
+
+    /// Whether the row norms and the SwiGLU of one token also write their output quantized
+    /// for the packed GEMV that reads it next (default on, `STRIX_PRODUCER_QUANT=0` off); off,
+    /// every packed GEMV quantizes its input itself first. Results are bitwise the same.
+    pub fn set_producer_quant(&self, on: bool) {
+        self.q.set_producer_quant(on);
+    }
+
+    /// The producer's quantization of `x` for a packed GEMV of `tokens` rows of `cols`, if the
+    /// last kernel on the device wrote it (quant.rs); called first in an op, before `bind`.
+    /// `use_it` false only drops the record.
+    fn prequantized(&self, x: &CudaBuf, tokens: usize, cols: usize, use_it: bool) -> Option<quant::XQuant> {
+        let pre = self.q.take_prequantized(&self.dev, x, tokens, cols).filter(|_| use_it);
+        if pre.is_some() {
+            bump(&self.counters.gemv_quant_prequantized);
+        }
+        pre
     }
 
     /// Zeroes the op counters (the module counters describe construction and stay).
@@ -530,6 +555,7 @@ impl CudaBackend {
             &c.gemv_quant,
             &c.gemv_quant_rows,
             &c.gemv_quant_fused,
+            &c.gemv_quant_prequantized,
             &c.gemm_dequant,
             &c.embed_quant,
             &c.sample_device,
@@ -614,6 +640,9 @@ impl Backend for CudaBackend {
 
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CudaWeight> {
         self.dev.ctx.bind_to_thread().map_err(cuda_error)?;
+        if t.dtype.is_quantized() {
+            self.q.note_packed_weight();
+        }
         self.dev.upload_weight(t, rows, cols)
     }
 
@@ -700,9 +729,11 @@ impl Backend for CudaBackend {
         read: &mut dyn FnMut(&CudaBuf),
     ) {
         self.dev.bind();
-        // A recording holds the GEMV kernels of the mode it was made in.
+        // A recording holds the GEMV kernels of the mode it was made in (CUDA or tensor
+        // cores, which tensor-core kernel) and whether producers quantize for the packed GEMVs.
         let key =
             if self.mm.uses_mma() { key ^ ((self.mm.tc_kernel() as u64) << 61) } else { key ^ (1 << 63) };
+        let key = if self.q.producer_quant() { key ^ (1 << 60) } else { key };
         let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
             bump(&self.counters.steps_eager);
             read(&step());
@@ -724,7 +755,16 @@ impl Backend for CudaBackend {
             }
             graph::Plan::Record => {
                 or_panic(self.dev.write_step_inputs(ids, positions));
-                match graph::Recording::capture(&self.dev, step) {
+                self.q.clear_prequantized();
+                // A producer's side buffer still recorded at the end belongs to the recording:
+                // dropped before the capture ends.
+                let captured = graph::Recording::capture(&self.dev, &mut || {
+                    let out = step();
+                    self.q.clear_prequantized();
+                    out
+                });
+                self.q.clear_prequantized();
+                match captured {
                     Ok(recording) => {
                         bump(&self.counters.graph_captures);
                         let out = or_panic(graphs.insert_and_replay(key, recording));
@@ -777,10 +817,11 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        let pre = self.prequantized(x, tokens, w.cols(), w.dtype().is_quantized());
         self.dev.bind();
         let ran = if w.dtype().is_quantized() {
             let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
-            match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out) {
+            match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out, pre) {
                 quant::QRan::Gemv => return bump(&self.counters.gemv_quant),
                 quant::QRan::GemvRows => return bump(&self.counters.gemv_quant_rows),
                 quant::QRan::Dequant(ran) => {
@@ -796,7 +837,10 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &CudaBuf, weight: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
         self.dev.bind();
-        self.ew.rms_norm(&self.dev, x, weight, dim, eps, out);
+        let side = self.q.producer_side(&self.dev, out, dim);
+        if self.ew.rms_norm(&self.dev, x, weight, dim, eps, out, side.as_ref()) {
+            self.q.set_prequantized(&self.dev, out, dim, side.expect("quantized into it"));
+        }
     }
 
     fn add_rms_norm(
@@ -809,7 +853,10 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
-        self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out);
+        let side = self.q.producer_side(&self.dev, out, dim);
+        if self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out, side.as_ref()) {
+            self.q.set_prequantized(&self.dev, out, dim, side.expect("quantized into it"));
+        }
     }
 
     fn add(&self, residual: &mut CudaBuf, x: &CudaBuf, len: usize) {
@@ -942,6 +989,10 @@ impl Backend for CudaBackend {
         outs: &mut [&mut CudaBuf],
         decode_batch: bool,
     ) {
+        // The fused packed launch below is the only taker here (a decode batch's projections).
+        let packed: Vec<&CudaWeight> = ws.iter().copied().filter(|w| w.dtype().is_quantized()).collect();
+        let fused = decode_batch && quant::Kernels::can_fuse(&packed);
+        let pre = self.prequantized(x, tokens, ws.first().map_or(0, |w| w.cols()), fused);
         if !decode_batch {
             // A prompt's projections: the input rounded to bf16 once for all their GEMMs.
             self.dev.bind();
@@ -965,7 +1016,7 @@ impl Backend for CudaBackend {
         }
         self.dev.bind();
         if quant::Kernels::can_fuse(&packed_w) {
-            self.q.matmul_many_rows(&self.dev, x, tokens, &packed_w, &mut packed_o);
+            self.q.matmul_many_rows(&self.dev, x, tokens, &packed_w, &mut packed_o, pre);
             bump(&self.counters.batch_rows);
             bump(&self.counters.gemv_quant_fused);
         } else {
@@ -1005,6 +1056,20 @@ impl Backend for CudaBackend {
             }
             return;
         }
+        // One token on packed weights: the SwiGLU also writes its output quantized for the
+        // down projection's GEMV (quant.rs).
+        let n = gate.rows();
+        if tokens == 1 && gate.dtype().is_quantized() && up.dtype().is_quantized() && up.rows() == n {
+            self.matmul_many(x, tokens, &[gate, up], &mut [&mut *gate_out, &mut *up_out], decode_batch);
+            self.dev.bind();
+            if let Some(side) = self.q.producer_side(&self.dev, act, n) {
+                self.ew.swiglu_q(&self.dev, gate_out, up_out, n, act, &side);
+                self.q.set_prequantized(&self.dev, act, n, side);
+            } else {
+                self.ew.swiglu(&self.dev, gate_out, up_out, n, act);
+            }
+            return;
+        }
         crate::backend::matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
     }
 
@@ -1040,9 +1105,10 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_rows(&self, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        let pre = self.prequantized(x, tokens, w.cols(), w.dtype().is_quantized());
         self.dev.bind();
         if w.dtype().is_quantized() {
-            self.q.matmul_rows(&self.dev, x, tokens, w, out);
+            self.q.matmul_rows(&self.dev, x, tokens, w, out, pre);
             bump(if tokens == 1 { &self.counters.gemv_quant } else { &self.counters.gemv_quant_rows });
         } else {
             self.mm.matmul_rows(&self.dev, x, tokens, w, out);

@@ -13,6 +13,18 @@
 //!   in flight and each activation unit serves every row. Why int8 activations: a 4-bit weight unpacked to f32 costs a convert
 //!   and an FMA per weight per token, which at the H200's bandwidth is about the issue rate of
 //!   the SM at batch 1 and far past it at batch 16; `dp4a` does 4 weights in one instruction.
+//! - **Activations quantized by their producer**: a packed GEMV of one token usually reads the
+//!   output of a row norm or of the MLP's SwiGLU. When packed weights are loaded, those ops'
+//!   one-row forms also write the row quantized (the same int8 values, scales and sums
+//!   `quantize_x` would make of it) into a side buffer and record it here
+//!   ([`Kernels::set_prequantized`]); the next op, if it is a one-token packed GEMV of that
+//!   very buffer, reads the side buffer and skips `quantize_x` (a kernel and a launch boundary,
+//!   ~2 µs, 97 of a 9B step's ~129 packed GEMVs). The record is valid only while
+//!   [`Device::work_seq`] has not moved since the producer's kernel, i.e. no op, kernel or copy
+//!   ran in between (anything that could have rewritten the buffer), and it is taken by the
+//!   first op that looks. A recorded decode step drops it before its capture ends, so its
+//!   buffer belongs to the recording. `STRIX_PRODUCER_QUANT=0` (or
+//!   [`Kernels::set_producer_quant`]) keeps the separate `quantize_x` everywhere.
 //! - **Prefill** (more than [`GEMV_MAX_TOKENS`] tokens): bands of weight rows are dequantized
 //!   to bf16 (exactly the CPU's dequantized values, rounded to nearest even) into a scratch
 //!   buffer and multiplied on cuBLAS's tensor cores, band by band into the output; with the
@@ -20,8 +32,8 @@
 //! - **Embedding**: the rows of the packed table dequantized to f32, bit-identical to the CPU's
 //!   dequantization (a tied lm_head is the same packed weight through the GEMV).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaFunction, CudaModule};
 use rayon::prelude::*;
@@ -209,6 +221,12 @@ pub(super) struct Kernels {
     dequant: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     sm_count: usize,
+    /// The last producer's side output, until the next op takes it (module docs).
+    pre: Mutex<Option<Prequantized>>,
+    /// Producers quantize (`STRIX_PRODUCER_QUANT`, default on)...
+    producer_quant: AtomicBool,
+    /// ...once a packed weight has been uploaded (no cost for bf16 models).
+    packed_loaded: AtomicBool,
 }
 
 // `QG_MAX_SEGS`: weights one fused GEMV launch takes (as many as the bf16 one).
@@ -227,11 +245,33 @@ struct QSegs {
 
 /// The activations of a matmul quantized for the GEMV: `[tokens, cols]` i8, then a scale per
 /// 32 and a sum per 16 quants (one f32 buffer, carved up).
-struct XQuant {
+pub(super) struct XQuant {
     _buf: CudaBuf,
-    q: u64,
-    d: u64,
-    s: u64,
+    pub q: u64,
+    pub d: u64,
+    pub s: u64,
+}
+
+impl XQuant {
+    /// Room for `n` activations (`n % 32 == 0`).
+    fn alloc(dev: &Device, n: usize) -> XQuant {
+        let groups = n / 32;
+        // i8 quants (n / 4 floats), f32 scales (n / 32), i32 sums (n / 16): all 16-byte aligned.
+        let buf = dev.alloc(n / 4 + groups + 2 * groups).unwrap_or_else(|e| panic!("{e}"));
+        let q = buf.ptr();
+        let d = q + n as u64;
+        let s = d + 4 * groups as u64;
+        XQuant { _buf: buf, q, d, s }
+    }
+}
+
+/// A one-row output and its quantization, written by the kernel that ran last on the device.
+struct Prequantized {
+    x: u64,
+    cols: usize,
+    /// [`Device::work_seq`] right after that kernel.
+    seq: u64,
+    xq: XQuant,
 }
 
 impl Kernels {
@@ -251,6 +291,9 @@ impl Kernels {
             dequant: Vec::new(),
             embed: Vec::new(),
             sm_count: dev.sm_count as usize,
+            pre: Mutex::new(None),
+            producer_quant: AtomicBool::new(std::env::var("STRIX_PRODUCER_QUANT").map_or(true, |v| v != "0")),
+            packed_loaded: AtomicBool::new(false),
         };
         for (dtype, name) in FORMATS {
             k.gemv.push(by_rows(&format!("qgemv_{name}_r"))?);
@@ -285,23 +328,74 @@ impl Kernels {
         log2
     }
 
-    fn quantize_x(&self, dev: &Device, x: &CudaBuf, tokens: usize, cols: usize) -> XQuant {
+    /// Whether producers write the quantized side output (the module docs); for comparisons.
+    pub fn set_producer_quant(&self, on: bool) {
+        self.producer_quant.store(on, Ordering::Relaxed);
+        self.clear_prequantized();
+    }
+
+    /// Whether producers quantize (set_producer_quant).
+    pub fn producer_quant(&self) -> bool {
+        self.producer_quant.load(Ordering::Relaxed)
+    }
+
+    /// Notes that a packed weight is on the device: from now on producers quantize.
+    pub fn note_packed_weight(&self) {
+        self.packed_loaded.store(true, Ordering::Relaxed);
+    }
+
+    /// A side buffer for a producer about to write `n` values of one row into `out`, when
+    /// producers quantize: `n % 32 == 0`, `out` one row long (the decode step of one token).
+    pub fn producer_side(&self, dev: &Device, out: &CudaBuf, n: usize) -> Option<XQuant> {
+        let on = self.producer_quant.load(Ordering::Relaxed) && self.packed_loaded.load(Ordering::Relaxed);
+        (on && n > 0 && n.is_multiple_of(32) && out.len() >= n && out.len() < 2 * n)
+            .then(|| XQuant::alloc(dev, n))
+    }
+
+    /// Records that the kernel just launched wrote `x[..cols]` and its quantization `xq`.
+    pub fn set_prequantized(&self, dev: &Device, x: &CudaBuf, cols: usize, xq: XQuant) {
+        let p = Prequantized { x: x.ptr(), cols, seq: dev.work_seq(), xq };
+        *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+    }
+
+    /// Takes the producer's record, and returns its quantization when it is of `x` (`tokens`
+    /// = 1 row of `cols`) and nothing ran on the device since that kernel. An op calls this
+    /// before anything else (before `bind`, which moves [`Device::work_seq`]).
+    pub fn take_prequantized(&self, dev: &Device, x: &CudaBuf, tokens: usize, cols: usize) -> Option<XQuant> {
+        let p = self.pre.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        (tokens == 1 && p.x == x.ptr() && p.cols == cols && p.seq == dev.work_seq()).then_some(p.xq)
+    }
+
+    /// Drops the record (its side buffer goes where any dropped buffer goes: into a capture in
+    /// progress, else the free list).
+    pub fn clear_prequantized(&self) {
+        drop(self.pre.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+
+    /// `pre` when it holds these activations, else `quantize_x` now.
+    fn quantize_x(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        cols: usize,
+        pre: Option<XQuant>,
+    ) -> XQuant {
+        if let Some(xq) = pre.filter(|_| tokens == 1) {
+            return xq;
+        }
         let n = tokens * cols;
         let groups = n / 32;
-        // i8 quants (n / 4 floats), f32 scales (n / 32), i32 sums (n / 16): all 16-byte aligned.
-        let buf = dev.alloc(n / 4 + groups + 2 * groups).unwrap_or_else(|e| panic!("{e}"));
-        let q = buf.ptr();
-        let d = q + n as u64;
-        let s = d + 4 * groups as u64;
+        let xq = XQuant::alloc(dev, n);
         dev.launch(
             "quantize_x",
             &self.quantize_x,
             (groups.div_ceil(8) as u32, 1, 1),
             (256, 1, 1),
             0,
-            kernel_args![x.ptr(), q, d, s, groups as i32],
+            kernel_args![x.ptr(), xq.q, xq.d, xq.s, groups as i32],
         );
-        XQuant { _buf: buf, q, d, s }
+        xq
     }
 
     /// Index into [`ROWS_PER_WARP`] of the one-token GEMV for a launch of `blocks(r)` blocks
@@ -320,10 +414,18 @@ impl Kernels {
 
     /// `out = x · Wᵀ` by the GEMV: the one-token kernel for one token, the batched one (the
     /// same arithmetic per token) for more.
-    fn gemv(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+    fn gemv(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+        pre: Option<XQuant>,
+    ) {
         let (rows, cols, dtype) = (w.rows(), w.cols(), w.dtype());
         let fi = format_index(dtype);
-        let xq = self.quantize_x(dev, x, tokens, cols);
+        let xq = self.quantize_x(dev, x, tokens, cols, pre);
         let log2 = self.split_log2(rows, cols / unit_cols(dtype));
         let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
         let blocks = |r: usize| rows.div_ceil((QG_WARPS >> log2) * r);
@@ -360,7 +462,8 @@ impl Kernels {
     /// batch: the activations are quantized once, and each format's weights run in one
     /// multi-segment GEMV launch (up to [`MAX_SEGMENTS`] weights each). Every token's rows
     /// come from one arithmetic whatever the batch, so a sequence's results do not depend on
-    /// it. Returns the launches made.
+    /// it. Returns the launches made. `pre`: the producer's quantization of `x`, if any
+    /// ([`Kernels::take_prequantized`]).
     pub fn matmul_many_rows(
         &self,
         dev: &Device,
@@ -368,6 +471,7 @@ impl Kernels {
         tokens: usize,
         ws: &[&CudaWeight],
         outs: &mut [&mut CudaBuf],
+        pre: Option<XQuant>,
     ) -> usize {
         assert!(Kernels::can_fuse(ws) && ws.len() == outs.len(), "matmul_many_rows: weights do not fuse");
         for (w, out) in ws.iter().zip(outs.iter()) {
@@ -377,7 +481,7 @@ impl Kernels {
             return 0;
         }
         let cols = ws[0].cols();
-        let xq = self.quantize_x(dev, x, tokens, cols);
+        let xq = self.quantize_x(dev, x, tokens, cols, pre);
         let mut launches = 0;
         for (fi, &(dtype, _)) in FORMATS.iter().enumerate() {
             let members: Vec<usize> = (0..ws.len()).filter(|&j| ws[j].dtype() == dtype).collect();
@@ -452,12 +556,20 @@ impl Kernels {
 
     /// The decode-batch matmul: every row by the one-token GEMV's arithmetic (a batch of one
     /// takes the one-token kernel itself, which streams at far higher bandwidth).
-    pub fn matmul_rows(&self, dev: &Device, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) {
+    pub fn matmul_rows(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+        pre: Option<XQuant>,
+    ) {
         check(x, tokens, w, out);
         if tokens == 0 || w.rows() == 0 {
             return;
         }
-        self.gemv(dev, x, tokens, w, out);
+        self.gemv(dev, x, tokens, w, out, pre);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -472,6 +584,7 @@ impl Kernels {
         tokens: usize,
         w: &CudaWeight,
         out: &mut CudaBuf,
+        pre: Option<XQuant>,
     ) -> QRan {
         check(x, tokens, w, out);
         let (rows, cols) = (w.rows(), w.cols());
@@ -479,11 +592,11 @@ impl Kernels {
             return QRan::Gemv;
         }
         if tokens == 1 {
-            self.gemv(dev, x, tokens, w, out);
+            self.gemv(dev, x, tokens, w, out, pre);
             return QRan::Gemv;
         }
         if tokens <= GEMV_MAX_TOKENS && policy == GemmPath::Auto {
-            self.gemv(dev, x, tokens, w, out);
+            self.gemv(dev, x, tokens, w, out, None);
             return QRan::GemvRows;
         }
         let split = policy == GemmPath::CublasSplit;
