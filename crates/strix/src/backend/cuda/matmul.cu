@@ -499,16 +499,21 @@ struct GsStage {
 __device__ __forceinline__ int gs_wchunk(int row, int c) { return row * GS_WROW + ((c ^ ((row & 1) << 2)) << 4); }
 __device__ __forceinline__ int gs_xchunk(int tok, int c) { return tok * GS_XROW + ((c ^ (tok & 1)) << 4); }
 
+// The 128-byte swizzle of wgmma's shared-memory tiles: rows of 128 bytes, the 16-byte chunk c
+// of row r at c ^ (r % 8) (so 8-row groups are 1024 bytes apart; tiles start 1 KB-aligned).
+__device__ __forceinline__ int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
 // The weights of K stage `kt` (columns kt * GS_BK ..) of rows row0 .. row0 + GS_BM into `slot`,
-// zeros past the matrix. AL: cols % 8 == 0 (16-byte chunks, copied asynchronously).
-template <bool AL>
+// zeros past the matrix, laid out for the warpgroup kernel (SW128: swz128) or the streamed one
+// (gs_wchunk). AL: cols % 8 == 0 (16-byte chunks, copied asynchronously).
+template <bool AL, bool SW128>
 __device__ __forceinline__ void gs_load_w(unsigned char* slot, const bf16_t* w, int row0, int rows, int cols, int kt) {
 #pragma unroll
     for (int i = 0; i < GS_BM * 8 / GS_THREADS; i++) {
         const int c = threadIdx.x + i * GS_THREADS;
         const int r = c >> 3, ch = c & 7;
         const int row = row0 + r, col = kt * GS_BK + ch * 8;
-        unsigned char* dst = slot + gs_wchunk(r, ch);
+        unsigned char* dst = slot + (SW128 ? swz128(r, ch) : gs_wchunk(r, ch));
         const bool in = row < rows && col < cols;
         const bf16_t* src = w + (in ? (i64)row * cols + col : 0);
         if (AL) {
@@ -584,117 +589,6 @@ __device__ __forceinline__ void gs_compute(const unsigned char* slot, float (&ac
     }
 }
 
-// One block: rows mblock * GS_BM .., K range `split` of `nsplit`, tokens 0 .. min(tokens, NT * 8).
-// With nsplit > 1 the block leaves its partial sums in slot `pslot` of `partials` (slots
-// pslot - split .. are its row block's) and the last of the row block's blocks to arrive, by
-// `counters[pslot - split]`, adds them up in range order and writes `out`.
-template <int NT, int WM, int STAGES, bool AL>
-__device__ __forceinline__ void gs_body(const bf16_t* w, const float* x, float* out, int rows, int cols, int tokens,
-                                        int mblock, int split, int nsplit, int pslot, float* partials,
-                                        unsigned* counters) {
-    constexpr int RT = GS_BM / 16 / WM, NTW = NT / (4 / WM), STAGE = GsStage<NT>::BYTES;
-    extern __shared__ __align__(128) unsigned char gs_smem[];
-    __shared__ int gs_last;
-    pdl_launch_dependents();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int wm = warp % WM, wn = warp / WM;
-    const int row0 = mblock * GS_BM;
-    const int nk = (cols + GS_BK - 1) / GS_BK;
-    const int kb = (int)((i64)nk * split / nsplit);
-    const int n = (int)((i64)nk * (split + 1) / nsplit) - kb;
-    float acc[RT][NTW][4];
-#pragma unroll
-    for (int r = 0; r < RT; r++)
-#pragma unroll
-        for (int j = 0; j < NTW; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
-    // The weights never depend on the previous kernel: the first stages' go out before the wait
-    // (in the first commit group, with x's first stage).
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++)
-        if (s < n) gs_load_w<AL>(gs_smem + s * STAGE, w, row0, rows, cols, kb + s);
-    pdl_wait();
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s < n) gs_load_x<NT, AL>(gs_smem + s * STAGE, x, tokens, cols, kb + s);
-        cp_async_commit();
-    }
-    for (int i = 0; i < n; i++) {
-        cp_async_wait<STAGES - 2>();
-        // Stage i has landed for every thread, and every warp is done with stage i - 1's slot.
-        __syncthreads();
-        const int next = i + STAGES - 1;
-        if (next < n) {
-            unsigned char* slot = gs_smem + (next % STAGES) * STAGE;
-            gs_load_w<AL>(slot, w, row0, rows, cols, kb + next);
-            gs_load_x<NT, AL>(slot, x, tokens, cols, kb + next);
-        }
-        cp_async_commit();
-        gs_compute<NT, WM>(gs_smem + (i % STAGES) * STAGE, acc, wm, wn, g, t);
-    }
-    cp_async_wait<0>();
-    // C fragment: acc[r][j][0..1] row g, tokens 2t, 2t+1; [2..3] row g + 8, the same tokens.
-    if (nsplit == 1) {
-#pragma unroll
-        for (int r = 0; r < RT; r++)
-#pragma unroll
-            for (int j = 0; j < NTW; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int row = row0 + (wm * RT + r) * 16 + g + 8 * (e >> 1);
-                    const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
-                    if (row < rows && tok < tokens) out[(i64)tok * rows + row] = acc[r][j][e];
-                }
-        return;
-    }
-    float* mine = partials + (i64)pslot * GS_SLOT;
-#pragma unroll
-    for (int r = 0; r < RT; r++)
-#pragma unroll
-        for (int j = 0; j < NTW; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int rl = (wm * RT + r) * 16 + g + 8 * (e >> 1);
-                const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
-                mine[tok * GS_BM + rl] = acc[r][j][e];
-            }
-    // Release the partials before counting in; the last block acquires everyone's.
-    __threadfence();
-    __syncthreads();
-    unsigned* counter = counters + (pslot - split);
-    if (threadIdx.x == 0) gs_last = atomicAdd(counter, 1u) == (unsigned)(nsplit - 1);
-    __syncthreads();
-    if (!gs_last) return;
-    __threadfence();
-    // Range by range, every output's load of a range issued together.
-    const float* first = partials + (i64)(pslot - split) * GS_SLOT;
-    float sum[RT][NTW][4];
-    for (int q = 0; q < nsplit; q++) {
-#pragma unroll
-        for (int r = 0; r < RT; r++)
-#pragma unroll
-            for (int j = 0; j < NTW; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int rl = (wm * RT + r) * 16 + g + 8 * (e >> 1);
-                    const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
-                    const float v = q == split ? acc[r][j][e] : __ldcg(first + (i64)q * GS_SLOT + tok * GS_BM + rl);
-                    sum[r][j][e] = q == 0 ? v : sum[r][j][e] + v;
-                }
-    }
-#pragma unroll
-    for (int r = 0; r < RT; r++)
-#pragma unroll
-        for (int j = 0; j < NTW; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int rl = (wm * RT + r) * 16 + g + 8 * (e >> 1);
-                const int tok = (wn * NTW + j) * 8 + 2 * t + (e & 1);
-                if (row0 + rl < rows && tok < tokens) out[(i64)tok * rows + row0 + rl] = sum[r][j][e];
-            }
-    // Ready for the next launch that splits this row block (kernels on the stream run in order).
-    if (threadIdx.x == 0) *counter = 0u;
-}
-
 // Up to GEMV_MAX_SEGS weights that read the same x in one launch (one weight is one segment):
 // segment j owns the units [unit_end[j-1], unit_end[j]) along x, a unit being (row block,
 // K range), K ranges fastest; its split is the one its matrix gets alone, and its partial
@@ -708,25 +602,144 @@ struct GsSegs {
     int pslot0[GEMV_MAX_SEGS];
 };
 
+// The unit of the launch this block computes: its segment's weight, output and rows, its row
+// block and K range, and its partial-sum slot.
+struct GsUnit {
+    const bf16_t* w;
+    float* out;
+    int rows, mblock, split, nsplit, pslot;
+};
+// Selected with constant indices only: indexing the by-value struct with a run-time index
+// would copy it to local memory.
+__device__ __forceinline__ GsUnit gs_unit(const GsSegs& segs) {
+    const int u = blockIdx.x;
+    unsigned long long w = segs.w[0], o = segs.out[0];
+    int rows = segs.rows[0], nsplit = segs.nsplit[0], pslot0 = segs.pslot0[0], first = 0;
+#pragma unroll
+    for (int j = 1; j < GEMV_MAX_SEGS; j++) {
+        if (u >= segs.unit_end[j - 1]) {
+            w = segs.w[j], o = segs.out[j], rows = segs.rows[j], nsplit = segs.nsplit[j];
+            pslot0 = segs.pslot0[j], first = segs.unit_end[j - 1];
+        }
+    }
+    const int local = u - first;
+    return GsUnit{reinterpret_cast<const bf16_t*>(w), reinterpret_cast<float*>(o), rows, local / nsplit,
+                  local % nsplit, nsplit, pslot0 + local};
+}
+
+// The end of a streamed block: its NA accumulators per thread (`at(k)`: accumulator k's row
+// within the block and token) into `out`; with a K split, into the unit's partial slot (slots
+// pslot - split .. belong to its row block), and the last of the row block's blocks to arrive,
+// by `counters[pslot - split]`, adds the slots up in range order and writes `out`.
+template <int NA, class At>
+__device__ __forceinline__ void gs_finish(const float (&acc)[NA], At at, const GsUnit& u, int tokens,
+                                          float* partials, unsigned* counters) {
+    __shared__ int last;
+    const int row0 = u.mblock * GS_BM;
+    if (u.nsplit == 1) {
+#pragma unroll
+        for (int k = 0; k < NA; k++) {
+            const int2 p = at(k);
+            if (row0 + p.x < u.rows && p.y < tokens) u.out[(i64)p.y * u.rows + row0 + p.x] = acc[k];
+        }
+        return;
+    }
+    float* mine = partials + (i64)u.pslot * GS_SLOT;
+#pragma unroll
+    for (int k = 0; k < NA; k++) {
+        const int2 p = at(k);
+        mine[p.y * GS_BM + p.x] = acc[k];
+    }
+    // Release the partials before counting in; the last block acquires everyone's.
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = counters + (u.pslot - u.split);
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned)(u.nsplit - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Range by range (this block's own read back too, so its accumulators are free), every
+    // output's load of a range issued together.
+    const float* first = partials + (i64)(u.pslot - u.split) * GS_SLOT;
+    float sum[NA];
+    for (int q = 0; q < u.nsplit; q++) {
+#pragma unroll
+        for (int k = 0; k < NA; k++) {
+            const int2 p = at(k);
+            const float v = __ldcg(first + (i64)q * GS_SLOT + p.y * GS_BM + p.x);
+            sum[k] = q == 0 ? v : sum[k] + v;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NA; k++) {
+        const int2 p = at(k);
+        if (row0 + p.x < u.rows && p.y < tokens) u.out[(i64)p.y * u.rows + row0 + p.x] = sum[k];
+    }
+    // Ready for the next launch that splits this row block (kernels on the stream run in order).
+    if (threadIdx.x == 0) *counter = 0u;
+}
+
+// One block: unit `u` (rows u.mblock * GS_BM .., K range u.split of u.nsplit), tokens 0 ..
+// min(tokens, NT * 8); the sums go out through gs_finish.
+template <int NT, int WM, int STAGES, bool AL>
+__device__ __forceinline__ void gs_body(const GsUnit& u, const float* x, int cols, int tokens, float* partials,
+                                        unsigned* counters) {
+    constexpr int RT = GS_BM / 16 / WM, NTW = NT / (4 / WM), STAGE = GsStage<NT>::BYTES;
+    extern __shared__ __align__(128) unsigned char gs_smem[];
+    pdl_launch_dependents();
+    const bf16_t* w = u.w;
+    const int rows = u.rows, split = u.split, nsplit = u.nsplit;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wm = warp % WM, wn = warp / WM;
+    const int row0 = u.mblock * GS_BM;
+    const int nk = (cols + GS_BK - 1) / GS_BK;
+    const int kb = (int)((i64)nk * split / nsplit);
+    const int n = (int)((i64)nk * (split + 1) / nsplit) - kb;
+    float acc[RT][NTW][4];
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int j = 0; j < NTW; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
+    // The weights never depend on the previous kernel: the first stages' go out before the wait
+    // (in the first commit group, with x's first stage).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        if (s < n) gs_load_w<AL, false>(gs_smem + s * STAGE, w, row0, rows, cols, kb + s);
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < n) gs_load_x<NT, AL>(gs_smem + s * STAGE, x, tokens, cols, kb + s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        cp_async_wait<STAGES - 2>();
+        // Stage i has landed for every thread, and every warp is done with stage i - 1's slot.
+        __syncthreads();
+        const int next = i + STAGES - 1;
+        if (next < n) {
+            unsigned char* slot = gs_smem + (next % STAGES) * STAGE;
+            gs_load_w<AL, false>(slot, w, row0, rows, cols, kb + next);
+            gs_load_x<NT, AL>(slot, x, tokens, cols, kb + next);
+        }
+        cp_async_commit();
+        gs_compute<NT, WM>(gs_smem + (i % STAGES) * STAGE, acc, wm, wn, g, t);
+    }
+    cp_async_wait<0>();
+    // C fragment: acc[r][j][0..1] row g, tokens 2t, 2t+1; [2..3] row g + 8, the same tokens.
+    const auto at = [&](int k) {
+        const int r = k / (NTW * 4), j = (k / 4) % NTW, e = k % 4;
+        return make_int2((wm * RT + r) * 16 + g + 8 * (e >> 1), (wn * NTW + j) * 8 + 2 * t + (e & 1));
+    };
+    gs_finish(reinterpret_cast<const float(&)[RT * NTW * 4]>(acc), at, u, tokens, partials, counters);
+}
+
 // grid (units), block GS_THREADS, dynamic shared memory STAGES * GsStage<NT>::BYTES; x and the
 // outputs start at the launch's first token, `tokens` <= NT * 8.
 #define GS_GEMV(NT, WM, STAGES, AL, SUFFIX)                                                                  \
     extern "C" __global__ void __launch_bounds__(GS_THREADS, 2)                                              \
         gemv_gs_n##NT##SUFFIX(GsSegs segs, const float* x, int cols, int tokens, float* partials,            \
                               unsigned* counters) {                                                          \
-        const int u = blockIdx.x;                                                                            \
-        unsigned long long w = segs.w[0], o = segs.out[0];                                                   \
-        int rows = segs.rows[0], nsplit = segs.nsplit[0], pslot0 = segs.pslot0[0], first = 0;                \
-        _Pragma("unroll") for (int j = 1; j < GEMV_MAX_SEGS; j++) {                                          \
-            if (u >= segs.unit_end[j - 1]) {                                                                 \
-                w = segs.w[j], o = segs.out[j], rows = segs.rows[j], nsplit = segs.nsplit[j];                \
-                pslot0 = segs.pslot0[j], first = segs.unit_end[j - 1];                                       \
-            }                                                                                                \
-        }                                                                                                    \
-        const int local = u - first;                                                                         \
-        gs_body<NT, WM, STAGES, AL>(reinterpret_cast<const bf16_t*>(w), x, reinterpret_cast<float*>(o), rows,  \
-                                    cols, tokens, local / nsplit, local % nsplit, nsplit, pslot0 + local,     \
-                                    partials, counters);                                                     \
+        gs_body<NT, WM, STAGES, AL>(gs_unit(segs), x, cols, tokens, partials, counters);                     \
     }
 // (n-tiles, warps along the rows, ring depth): the launcher's table (GS_CONFIGS in matmul.rs).
 #define GS_CONFIG(NT, WM, STAGES)                                                                            \
@@ -764,7 +777,6 @@ GS_CONFIG(8, 2, 3)
 #define WG_XTILE(NT) ((NT) * WG_BK * 2)
 #define WG_STAGE(NT) (WG_WTILE + 2 * WG_XTILE(NT))
 
-__device__ __forceinline__ int wg_swz(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 // x [tokens, cols] (tokens <= nt, nt one of 8, 16, 32, 64) as the B tiles of nt tokens of
 // every K stage: stage kt at kt * 2 * WG_XTILE(nt), its hi tile then its lo tile, zeros past the
@@ -782,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS)
         u32 h0, l0, h1, l1;
         split_pair(e[0], e[1], h0, l0);
         split_pair(e[2], e[3], h1, l1);
-        const int off = wg_swz(tok, q >> 1) + (q & 1) * 8;
+        const int off = swz128(tok, q >> 1) + (q & 1) * 8;
         *reinterpret_cast<uint2*>(hi + off) = make_uint2(h0, h1);
         *reinterpret_cast<uint2*>(hi + WG_XTILE(nt) + off) = make_uint2(l0, l1);
     }
@@ -841,29 +853,6 @@ __device__ __forceinline__ void wg_wait() {
 // the async proxy that wgmma reads through.
 __device__ __forceinline__ void wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The weights of K stage `kt` into a ring slot (zeros past the matrix). AL: cols % 8 == 0.
-template <bool AL>
-__device__ __forceinline__ void wg_load_w(unsigned char* slot, const bf16_t* w, int row0, int rows, int cols, int kt) {
-#pragma unroll
-    for (int i = 0; i < WG_BM * 8 / WG_THREADS; i++) {
-        const int c = threadIdx.x + i * WG_THREADS;
-        const int r = c >> 3, ch = c & 7;
-        const int row = row0 + r, col = kt * WG_BK + ch * 8;
-        unsigned char* dst = slot + wg_swz(r, ch);
-        const bool in = row < rows && col < cols;
-        const bf16_t* src = w + (in ? (i64)row * cols + col : 0);
-        if (AL) {
-            cp_async16_zfill(dst, src, in);
-        } else {
-            u32 e[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++) e[k] = in && col + k < cols ? (u32)src[k] : 0u;
-            *reinterpret_cast<v4u*>(dst) =
-                v4u{e[0] | (e[1] << 16), e[2] | (e[3] << 16), e[4] | (e[5] << 16), e[6] | (e[7] << 16)};
-        }
-    }
-}
-
 // x's hi and lo tiles of K stage `kt` (wg_split_x's layout) into the slot after its weights.
 template <int NT>
 __device__ __forceinline__ void wg_load_x(unsigned char* slot, const unsigned char* xs, int kt) {
@@ -876,21 +865,21 @@ __device__ __forceinline__ void wg_load_x(unsigned char* slot, const unsigned ch
 }
 #endif
 
-// One block: rows mblock * WG_BM .., K range `split` of `nsplit`, tokens 0 .. min(tokens, NT)
-// from wg_split_x's tiles `xs`, a STAGES-deep ring; partial sums and the last block's
-// reduction as gs_body's.
+// One block: unit `u` (rows u.mblock * WG_BM .., K range u.split of u.nsplit), tokens 0 ..
+// min(tokens, NT) from wg_split_x's tiles `xs`, a STAGES-deep ring; the sums go out through
+// gs_finish.
 template <int NT, int STAGES, bool AL>
-__device__ __forceinline__ void wg_body(const bf16_t* w, const unsigned char* xs, float* out, int rows, int cols,
-                                        int tokens, int mblock, int split, int nsplit, int pslot,
+__device__ __forceinline__ void wg_body(const GsUnit& u, const unsigned char* xs, int cols, int tokens,
                                         float* partials, unsigned* counters) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char wg_raw[];
-    __shared__ int wg_last;
     pdl_launch_dependents();
+    const bf16_t* w = u.w;
+    const int rows = u.rows, split = u.split, nsplit = u.nsplit;
     unsigned char* smem = reinterpret_cast<unsigned char*>(((unsigned long long)wg_raw + 1023) & ~1023ull);
     const u32 smem_a = (u32)__cvta_generic_to_shared(smem);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = mblock * WG_BM;
+    const int row0 = u.mblock * WG_BM;
     const int nk = (cols + WG_BK - 1) / WG_BK;
     const int kb = (int)((i64)nk * split / nsplit);
     const int n = (int)((i64)nk * (split + 1) / nsplit) - kb;
@@ -904,7 +893,7 @@ __device__ __forceinline__ void wg_body(const bf16_t* w, const unsigned char* xs
     // wait (in the first commit group, with x's first stage).
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++)
-        if (s < n) wg_load_w<AL>(smem + s * STAGE, w, row0, rows, cols, kb + s);
+        if (s < n) gs_load_w<AL, true>(smem + s * STAGE, w, row0, rows, cols, kb + s);
     pdl_wait();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -935,7 +924,7 @@ __device__ __forceinline__ void wg_body(const bf16_t* w, const unsigned char* xs
         const int next = i + STAGES - 1;
         if (next < n) {
             unsigned char* slot = smem + (next % STAGES) * STAGE;
-            wg_load_w<AL>(slot, w, row0, rows, cols, kb + next);
+            gs_load_w<AL, true>(slot, w, row0, rows, cols, kb + next);
             wg_load_x<NT>(slot, xs, kb + next);
         }
         cp_async_commit();
@@ -944,53 +933,11 @@ __device__ __forceinline__ void wg_body(const bf16_t* w, const unsigned char* xs
     cp_async_wait<0>();
     // Accumulator layout: acc[m][i] is row m * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2),
     // token 8 * (i / 4) + 2 * (lane % 4) + i % 2.
-#define WG_ROW(m, i) ((m) * 64 + warp * 16 + (lane >> 2) + 8 * (((i) >> 1) & 1))
-#define WG_TOK(i) (8 * ((i) >> 2) + 2 * (lane & 3) + ((i) & 1))
-    if (nsplit == 1) {
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-#pragma unroll
-            for (int i = 0; i < NA; i++) {
-                const int row = row0 + WG_ROW(m, i), tok = WG_TOK(i);
-                if (row < rows && tok < tokens) out[(i64)tok * rows + row] = acc[m][i];
-            }
-        return;
-    }
-    float* mine = partials + (i64)pslot * GS_SLOT;
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int i = 0; i < NA; i++) mine[WG_TOK(i) * WG_BM + WG_ROW(m, i)] = acc[m][i];
-    __threadfence();
-    __syncthreads();
-    unsigned* counter = counters + (pslot - split);
-    if (threadIdx.x == 0) wg_last = atomicAdd(counter, 1u) == (unsigned)(nsplit - 1);
-    __syncthreads();
-    if (!wg_last) return;
-    __threadfence();
-    // Range by range (this block's own read back too, so its accumulators are free), every
-    // output's load of a range issued together.
-    const float* first = partials + (i64)(pslot - split) * GS_SLOT;
-    float sum[2][NA];
-    for (int q = 0; q < nsplit; q++) {
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-#pragma unroll
-            for (int i = 0; i < NA; i++) {
-                const float v = __ldcg(first + (i64)q * GS_SLOT + WG_TOK(i) * WG_BM + WG_ROW(m, i));
-                sum[m][i] = q == 0 ? v : sum[m][i] + v;
-            }
-    }
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            const int row = row0 + WG_ROW(m, i), tok = WG_TOK(i);
-            if (row < rows && tok < tokens) out[(i64)tok * rows + row] = sum[m][i];
-        }
-#undef WG_ROW
-#undef WG_TOK
-    if (threadIdx.x == 0) *counter = 0u;
+    const auto at = [&](int k) {
+        const int m = k / NA, i = k % NA;
+        return make_int2(m * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1));
+    };
+    gs_finish(reinterpret_cast<const float(&)[2 * NA]>(acc), at, u, tokens, partials, counters);
 #endif
 }
 
@@ -998,20 +945,9 @@ __device__ __forceinline__ void wg_body(const bf16_t* w, const unsigned char* xs
 // the ring to the swizzle's 1 KB period); segments as gemv_gs_n*; `xs` from wg_split_x.
 #define WG_GEMV(NT, STAGES, AL, SUFFIX)                                                                       \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 2)                                              \
-        gemv_wg_n##NT##SUFFIX(GsSegs segs, const unsigned char* xs, int cols, int tokens, float* partials,         \
-                        unsigned* counters) {                                                                \
-        const int u = blockIdx.x;                                                                            \
-        unsigned long long w = segs.w[0], o = segs.out[0];                                                   \
-        int rows = segs.rows[0], nsplit = segs.nsplit[0], pslot0 = segs.pslot0[0], first = 0;                \
-        _Pragma("unroll") for (int j = 1; j < GEMV_MAX_SEGS; j++) {                                          \
-            if (u >= segs.unit_end[j - 1]) {                                                                 \
-                w = segs.w[j], o = segs.out[j], rows = segs.rows[j], nsplit = segs.nsplit[j];                \
-                pslot0 = segs.pslot0[j], first = segs.unit_end[j - 1];                                       \
-            }                                                                                                \
-        }                                                                                                    \
-        const int local = u - first;                                                                         \
-        wg_body<NT, STAGES, AL>(reinterpret_cast<const bf16_t*>(w), xs, reinterpret_cast<float*>(o), rows, cols, tokens,   \
-                    local / nsplit, local % nsplit, nsplit, pslot0 + local, partials, counters);             \
+        gemv_wg_n##NT##SUFFIX(GsSegs segs, const unsigned char* xs, int cols, int tokens, float* partials,   \
+                              unsigned* counters) {                                                          \
+        wg_body<NT, STAGES, AL>(gs_unit(segs), xs, cols, tokens, partials, counters);                        \
     }
 // (tokens of the launch's N, ring depth): the launcher's table (WG_CONFIGS in matmul.rs).
 #define WG_CONFIG(NT, STAGES)                                                                                \
