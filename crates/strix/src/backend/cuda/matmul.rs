@@ -233,32 +233,24 @@ impl Streamed {
         if (0..GS_CONFIGS.len()).any(|c| gs_smem_bytes(c) > dev.max_smem_optin as usize) {
             return Ok(None);
         }
-        let kernels = |suffix: &str| -> Result<Vec<CudaFunction>> {
-            let mut fs = Vec::new();
-            for (cfg, &(nt, _, _)) in GS_CONFIGS.iter().enumerate() {
-                let name = format!("gemv_gs_n{nt}{suffix}");
-                let f = module.load_function(&name).map_err(|e| cuda_error(format!("kernel {name}: {e}")))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    gs_smem_bytes(cfg) as i32,
-                )
-                .map_err(|e| cuda_error(format!("{name} shared memory opt-in: {e}")))?;
-                fs.push(f);
-            }
-            Ok(fs)
+        // A kernel with `smem` bytes of dynamic shared memory opted in.
+        let load = |name: String, smem: usize| -> Result<CudaFunction> {
+            let f = module.load_function(&name).map_err(|e| cuda_error(format!("kernel {name}: {e}")))?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| cuda_error(format!("{name} shared memory opt-in: {e}")))?;
+            Ok(f)
         };
-        let (aligned, any) = (kernels("")?, kernels("_any")?);
+        let streamed = |suffix: &str| -> Result<Vec<CudaFunction>> {
+            (0..GS_CONFIGS.len())
+                .map(|c| load(format!("gemv_gs_n{}{suffix}", GS_CONFIGS[c].0), gs_smem_bytes(c)))
+                .collect()
+        };
+        let (aligned, any) = (streamed("")?, streamed("_any")?);
         let fits = (0..WG_CONFIGS.len()).all(|c| wg_smem_bytes(c) <= dev.max_smem_optin as usize);
         let wg = if compile::device_arch(dev.cc).ends_with("90a") && fits {
-            let load = |name: String, smem: usize| -> Result<CudaFunction> {
-                let f = module.load_function(&name).map_err(|e| cuda_error(format!("kernel {name}: {e}")))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .map_err(|e| cuda_error(format!("{name} shared memory opt-in: {e}")))?;
-                Ok(f)
-            };
             let by_config = |suffix: &str| -> Result<Vec<CudaFunction>> {
                 (0..WG_CONFIGS.len())
                     .map(|c| load(format!("gemv_wg_n{}{suffix}", WG_CONFIGS[c].0), wg_smem_bytes(c)))
