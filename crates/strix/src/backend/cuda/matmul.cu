@@ -1,6 +1,8 @@
 // out = x · Wᵀ against bf16 weights, f32 activations and accumulation.
-//  - gemv_mma_*: the decode GEMV on the tensor cores, one token or a batch alike, weights read
-//    once for up to 64 tokens, bitwise batch-invariant (see its section below).
+//  - gemv_wg_n* (sm_90a), gemv_gs_n*, gemv_mma_*: the decode GEMV on the tensor cores, one
+//    token or a batch alike, weights read once for up to 64 tokens, bitwise batch-invariant;
+//    the first two stream weight tiles through shared memory (see their sections below), the
+//    last is the per-warp fallback.
 //  - gemv_bf16_s*: one token on CUDA cores (STRIX_CUDA_GEMV=simt). Memory-bound: 1 to 8 warps
 //    per weight row, 16-byte streaming loads (8 bf16), GEMV_UNROLL of them in flight per lane
 //    before the first FMA.

@@ -1,10 +1,13 @@
 //! `out = x · Wᵀ` on the GPU, weights in bf16, accumulation in f32, by one of these paths:
 //!
-//! - **Tensor-core GEMV** (`gemv_mma_*` in `matmul.cu`), one token or a decode batch: the
-//!   decode path, bound by the bytes of `W`, which it reads once for up to 64 tokens.
-//!   `mma.sync` m16n8k16 with the weights as the 16-row operand and the tokens as the 8 columns;
-//!   x enters as two bf16 halves (hi + lo), so products keep ~16 mantissa bits. K is walked in
-//!   an order fixed by the matrix shape, and mma columns are independent, so a token's outputs
+//! - **Tensor-core GEMV**, one token or a decode batch: the decode path, bound by the bytes of
+//!   `W`, which it reads once for up to 64 tokens, by one of three kernels
+//!   ([`TensorCoreKernel`]): `gemv_wg_n*` (Hopper `wgmma`, the default on compute capability
+//!   9.0) or `gemv_gs_n*` (`mma.sync`), both streaming 128-row weight tiles through a ring of
+//!   shared-memory stages, or the per-warp `gemv_mma_*` (`mma.sync` on fragments loaded into
+//!   registers) where that shared memory does not fit. x enters as two bf16 halves (hi + lo),
+//!   so products keep ~16 mantissa bits. K is walked, and split into ranges ([`gs_nsplit`]), in
+//!   an order fixed by the matrix shape, and MMA columns are independent, so a token's outputs
 //!   are bitwise the same whatever the batch (one token included) and whether its projections
 //!   are fused into one launch or not.
 //! - **CUDA-core GEMV** (`gemv_bf16_s*`, `gemv_bf16_rows_s*`, `gemv_multi*`), the same calls
@@ -120,8 +123,8 @@ pub enum TensorCoreKernel {
     PerWarp = 0,
     /// `gemv_gs_n*`: `mma.sync` on weights and x streamed through a shared-memory ring.
     Streamed = 1,
-    /// `gemv_wg`: Hopper's warpgroup MMA (`wgmma`) on the same ring, N = 64 for every batch
-    /// (compute capability 9.0 only).
+    /// `gemv_wg_n*`: Hopper's warpgroup MMA (`wgmma`) on the same ring, N the fewest of 8, 16,
+    /// 32, 64 tokens that hold the batch (compute capability 9.0 only).
     Warpgroup = 2,
 }
 
@@ -517,21 +520,20 @@ impl Kernels {
         let gs = self.gs.as_ref().expect("the streamed GEMV loaded");
         let cols = ws[0].cols();
         let mut segs = GsSegs::default();
-        let mut slots = 0;
+        let (mut seg_units, mut slots) = ([0; MAX_SEGMENTS], 0);
         for (j, w) in ws.iter().enumerate() {
             let split = gs_nsplit(w.rows(), cols, self.sm_count);
+            seg_units[j] = w.rows().div_ceil(GS_BM) * split;
             segs.w[j] = w.ptr();
             segs.rows[j] = w.rows() as i32;
             segs.nsplit[j] = split as i32;
             if split > 1 {
                 segs.pslot0[j] = slots as i32;
-                slots += w.rows().div_ceil(GS_BM) * split;
+                slots += seg_units[j];
             }
         }
         let units;
-        (segs.unit_end, units) = segment_ends(
-            ws.iter().zip(segs.nsplit).map(|(w, split)| w.rows().div_ceil(GS_BM) * split as usize),
-        );
+        (segs.unit_end, units) = segment_ends(seg_units[..ws.len()].iter().copied());
         assert!(slots <= gs.slots, "gemv_gs: {slots} partial slots, the workspace has {}", gs.slots);
         assert!(units <= i32::MAX as usize, "gemv_gs: {units} blocks");
         let aligned = cols.is_multiple_of(8);
@@ -550,7 +552,8 @@ impl Kernels {
                 segs.out[j] = outs[j] + (g0 * w.rows() * 4) as u64;
             }
             let xp = x.ptr() + (g0 * cols * 4) as u64;
-            let args = (cols as i32, n as i32, gs.partials.ptr(), gs.counters.ptr());
+            let (cols_i, n_i, partials, counters) =
+                (cols as i32, n as i32, gs.partials.ptr(), gs.counters.ptr());
             if let (Some(wg), Some(tiles)) = (wg, &tiles) {
                 dev.launch(
                     "wg_split_x",
@@ -558,7 +561,7 @@ impl Kernels {
                     (stages as u32, 1, 1),
                     (GS_THREADS, 1, 1),
                     0,
-                    kernel_args![xp, args.1, WG_CONFIGS[cfg].0 as i32, args.0, tiles.ptr()],
+                    kernel_args![xp, n_i, WG_CONFIGS[cfg].0 as i32, cols_i, tiles.ptr()],
                 );
                 dev.launch(
                     "gemv_wg",
@@ -566,7 +569,7 @@ impl Kernels {
                     (units as u32, 1, 1),
                     (GS_THREADS, 1, 1),
                     wg_smem_bytes(cfg) as u32,
-                    kernel_args![segs, tiles.ptr(), args.0, args.1, args.2, args.3],
+                    kernel_args![segs, tiles.ptr(), cols_i, n_i, partials, counters],
                 );
             } else {
                 dev.launch(
@@ -575,7 +578,7 @@ impl Kernels {
                     (units as u32, 1, 1),
                     (GS_THREADS, 1, 1),
                     gs_smem_bytes(cfg) as u32,
-                    kernel_args![segs, xp, args.0, args.1, args.2, args.3],
+                    kernel_args![segs, xp, cols_i, n_i, partials, counters],
                 );
             }
         }

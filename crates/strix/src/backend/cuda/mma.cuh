@@ -1,5 +1,5 @@
 // Warp-level bf16 tensor-core helpers for the prefill kernels (flash_attention.cu,
-// deltanet_chunked.cu): mma.sync m16n8k16 with f32 accumulation, fragments loaded from shared
+// deltanet_chunked.cu) and the streamed decode GEMVs (matmul.cu): mma.sync m16n8k16 with f32 accumulation, fragments loaded from shared
 // memory with 32-bit loads. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"),
 // with g = lane / 4 and t = lane % 4:
 //   A (16x16, row-major): reg0 = (row g, cols 2t..2t+1), reg1 = (row g+8, same cols),

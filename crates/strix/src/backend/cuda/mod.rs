@@ -989,11 +989,10 @@ impl Backend for CudaBackend {
         outs: &mut [&mut CudaBuf],
         decode_batch: bool,
     ) {
-        // The fused packed launch below is the only taker here (a decode batch's projections).
-        let packed: Vec<&CudaWeight> = ws.iter().copied().filter(|w| w.dtype().is_quantized()).collect();
-        let fused = decode_batch && quant::Kernels::can_fuse(&packed);
-        let pre = self.prequantized(x, tokens, ws.first().map_or(0, |w| w.cols()), fused);
+        let cols = ws.first().map_or(0, |w| w.cols());
         if !decode_batch {
+            // A prompt takes no producer's quantization: the record is only dropped.
+            self.prequantized(x, tokens, cols, false);
             // A prompt's projections: the input rounded to bf16 once for all their GEMMs.
             self.dev.bind();
             let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
@@ -1014,8 +1013,12 @@ impl Backend for CudaBackend {
                 dense_o.push(&mut **out);
             }
         }
+        // The fused packed launch is the only taker here; nothing has run on the device since
+        // the op began (the partition above is host work), so the record is still current.
+        let fused = quant::Kernels::can_fuse(&packed_w);
+        let pre = self.prequantized(x, tokens, cols, fused);
         self.dev.bind();
-        if quant::Kernels::can_fuse(&packed_w) {
+        if fused {
             self.q.matmul_many_rows(&self.dev, x, tokens, &packed_w, &mut packed_o, pre);
             bump(&self.counters.batch_rows);
             bump(&self.counters.gemv_quant_fused);
