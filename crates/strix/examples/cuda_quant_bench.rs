@@ -13,7 +13,9 @@
 //! load by each scheme, with the packed GEMVs reading activations quantized by their producer
 //! (the norms, the SwiGLU) and with the separate `quantize_x` before every GEMV, alternating
 //! the two on one loaded model (synthesised once) so the comparison shares machine and
-//! weights; prints tok/s of each round and the medians. `--wait FILE`: after loading, wait
+//! weights; prints tok/s of each round and the medians. The scheme `bf16` keeps the weights
+//! unquantized (the two modes then run the same kernels). `STRIX_PROFILE_STEPS=n` then runs n
+//! more steps inside a profiler range (`ncu --profile-from-start off`). `--wait FILE`: after loading, wait
 //! until FILE exists before timing (so a run can synthesise its weights while other GPU work
 //! finishes, and time alone).
 //!
@@ -194,13 +196,17 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
     const STEPS: usize = 64;
     const ROUNDS: usize = 4;
     for scheme in schemes.split(',') {
-        let scheme: QuantScheme = scheme.parse()?;
         let config = strix::synthetic::preset(preset)?;
         let weights = strix::synthetic::SyntheticWeights::new(config.clone(), 0x5eed);
         let started = Instant::now();
-        let src = QuantizingSource::new(&weights, &config, scheme);
-        let model = Model::from_source(config.clone(), &src, CudaBackend::new(0)?, None)?;
-        println!("{preset} {} loaded in {:.1} s", scheme.name(), started.elapsed().as_secs_f64());
+        let model = if scheme == "bf16" {
+            Model::from_source(config.clone(), &weights, CudaBackend::new(0)?, None)?
+        } else {
+            let scheme: QuantScheme = scheme.parse()?;
+            let src = QuantizingSource::new(&weights, &config, scheme);
+            Model::from_source(config.clone(), &src, CudaBackend::new(0)?, None)?
+        };
+        println!("{preset} {scheme} loaded in {:.1} s", started.elapsed().as_secs_f64());
         // As `strix bench` decodes a single stream (its bf16 matrices on the CUDA-core GEMVs).
         model.backend().set_tensor_core_gemv(false);
         if let Some(file) = wait {
@@ -234,19 +240,35 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
                 let after = g.path_counts();
                 runs[k].push(tok_s);
                 println!(
-                    "{} round {round} producer quantization {}: {tok_s:.1} tok/s (graph replays {}, prequantized GEMVs recorded so far {})",
-                    scheme.name(),
+                    "{scheme} round {round} producer quantization {}: {tok_s:.1} tok/s (graph replays {}, prequantized GEMVs recorded so far {})",
                     if on { "on " } else { "off" },
                     after.graph_replays - before.graph_replays,
                     after.gemv_quant_prequantized
                 );
             }
         }
+        // STRIX_PROFILE_STEPS=n: n more steps (producer quantization on) inside a profiler
+        // range, for `ncu --profile-from-start off`.
+        let profile: usize =
+            std::env::var("STRIX_PROFILE_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        if profile > 0 {
+            let g = model.backend();
+            g.set_producer_quant(true);
+            let mut s = model.new_session(CONTEXT + profile + 8);
+            model.forward(&mut s, &prompt, Logits::Last)?;
+            for _ in 0..3 {
+                model.decode_batch_greedy(&mut [&mut s], &[1])?;
+            }
+            g.profiler_range(true)?;
+            for _ in 0..profile {
+                model.decode_batch_greedy(&mut [&mut s], &[1])?;
+            }
+            g.profiler_range(false)?;
+        }
         let (a, b) = (median_of(&runs[0]), median_of(&runs[1]));
         println!(
-            "{preset} {} decode at context {CONTEXT}, batch 1: producer quantization {a:.1} tok/s ({:.3} ms a step), \
+            "{preset} {scheme} decode at context {CONTEXT}, batch 1: producer quantization {a:.1} tok/s ({:.3} ms a step), \
              quantize_x {b:.1} tok/s ({:.3} ms); {:+.1} %",
-            scheme.name(),
             1e3 / a,
             1e3 / b,
             100.0 * (a / b - 1.0)

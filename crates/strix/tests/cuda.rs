@@ -1925,6 +1925,31 @@ fn argmax_on_the_device_matches_the_host() {
     let odd = [f32::NAN, f32::NEG_INFINITY, f32::NAN];
     assert_eq!(g.argmax_rows(&g.upload(&odd), 1, 3), vec![0]);
 
+    // The device splits a row over blocks of 2048 columns: the best value in two blocks (the
+    // lower column wins), only in the last, partial block, or in no block at all (NaN and
+    // -inf around one finite value, or nothing finite); 64 vocabulary rows at once.
+    for (rows, cols) in [(4usize, 2048usize), (4, 2049), (4, 6000), (64, 248_320)] {
+        let mut x = rng.vec(rows * cols, 4.0);
+        let row = |r: usize| r * cols;
+        x[row(0) + cols - 1] = 50.0;
+        x[row(0) + 5] = 50.0;
+        x[row(1) + cols - 1] = 60.0;
+        for v in &mut x[row(2)..row(3)] {
+            *v = if rng.below(2) == 0 { f32::NAN } else { f32::NEG_INFINITY };
+        }
+        x[row(2) + cols / 2] = -3.0;
+        for v in &mut x[row(3)..row(4)] {
+            *v = if rng.below(2) == 0 { f32::NAN } else { f32::NEG_INFINITY };
+        }
+        let want = cpu.argmax_rows(&x, rows, cols);
+        assert_eq!(
+            &want[..4],
+            &[5, cols - 1, cols / 2, 0].map(|c| c as u32),
+            "{rows}x{cols}: the host's picks"
+        );
+        assert_eq!(g.argmax_rows(&g.upload(&x), rows, cols), want, "{rows}x{cols}");
+    }
+
     let c = small_real_heads();
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();

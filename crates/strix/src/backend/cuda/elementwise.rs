@@ -26,7 +26,8 @@ pub(super) struct Kernels {
     swiglu_to_bf16: CudaFunction,
     f32_to_bf16: CudaFunction,
     f32_to_bf16_split: CudaFunction,
-    argmax_rows: CudaFunction,
+    argmax_partial: CudaFunction,
+    argmax_finish: CudaFunction,
     sample_rows: CudaFunction,
 }
 
@@ -46,6 +47,11 @@ struct SampleRow {
     presence: f32,
     frequency: f32,
 }
+
+/// `ARGMAX_THREADS` and `ARGMAX_SPAN` of `elementwise.cu`: a block of the argmax's first stage
+/// and the columns it scans.
+const ARGMAX_THREADS: u32 = 256;
+const ARGMAX_SPAN: usize = 256 * 8;
 
 /// `SAMPLE_MAX_K` of the kernel: the top-k a prepared draw may carry.
 const SAMPLE_MAX_K: usize = crate::sampling::PREPARED_TOP_K_MAX;
@@ -82,7 +88,8 @@ impl Kernels {
             swiglu: f("swiglu")?,
             swiglu_q: f("swiglu_q")?,
             swiglu_to_bf16: f("swiglu_to_bf16")?,
-            argmax_rows: f("argmax_rows")?,
+            argmax_partial: f("argmax_partial")?,
+            argmax_finish: f("argmax_finish")?,
             sample_rows: f("sample_rows")?,
             f32_to_bf16: f("f32_to_bf16_copy")?,
             f32_to_bf16_split: f("f32_to_bf16_split")?,
@@ -265,14 +272,24 @@ impl Kernels {
         if rows == 0 {
             return Vec::new();
         }
+        let parts = cols.div_ceil(ARGMAX_SPAN).max(1);
+        let part = dev.alloc(2 * rows * parts).unwrap_or_else(|e| panic!("{e}"));
         let idx = dev.alloc(rows).unwrap_or_else(|e| panic!("{e}"));
         dev.launch(
-            "argmax_rows",
-            &self.argmax_rows,
-            (rows as u32, 1, 1),
-            (1024, 1, 1),
+            "argmax_partial",
+            &self.argmax_partial,
+            (parts as u32, rows as u32, 1),
+            (ARGMAX_THREADS, 1, 1),
             0,
-            kernel_args![x.ptr(), idx.ptr(), cols as i32],
+            kernel_args![x.ptr(), part.ptr(), cols as i32, parts as i32],
+        );
+        dev.launch(
+            "argmax_finish",
+            &self.argmax_finish,
+            (rows as u32, 1, 1),
+            (128, 1, 1),
+            0,
+            kernel_args![part.ptr(), idx.ptr(), parts as i32],
         );
         let mut out = vec![0u32; rows];
         dev.copy_dtoh(&mut out, idx.ptr()).unwrap_or_else(|e| panic!("{e}"));
