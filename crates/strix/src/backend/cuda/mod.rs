@@ -1059,9 +1059,26 @@ impl Backend for CudaBackend {
             }
             return;
         }
-        // One token on packed weights: the SwiGLU also writes its output quantized for the
-        // down projection's GEMV (quant.rs).
+        // One token on packed weights: gate, up, the SwiGLU and its quantization for the down
+        // projection's GEMV in one launch, where the pair fuses and producers quantize.
         let n = gate.rows();
+        if tokens == 1 && self.q.can_glu(gate, up) {
+            if let Some(side) = self.q.producer_side(&self.dev, act, n) {
+                // First in the op: allocating the side buffer queues nothing on the device.
+                let pre = self.prequantized(x, tokens, gate.cols(), true);
+                self.dev.bind();
+                self.q.gemv_glu(&self.dev, x, gate, up, act, pre, &side);
+                self.q.set_prequantized(&self.dev, act, n, side);
+                bump(&self.counters.gemv_quant_fused);
+                bump(&self.counters.gemv_glu);
+                if decode_batch {
+                    bump(&self.counters.batch_rows);
+                }
+                return;
+            }
+        }
+        // Otherwise the SwiGLU after the fused gate/up GEMV also writes its output quantized
+        // for the down projection's GEMV (quant.rs).
         if tokens == 1 && gate.dtype().is_quantized() && up.dtype().is_quantized() && up.rows() == n {
             self.matmul_many(x, tokens, &[gate, up], &mut [&mut *gate_out, &mut *up_out], decode_batch);
             self.dev.bind();

@@ -487,6 +487,101 @@ __device__ __forceinline__ void qgemv_multi_body(const QSegs& segs, const i8* xq
                              reinterpret_cast<float*>(out), rows, cols, tokens, (int)blockIdx.y - first, log2s);
 }
 
+// One token's gate and up projections, the SwiGLU, and its quantization for the down
+// projection's GEMV, in one launch (no gate/up outputs, no swiglu_q kernel between the GEMVs).
+// Warp w of block b takes the QG_GLU rows row0 = (b * QG_WARPS + w) * QG_GLU.. of both
+// matrices, gate's as rows 0..QG_GLU of qgemv_body's R and up's after them, each row's sum by
+// qgemv_body's arithmetic with one warp a row (S = 1: the launcher takes this kernel only where
+// the fused gate/up GEMV would split no row, so every sum is bitwise that launch's, and the
+// batch's). Then silu(g) * u as swiglu, and warp 0 quantizes the block's QG_WARPS * QG_GLU = 32
+// values as swiglu_q does (one group of quantize_x). grid n / 32, block QG_WARPS * 32.
+#define QG_GLU 4
+template <class F, int U>
+__device__ __forceinline__ void qgemv_glu_body(const u8* gq, const u8* gs, const u8* uq, const u8* us,
+                                                const i8* xq, const float* xd, const int* xs, float* act,
+                                                i8* aq, float* ad, int* as, int n, int cols) {
+    constexpr int R = 2 * QG_GLU;
+    static_assert(QG_WARPS * QG_GLU == 32, "a block's values are one quantization group");
+    __shared__ float vals[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 row0 = ((i64)blockIdx.x * QG_WARPS + warp) * QG_GLU;
+    const int units = F::units(cols);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    typename F::Raw w[R][U];
+    pdl_launch_dependents();
+    // Rows 0..QG_GLU of gate, then the same rows of up; the first units go out before the wait.
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int i = lane + 32 * u;
+        if (i < units)
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                w[r][u] = r < QG_GLU ? F::load(gq, gs, row0 + r, n, cols, i) : F::load(uq, us, row0 + r - QG_GLU, n, cols, i);
+    }
+    pdl_wait();
+    const XQ x{xq, xd, xs};
+    for (int k0 = 0; lane + 32 * k0 < units; k0 += U) {
+        if (k0 > 0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i = lane + 32 * (k0 + u);
+                if (i < units)
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+                        w[r][u] = r < QG_GLU ? F::load(gq, gs, row0 + r, n, cols, i)
+                                             : F::load(uq, us, row0 + r - QG_GLU, n, cols, i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = lane + 32 * (k0 + u);
+            if (i < units) {
+                const typename F::X a = F::loadx(i, x);
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r] = __fadd_rn(acc[r], F::dotx(w[r][u], i, a));
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < QG_GLU; r++) {
+        const float g = warp_sum(acc[r]);
+        const float u = warp_sum(acc[QG_GLU + r]);
+        if (lane == 0) vals[warp * QG_GLU + r] = silu_f(g) * u;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    // swiglu_q's quantization of group blockIdx.x.
+    const i64 grp = blockIdx.x;
+    const i64 i = grp * 32 + lane;
+    const float v = vals[lane];
+    act[i] = v;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const int q = (int)roundf(__fmul_rn(v, id));
+    aq[i] = (i8)q;
+    int sum = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) ad[grp] = d;
+    if ((lane & 15) == 0) as[grp * 2 + (lane >> 4)] = sum;
+}
+#define QGEMV_GLU(NAME, F, U, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, MINB)                                        \
+        qgemv_glu_##NAME(const u8* gq, const u8* gs, const u8* uq, const u8* us, const i8* xq, const float* xd, \
+                         const int* xs, float* act, i8* aq, float* ad, int* as, int n, int cols) {             \
+        qgemv_glu_body<F, U>(gq, gs, uq, us, xq, xd, xs, act, aq, ad, as, n, cols);                          \
+    }
+// (U, blocks per SM): the most that fit without spilling.
+QGEMV_GLU(q8_0, Q8_0F, 1, 2)
+QGEMV_GLU(q4_0, Q4_0F, 1, 2)
+QGEMV_GLU(q4_k, Q4_KF, 1, 2)
+QGEMV_GLU(q6_k, Q6_KF, 1, 1)
+
 // One token, R rows a warp, held to 65536 / (256 * MINB) registers a thread; and the batch
 // (QG_NT tokens a block, RB rows a warp). Grid (ceil(tokens / NT), row blocks), block
 // QG_WARPS * 32; a block takes (QG_WARPS >> log2s) * R rows.

@@ -218,6 +218,8 @@ pub(super) struct Kernels {
     /// `[format]` batched GEMVs, single and multi-segment.
     gemv_rows: Vec<CudaFunction>,
     gemv_multi_rows: Vec<CudaFunction>,
+    /// `[format]` one-token gate/up GEMVs with the SwiGLU and its quantization.
+    gemv_glu: Vec<CudaFunction>,
     dequant: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     sm_count: usize,
@@ -288,6 +290,7 @@ impl Kernels {
             resident_multi: Vec::new(),
             gemv_rows: Vec::new(),
             gemv_multi_rows: Vec::new(),
+            gemv_glu: Vec::new(),
             dequant: Vec::new(),
             embed: Vec::new(),
             sm_count: dev.sm_count as usize,
@@ -310,6 +313,7 @@ impl Kernels {
             k.resident_multi.push(resident(k.gemv_multi.last().expect("pushed")));
             k.gemv_rows.push(f(&format!("qgemv_rows_{name}"))?);
             k.gemv_multi_rows.push(f(&format!("qgemv_multi_rows_{name}"))?);
+            k.gemv_glu.push(f(&format!("qgemv_glu_{name}"))?);
             k.dequant.push(f(&format!("dequant_bf16_{name}"))?);
             k.embed.push(f(&format!("embed_{name}"))?);
         }
@@ -528,6 +532,65 @@ impl Kernels {
             }
         }
         launches
+    }
+
+    /// Whether [`Kernels::gemv_glu`] takes this gate/up pair: one format and width, as many rows
+    /// (a multiple of 32: a block's values are one quantization group), and a shape whose
+    /// fused gate/up GEMV splits no row over warps (so each row's sum is bitwise that one's).
+    pub fn can_glu(&self, gate: &CudaWeight, up: &CudaWeight) -> bool {
+        let (n, cols, dtype) = (gate.rows(), gate.cols(), gate.dtype());
+        dtype.is_quantized()
+            && up.dtype() == dtype
+            && up.cols() == cols
+            && up.rows() == n
+            && n > 0
+            && n.is_multiple_of(32)
+            && cols > 0
+            && self.split_log2(2 * n, cols / unit_cols(dtype)) == 0
+    }
+
+    /// One token's `act = silu(x · gateᵀ) * (x · upᵀ)` (`n` values) in one launch, also written
+    /// quantized into `side` for the down projection's GEMV: bitwise the fused gate/up GEMV
+    /// ([`Kernels::matmul_many_rows`]) then `swiglu_q`. `pre`: the producer's quantization of
+    /// `x`, if any. Takes what [`Kernels::can_glu`] accepts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_glu(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        act: &mut CudaBuf,
+        pre: Option<XQuant>,
+        side: &XQuant,
+    ) {
+        assert!(self.can_glu(gate, up), "gemv_glu: the gate/up pair does not fuse");
+        check(x, 1, gate, act);
+        let (n, cols, dtype) = (gate.rows(), gate.cols(), gate.dtype());
+        let xq = self.quantize_x(dev, x, 1, cols, pre);
+        let scales = |w: &CudaWeight| w.ptr() + (n * planes(dtype, cols).0) as u64;
+        dev.launch(
+            "qgemv_glu",
+            &self.gemv_glu[format_index(dtype)],
+            ((n / 32) as u32, 1, 1),
+            (QG_WARPS as u32 * 32, 1, 1),
+            0,
+            kernel_args![
+                gate.ptr(),
+                scales(gate),
+                up.ptr(),
+                scales(up),
+                xq.q,
+                xq.d,
+                xq.s,
+                act.ptr(),
+                side.q,
+                side.d,
+                side.s,
+                n as i32,
+                cols as i32
+            ],
+        );
     }
 
     /// Whether [`Kernels::matmul_many_rows`] takes these weights: two or more, all packed, all
