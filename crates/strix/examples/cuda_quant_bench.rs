@@ -11,8 +11,9 @@
 //! `--decode SCHEMES`: instead, whole decode steps (batch 1, recorded graphs, greedy on the
 //! device, as `strix bench` decodes at context 128) of the preset's random weights quantized on
 //! load by each scheme, with the packed GEMVs reading activations quantized by their producer
-//! (the norms, the SwiGLU) and with the separate `quantize_x` before every GEMV, alternating
-//! the two on one loaded model (synthesised once) so the comparison shares machine and
+//! (the norms, the gate/up GEMV with the SwiGLU, the delta rule), the same without the delta
+//! rule's, and with the separate `quantize_x` before every GEMV, alternating the three on one
+//! loaded model (synthesised once) so the comparison shares machine and
 //! weights; prints tok/s of each round and the medians. The scheme `bf16` keeps the weights
 //! unquantized (the two modes then run the same kernels). `STRIX_PROFILE_STEPS=n` then runs n
 //! more steps inside a profiler range (`ncu --profile-from-start off`). `--wait FILE`: after loading, wait
@@ -218,11 +219,14 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
         }
         let vocab = config.vocab_size;
         let prompt: Vec<u32> = (0..CONTEXT).map(|i| (splitmix(i as u64) % vocab as u64) as u32).collect();
-        let mut runs: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        // Producer quantization on, on without the delta rule's, off.
+        let modes = [(true, true, "on "), (true, false, "on, not the delta rule"), (false, true, "off")];
+        let mut runs: [Vec<f64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
         for round in 0..ROUNDS {
-            for (k, on) in [(0usize, true), (1, false)] {
+            for (k, &(on, deltanet, label)) in modes.iter().enumerate() {
                 let g = model.backend();
                 g.set_producer_quant(on);
+                g.set_deltanet_producer_quant(deltanet);
                 let mut s = model.new_session(CONTEXT + STEPS + 8);
                 let logits = model.forward(&mut s, &prompt, Logits::Last)?;
                 let mut next =
@@ -241,7 +245,7 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
                 runs[k].push(tok_s);
                 println!(
                     "{scheme} round {round} producer quantization {}: {tok_s:.1} tok/s (graph replays {}, prequantized GEMVs recorded so far {})",
-                    if on { "on " } else { "off" },
+                    label,
                     after.graph_replays - before.graph_replays,
                     after.gemv_quant_prequantized
                 );
@@ -265,11 +269,12 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
             }
             g.profiler_range(false)?;
         }
-        let (a, b) = (median_of(&runs[0]), median_of(&runs[1]));
+        let (a, d, b) = (median_of(&runs[0]), median_of(&runs[1]), median_of(&runs[2]));
         println!(
             "{preset} {scheme} decode at context {CONTEXT}, batch 1: producer quantization {a:.1} tok/s ({:.3} ms a step), \
-             quantize_x {b:.1} tok/s ({:.3} ms); {:+.1} %",
+             without the delta rule's {d:.1} tok/s ({:.3} ms), quantize_x {b:.1} tok/s ({:.3} ms); {:+.1} %",
             1e3 / a,
+            1e3 / d,
             1e3 / b,
             100.0 * (a / b - 1.0)
         );

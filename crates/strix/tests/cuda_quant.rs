@@ -29,7 +29,7 @@ use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, GemmPath, PathCounts, QUANT_GEMV_MAX_TOKENS};
 use strix::backend::{Backend, KvCacheType};
 use strix::checkpoint::Checkpoint;
-use strix::config::ModelConfig;
+use strix::config::{LayerKind, ModelConfig};
 use strix::model::{Logits, Model, TensorSource};
 use strix::quant::{dequantize_row, quantize_row};
 use strix::tensor::{Bytes, DType, HostTensor};
@@ -630,12 +630,15 @@ fn producer_quantized_activations_are_bitwise_and_never_stale() {
                 (all, used(&g) - before)
             };
             let (off, used_off) = run(false);
+            let glu_before = g.path_counts().gemv_glu;
             let (on, used_on) = run(true);
+            let glu_ran = g.path_counts().gemv_glu - glu_before;
             assert_eq!(used_off, 0, "{what}: producer quantization read while switched off");
-            // Norm -> GEMV, norm -> fused pair, norm -> one-token matmul, the decode batch's
-            // MLP norm -> fused gate/up and SwiGLU -> down, the prompt-side MLP SwiGLU -> down
-            // (its gate and up run as separate matmuls, each quantizing x).
-            assert_eq!(used_on, 6, "{what}: GEMVs that read the producer's quantization");
+            // Norm -> GEMV, norm -> fused pair, norm -> one-token matmul, and in both MLPs (as a
+            // decode batch and as a prompt's last token) norm -> the gate/up GEMV with the
+            // SwiGLU (every shape here fuses: `qgemv_glu`) and that GEMV -> down.
+            assert_eq!(used_on, 7, "{what}: GEMVs that read the producer's quantization");
+            assert_eq!(glu_ran, 2, "{what}: one-token MLPs on the fused gate/up GEMV");
             for (k, (a, b)) in on.iter().zip(&off).enumerate() {
                 assert!(bitwise(a, b), "{what}: output {k} differs from the quantize_x path");
             }
@@ -699,9 +702,14 @@ fn producer_quantized_activations_are_bitwise_and_never_stale() {
 }
 
 /// Whole decode steps with producer quantization on and off, on a synthetic model (hidden 256,
-/// so the K-quants apply): batch-1 steps (eager, recorded and replayed graphs) give bitwise the
-/// same logits either way, and a sequence in a batch of two (where every packed GEMV quantizes
-/// its own input) bitwise its batch-1 logits.
+/// so the K-quants apply) with the 0.8B's linear-attention heads and with the 9B's (twice the
+/// value heads, whose batch-1 delta rule also quantizes its output for out_proj): batch-1 steps
+/// (eager, recorded and replayed graphs) give bitwise the same logits either way, and a
+/// sequence in a batch of two (where every packed GEMV quantizes its own input) bitwise its
+/// batch-1 logits. The packed GEMVs of a batch-1 step that read their producer's quantization:
+/// every layer's input projections (the norm), its gate/up (the norm) and down (the gate/up
+/// GEMV with the SwiGLU), the lm_head (the final norm), and with the 9B's heads each DeltaNet
+/// layer's out_proj.
 #[test]
 fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
     if gpu().is_none() {
@@ -713,49 +721,62 @@ fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
     c.intermediate_size = 768;
     c.num_layers = 4;
     c.layer_kinds.truncate(4);
-    let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
     let mut rng = Rng(8);
     let prompt: Vec<u32> = (0..9).map(|_| rng.below(c.vocab_size) as u32).collect();
     let other: Vec<u32> = (0..4).map(|_| rng.below(c.vocab_size) as u32).collect();
     let vocab = c.vocab_size;
     let bitwise =
         |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
-        let src = Quantized { inner: &weights, dtype };
-        let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
-            let gpu = Model::from_source(c.clone(), &src, CudaBackend::new(0).unwrap(), None).unwrap();
-            gpu.backend().set_producer_quant(on);
-            let (mut a, mut a2, mut b) = (gpu.new_session(64), gpu.new_session(64), gpu.new_session(64));
-            gpu.forward(&mut a, &prompt, Logits::Last).unwrap();
-            gpu.forward(&mut a2, &prompt, Logits::Last).unwrap();
-            gpu.forward(&mut b, &other, Logits::Last).unwrap();
-            let (mut single, mut pair) = (Vec::new(), Vec::new());
-            let mut next = prompt[0];
-            for _ in 0..6 {
-                let l1 = gpu.decode_batch(&mut [&mut a], &[next]).unwrap();
-                let l2 = gpu.decode_batch(&mut [&mut a2, &mut b], &[next, next]).unwrap();
-                pair.push(l2[..vocab].to_vec());
-                next = argmax(&l1);
-                single.push(l1);
+    let linear_layers = c.layer_kinds.iter().filter(|k| matches!(k, LayerKind::DeltaNet)).count();
+    let mut nine_b = c.clone();
+    nine_b.linear_num_v_heads = 2 * nine_b.linear_num_k_heads;
+    for (heads, c) in [("0.8B heads", c), ("9B heads", nine_b)] {
+        let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
+        let out_proj_reads = if heads == "9B heads" { linear_layers } else { 0 };
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+            let src = Quantized { inner: &weights, dtype };
+            let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
+                let gpu = Model::from_source(c.clone(), &src, CudaBackend::new(0).unwrap(), None).unwrap();
+                gpu.backend().set_producer_quant(on);
+                let (mut a, mut a2, mut b) = (gpu.new_session(64), gpu.new_session(64), gpu.new_session(64));
+                gpu.forward(&mut a, &prompt, Logits::Last).unwrap();
+                gpu.forward(&mut a2, &prompt, Logits::Last).unwrap();
+                gpu.forward(&mut b, &other, Logits::Last).unwrap();
+                let (mut single, mut pair) = (Vec::new(), Vec::new());
+                let mut next = prompt[0];
+                for _ in 0..6 {
+                    let l1 = gpu.decode_batch(&mut [&mut a], &[next]).unwrap();
+                    let l2 = gpu.decode_batch(&mut [&mut a2, &mut b], &[next, next]).unwrap();
+                    pair.push(l2[..vocab].to_vec());
+                    next = argmax(&l1);
+                    single.push(l1);
+                }
+                (single, pair, gpu.backend().path_counts())
+            };
+            let (off, off_pair, off_counts) = run(false);
+            let (on, on_pair, on_counts) = run(true);
+            let what = format!("{heads}, {dtype:?}");
+            println!("{what}, producer quantization on: {on_counts}");
+            assert_eq!(off_counts.gemv_quant_prequantized, 0, "{what}: read while off");
+            assert!(on_counts.graph_replays > 0 && on_counts.graph_captures > 0, "{what}: no graphs ran");
+            // Host ops run for the batch-1 step's eager sight and its recording, not its replays.
+            let per_step = 3 * c.num_layers + 1 + out_proj_reads;
+            assert_eq!(
+                on_counts.gemv_quant_prequantized,
+                2 * per_step as u64,
+                "{what}: GEMVs reading a producer's quantization"
+            );
+            for step in 0..on.len() {
+                assert!(
+                    bitwise(&on[step], &off[step]),
+                    "{what} step {step}: batch 1 differs with producer quantization"
+                );
+                assert!(
+                    bitwise(&on_pair[step], &on[step]),
+                    "{what} step {step}: batch 2 differs from batch 1"
+                );
+                assert!(bitwise(&off_pair[step], &off[step]), "{what} step {step}: batch 2 differs (off)");
             }
-            (single, pair, gpu.backend().path_counts())
-        };
-        let (off, off_pair, off_counts) = run(false);
-        let (on, on_pair, on_counts) = run(true);
-        println!("{dtype:?} producer quantization on: {on_counts}");
-        assert_eq!(off_counts.gemv_quant_prequantized, 0, "{dtype:?}: read while off");
-        assert!(on_counts.gemv_quant_prequantized > 0, "{dtype:?}: producer quantization never read");
-        assert!(on_counts.graph_replays > 0 && on_counts.graph_captures > 0, "{dtype:?}: no graphs ran");
-        for step in 0..on.len() {
-            assert!(
-                bitwise(&on[step], &off[step]),
-                "{dtype:?} step {step}: batch 1 differs with producer quantization"
-            );
-            assert!(
-                bitwise(&on_pair[step], &on[step]),
-                "{dtype:?} step {step}: batch 2 differs from batch 1"
-            );
-            assert!(bitwise(&off_pair[step], &off[step]), "{dtype:?} step {step}: batch 2 differs (off)");
         }
     }
 }

@@ -522,12 +522,23 @@ struct ConvChan<0> {  // unused: the generic path convolves straight from memory
     __device__ __forceinline__ void load(const float*, const float*, i64) {}
 };
 
-template <int DK, bool EXACT, int COLS, int KC>
+// The block's COLS outputs (part 0 of each column holds one; `first` is the first one's index
+// in the token's row) quantized as quantize_x does, COLS / 32 groups.
+template <int COLS>
+__device__ __forceinline__ void gdn_quantize_out(float res, i64 first, signed char* xq, float* xd, int* xs) {
+    __shared__ float qv[COLS];
+    if ((threadIdx.x & (GDN_PARTS - 1)) == 0) qv[threadIdx.x / GDN_PARTS] = res;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (warp < COLS / 32) quantize_group32(qv[warp * 32 + lane], lane, first / 32 + warp, xq, xd, xs);
+}
+
+template <int DK, bool EXACT, int COLS, int KC, bool QX>
 __device__ __forceinline__ void gdn_decode_fused_body(
     const float* qkv, const float* z, const float* a, const float* b, const float* conv_w,
     const float* a_log, const float* dt_bias, const float* norm_w, const unsigned long long* conv_states,
     const unsigned long long* states, float* out, int nk, int nv, int dk, int dv, int K, float q_scale,
-    int kh_div, float eps) {
+    int kh_div, float eps, signed char* xq, float* xd, int* xs) {
     constexpr int ROWS = DK / GDN_PARTS;
     constexpr int THREADS = COLS * GDN_PARTS;
     constexpr int WARPS = COLS / GDN_WARP_COLS;
@@ -671,21 +682,30 @@ __device__ __forceinline__ void gdn_decode_fused_body(
     float total = 0.f;
     for (int g = 0; g < groups; g++) total += ssp[g];
     const float inv = 1.f / sqrtf(total / (float)dv + eps);
-    if (active && part == 0) out[seq * value_dim + h * dv + j] = nw * (o * inv) * silu_f(zj);
+    const float res = nw * (o * inv) * silu_f(zj);
+    if (active && part == 0) out[seq * value_dim + h * dv + j] = res;
+    // QX: one token's output also quantized for the packed out_proj GEMV (quant.rs,
+    // "activations quantized by their producer"); the launcher takes a QX kernel only for one
+    // token with dv a multiple of COLS, so the block's columns are COLS / 32 whole groups.
+    if constexpr (QX) gdn_quantize_out<COLS>(res, (i64)h * dv + tile * COLS, xq, xd, xs);
 }
 
-#define GDN_FUSED(NAME, DK, EXACT, COLS, KC, MINB)                                                       \
+#define GDN_FUSED(NAME, DK, EXACT, COLS, KC, MINB, QX)                                                       \
     extern "C" __global__ void __launch_bounds__(COLS * GDN_PARTS, MINB) NAME(                          \
         const float* qkv, const float* z, const float* a, const float* b, const float* conv_w,       \
         const float* a_log, const float* dt_bias, const float* norm_w,                               \
         const unsigned long long* conv_states, const unsigned long long* states, float* out, int nk, \
-        int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps) {                       \
-        gdn_decode_fused_body<DK, EXACT, COLS, KC>(qkv, z, a, b, conv_w, a_log, dt_bias, norm_w,    \
+        int nv, int dk, int dv, int K, float q_scale, int kh_div, float eps, signed char* xq, float* xd, \
+        int* xs) {                                                                                   \
+        gdn_decode_fused_body<DK, EXACT, COLS, KC, QX>(qkv, z, a, b, conv_w, a_log, dt_bias, norm_w,    \
                                                    conv_states, states, out, nk, nv, dk, dv, K,      \
-                                                   q_scale, kh_div, eps);                            \
+                                                   q_scale, kh_div, eps, xq, xd, xs);                \
     }
-GDN_FUSED(gdn_decode_fused_dk128_k4_c32, 128, true, 32, 4, 7)
-GDN_FUSED(gdn_decode_fused_dk128_k4_c16, 128, true, 16, 4, 10)
-GDN_FUSED(gdn_decode_fused_dk128_k4_c64, 128, true, 64, 4, 3)
-GDN_FUSED(gdn_decode_fused_dk128_k4_c128, 128, true, 128, 4, 1)
-GDN_FUSED(gdn_decode_fused_generic, 256, false, 32, 0, 3)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c32, 128, true, 32, 4, 7, false)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c16, 128, true, 16, 4, 10, false)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c64, 128, true, 64, 4, 3, false)
+GDN_FUSED(gdn_decode_fused_dk128_k4_c128, 128, true, 128, 4, 1, false)
+GDN_FUSED(gdn_decode_fused_generic, 256, false, 32, 0, 3, false)
+// One token (the batch-1 tiling of 32 columns: one block an SM, so no register bound), its
+// output also quantized (xq, xd, xs).
+GDN_FUSED(gdn_decode_fused_dk128_k4_c32_q, 128, true, 32, 4, 1, true)

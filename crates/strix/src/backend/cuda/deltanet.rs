@@ -8,6 +8,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
+use super::quant::XQuant;
 use crate::backend::{DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
 
@@ -60,6 +61,8 @@ pub(super) struct Kernels {
     /// The fused decode kernel's fast path, one per column tiling (`DECODE_COLS`).
     gdn_decode_fused: [CudaFunction; 4],
     gdn_decode_fused_generic: CudaFunction,
+    /// The 32-column fast path that also quantizes its one token's output.
+    gdn_decode_fused_c32_q: CudaFunction,
     /// `STRIX_GDN_DECODE_COLS` (one of `DECODE_COLS`): the fused decode kernel's column
     /// tiling, forced where the shape allows it (benchmarks and tests compare them);
     /// otherwise chosen per launch.
@@ -102,6 +105,7 @@ impl Kernels {
                 f(DECODE_NAMES[3])?,
             ],
             gdn_decode_fused_generic: f("gdn_decode_fused_generic")?,
+            gdn_decode_fused_c32_q: f("gdn_decode_fused_dk128_k4_c32_q")?,
             decode_cols: std::env::var("STRIX_GDN_DECODE_COLS").ok().and_then(|v| v.parse().ok()),
             chunked_smem_limit: limit,
         })
@@ -311,6 +315,9 @@ impl Kernels {
     /// recurrent delta rule and the gated RMSNorm in one launch (`gdn_decode_fused_body`), for
     /// shapes [`Kernels::decode_cluster`] takes. `qkv` holds the raw projections (left as
     /// they are), `z` `[n, value_dim]`, `norm` `[v_head_dim]`; `out` gets the normed output.
+    /// With `side`, one token on the 32-column fast path (the 9B's batch-1 tiling) also writes
+    /// its output quantized there for the packed out_proj (as `quantize_x` would, bitwise):
+    /// true when it did.
     #[allow(clippy::too_many_arguments)]
     pub fn deltanet_decode_rows(
         &self,
@@ -327,10 +334,18 @@ impl Kernels {
         convs: &mut [&mut CudaBuf],
         states: &mut [&mut CudaBuf],
         out: &mut CudaBuf,
-    ) {
+        side: Option<&XQuant>,
+    ) -> bool {
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         let (k, n) = (shape.conv_kernel, states.len());
         let (f, name, cols, cluster) = self.decode_kernel(shape, n, dev.sm_count as usize);
+        let quantize = side.filter(|_| n == 1 && name == DECODE_NAMES[1] && dv.is_multiple_of(32));
+        let (f, name) = if quantize.is_some() {
+            (&self.gdn_decode_fused_c32_q, "gdn_decode_fused_dk128_k4_c32_q")
+        } else {
+            (f, name)
+        };
+        let (xq, xd, xs) = quantize.map_or((0, 0, 0), |q| (q.q, q.d, q.s));
         assert_eq!(convs.len(), n, "deltanet_decode_rows: one conv state per sequence");
         assert!(qkv.len() >= n * shape.conv_dim(), "deltanet_decode_rows: qkv too short");
         assert!(z.len() >= n * shape.value_dim(), "deltanet_decode_rows: z too short");
@@ -341,7 +356,7 @@ impl Kernels {
         assert!(out.len() >= n * shape.value_dim(), "deltanet_decode_rows: out too short");
         assert!(n <= 65535, "deltanet_decode_rows: batch of {n} exceeds one launch's grid");
         if n == 0 {
-            return;
+            return false;
         }
         let conv_ptrs = state_pointers(convs, shape.conv_state_len(), "deltanet_decode_rows");
         let (_conv_dev, conv_ptr) = dev.upload_u64(&conv_ptrs).unwrap_or_else(|e| panic!("{e}"));
@@ -374,9 +389,13 @@ impl Kernels {
                 k as i32,
                 q_scale,
                 shape.key_head_divisor() as i32,
-                shape.eps
+                shape.eps,
+                xq,
+                xd,
+                xs
             ],
         );
+        quantize.is_some()
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -191,18 +191,7 @@ extern "C" __global__ void swiglu_q(const float* gate, const float* up, float* o
     const i64 i = g * 32 + lane;
     const float v = silu_f(gate[i]) * up[i];
     out[i] = v;
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    const int q = (int)roundf(__fmul_rn(v, id));
-    xq[i] = (signed char)q;
-    int s = q;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) xd[g] = d;
-    if ((lane & 15) == 0) xs[g * 2 + (lane >> 4)] = s;
+    quantize_group32(v, lane, g, xq, xd, xs);
 }
 
 // SwiGLU straight into a GEMM's bf16 input: silu(gate) * up rounded as f32_to_bf16_copy (with

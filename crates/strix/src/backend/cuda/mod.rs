@@ -287,6 +287,9 @@ pub struct CudaBackend {
     counters: Counters,
     graphs: Mutex<graph::Recordings>,
     use_graphs: AtomicBool,
+    /// Whether the one-token delta rule also quantizes its output for a packed out_proj
+    /// ([`CudaBackend::set_deltanet_producer_quant`]).
+    deltanet_quant: AtomicBool,
 }
 
 impl CudaBackend {
@@ -331,6 +334,7 @@ impl CudaBackend {
             counters,
             graphs: Mutex::default(),
             use_graphs: AtomicBool::new(use_graphs),
+            deltanet_quant: AtomicBool::new(true),
         })
     }
 
@@ -512,6 +516,13 @@ impl CudaBackend {
     /// every packed GEMV quantizes its input itself first. Results are bitwise the same.
     pub fn set_producer_quant(&self, on: bool) {
         self.q.set_producer_quant(on);
+    }
+
+    /// Whether the one-token Gated DeltaNet kernel is among the producers that quantize (with
+    /// [`CudaBackend::set_producer_quant`] on; default on): off, the packed out_proj quantizes
+    /// its input itself, for comparisons. Results are bitwise the same.
+    pub fn set_deltanet_producer_quant(&self, on: bool) {
+        self.deltanet_quant.store(on, Ordering::Relaxed);
     }
 
     /// The producer's quantization of `x` for a packed GEMV of `tokens` rows of `cols`, if the
@@ -734,6 +745,7 @@ impl Backend for CudaBackend {
         let key =
             if self.mm.uses_mma() { key ^ ((self.mm.tc_kernel() as u64) << 61) } else { key ^ (1 << 63) };
         let key = if self.q.producer_quant() { key ^ (1 << 60) } else { key };
+        let key = if self.deltanet_quant.load(Ordering::Relaxed) { key } else { key ^ (1 << 59) };
         let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
             bump(&self.counters.steps_eager);
             read(&step());
@@ -1199,8 +1211,15 @@ impl Backend for CudaBackend {
                 out,
             );
         }
+        // One token's output may also go out quantized for the packed out_proj (quant.rs).
+        let n = shape.value_dim();
+        let side = if states.len() == 1 && self.deltanet_quant.load(Ordering::Relaxed) {
+            self.q.producer_side(&self.dev, out, n)
+        } else {
+            None
+        };
         self.dev.bind();
-        self.dn.deltanet_decode_rows(
+        let quantized = self.dn.deltanet_decode_rows(
             &self.dev,
             shape,
             qkv,
@@ -1214,7 +1233,11 @@ impl Backend for CudaBackend {
             convs,
             states,
             out,
+            side.as_ref(),
         );
+        if let (true, Some(side)) = (quantized, side) {
+            self.q.set_prequantized(&self.dev, out, n, side);
+        }
         bump(&self.counters.batch_rows);
         bump(&self.counters.gdn_decode_fused);
     }

@@ -78,3 +78,22 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_launch_dependents();
     pdl_wait();
 }
+
+// quantize_x's arithmetic for one group of 32 activations, a lane each (every lane of the warp
+// joins; `v` is lane `lane`'s value): d = amax / 127 (0 for an all-zero group), q = round(v / d)
+// into xq[32 * g + lane], d into xd[g], and the sums of each 16 quants into xs[2 * g], xs[2 * g + 1].
+// Every producer that quantizes a group this way writes bitwise what quantize_x would.
+__device__ __forceinline__ void quantize_group32(float v, int lane, i64 g, signed char* xq, float* xd, int* xs) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const int q = (int)roundf(__fmul_rn(v, id));
+    xq[g * 32 + lane] = (signed char)q;
+    int s = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) xd[g] = d;
+    if ((lane & 15) == 0) xs[g * 2 + (lane >> 4)] = s;
+}

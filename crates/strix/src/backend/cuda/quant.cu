@@ -75,19 +75,7 @@ extern "C" __global__ void quantize_x(const float* x, i8* xq,
     const int lane = threadIdx.x & 31;
     const i64 g = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (g >= groups) return;
-    const float v = x[g * 32 + lane];
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    const int q = (int)roundf(__fmul_rn(v, id));
-    xq[g * 32 + lane] = (i8)q;
-    int s = q;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) xd[g] = d;
-    if ((lane & 15) == 0) xs[g * 2 + (lane >> 4)] = s;
+    quantize_group32(x[g * 32 + lane], lane, g, xq, xd, xs);
 }
 
 // Activations of one token, quantized.
@@ -494,7 +482,7 @@ __device__ __forceinline__ void qgemv_multi_body(const QSegs& segs, const i8* xq
 // qgemv_body's arithmetic with one warp a row (S = 1: the launcher takes this kernel only where
 // the fused gate/up GEMV would split no row, so every sum is bitwise that launch's, and the
 // batch's). Then silu(g) * u as swiglu, and warp 0 quantizes the block's QG_WARPS * QG_GLU = 32
-// values as swiglu_q does (one group of quantize_x). grid n / 32, block QG_WARPS * 32.
+// values (one group of quantize_x). grid n / 32, block QG_WARPS * 32.
 #define QG_GLU 4
 template <class F, int U>
 __device__ __forceinline__ void qgemv_glu_body(const u8* gq, const u8* gs, const u8* uq, const u8* us,
@@ -552,23 +540,8 @@ __device__ __forceinline__ void qgemv_glu_body(const u8* gq, const u8* gs, const
     }
     __syncthreads();
     if (warp != 0) return;
-    // swiglu_q's quantization of group blockIdx.x.
-    const i64 grp = blockIdx.x;
-    const i64 i = grp * 32 + lane;
-    const float v = vals[lane];
-    act[i] = v;
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    const int q = (int)roundf(__fmul_rn(v, id));
-    aq[i] = (i8)q;
-    int sum = q;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) ad[grp] = d;
-    if ((lane & 15) == 0) as[grp * 2 + (lane >> 4)] = sum;
+    act[(i64)blockIdx.x * 32 + lane] = vals[lane];
+    quantize_group32(vals[lane], lane, blockIdx.x, aq, ad, as);
 }
 #define QGEMV_GLU(NAME, F, U, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32, MINB)                                        \
