@@ -31,7 +31,7 @@
 
 mod common;
 
-use common::{argmax, cases, fixtures, gpu, rel_err, Case, Rng};
+use common::{argmax, cases, fixtures, gpu, rel_err, small_real_heads, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath, TensorCoreKernel};
 use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType, ValueHeadOrder};
@@ -1227,18 +1227,6 @@ fn continuation_equals_one_long_prefill() {
     }
 }
 
-/// A small-width synthetic config with the real head shapes (k/v head dim 128, attention head
-/// dim 256, rotary 64).
-fn small_real_heads() -> strix::config::ModelConfig {
-    let mut c = strix::synthetic::preset("qwen3.5-0.8b").unwrap();
-    c.vocab_size = 2048;
-    c.hidden_size = 256;
-    c.intermediate_size = 512;
-    c.num_layers = 4;
-    c.layer_kinds.truncate(4);
-    c
-}
-
 /// CUDA against the CPU on the same bf16 weights: the precise path against the plain CPU, the
 /// default path against the CPU with its bf16 GEMM activations emulated.
 #[test]
@@ -1246,7 +1234,7 @@ fn synthetic_model_with_real_head_shapes_matches_cpu() {
     if gpu().is_none() {
         return;
     }
-    let c = small_real_heads();
+    let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 11);
     let mut rng = Rng(8);
     let prompt: Vec<u32> = (0..130).map(|_| rng.below(c.vocab_size) as u32).collect();
@@ -1492,7 +1480,7 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
 }
 
 fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
-    let c = small_real_heads();
+    let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
     model.backend().set_tensor_core_gemv(tensor_core);
@@ -1583,7 +1571,7 @@ fn recorded_decode_steps_equal_eager_steps_bitwise() {
 }
 
 fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
-    let c = small_real_heads();
+    let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
     let mut rng = Rng(14);
@@ -1641,7 +1629,7 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
     if gpu().is_none() {
         return;
     }
-    let c = small_real_heads();
+    let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
     let mut rng = Rng(16);
@@ -1950,7 +1938,7 @@ fn argmax_on_the_device_matches_the_host() {
         assert_eq!(g.argmax_rows(&g.upload(&x), rows, cols), want, "{rows}x{cols}");
     }
 
-    let c = small_real_heads();
+    let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
     let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
     let (mut a, mut b) = (model.try_new_session(64).unwrap(), model.try_new_session(64).unwrap());

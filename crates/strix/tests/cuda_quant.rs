@@ -23,7 +23,7 @@
 
 mod common;
 
-use common::{argmax, fixtures, gpu, rel_err, Dequantized, Rng};
+use common::{argmax, fixtures, gpu, rel_err, small_real_heads, Dequantized, Rng};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, GemmPath, PathCounts, QUANT_GEMV_MAX_TOKENS};
@@ -478,12 +478,7 @@ fn synthetic_model_in_every_format_matches_cpu() {
     if gpu().is_none() {
         return;
     }
-    let mut c = strix::synthetic::preset("qwen3.5-0.8b").unwrap();
-    c.vocab_size = 2048;
-    c.hidden_size = 256;
-    c.intermediate_size = 512;
-    c.num_layers = 4;
-    c.layer_kinds.truncate(4);
+    let c = small_real_heads(512);
     assert!(c.tie_word_embeddings);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
     let mut rng = Rng(6);
@@ -715,12 +710,7 @@ fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
     if gpu().is_none() {
         return;
     }
-    let mut c = strix::synthetic::preset("qwen3.5-0.8b").unwrap();
-    c.vocab_size = 2048;
-    c.hidden_size = 256;
-    c.intermediate_size = 768;
-    c.num_layers = 4;
-    c.layer_kinds.truncate(4);
+    let c = small_real_heads(768);
     let mut rng = Rng(8);
     let prompt: Vec<u32> = (0..9).map(|_| rng.below(c.vocab_size) as u32).collect();
     let other: Vec<u32> = (0..4).map(|_| rng.below(c.vocab_size) as u32).collect();

@@ -108,6 +108,19 @@ pub fn cases(dir: &Path) -> Vec<Case> {
         .collect()
 }
 
+/// A small-width synthetic config with the real head shapes (k/v head dim 128, attention head
+/// dim 256, rotary 64): hidden 256 (whole 256-blocks, so the K-quants apply), vocabulary 2048,
+/// four layers (three DeltaNet, one attention), tied embedding.
+pub fn small_real_heads(intermediate: usize) -> strix::config::ModelConfig {
+    let mut c = strix::synthetic::preset("qwen3.5-0.8b").unwrap();
+    c.vocab_size = 2048;
+    c.hidden_size = 256;
+    c.intermediate_size = intermediate;
+    c.num_layers = 4;
+    c.layer_kinds.truncate(4);
+    c
+}
+
 pub fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in x.iter().enumerate() {

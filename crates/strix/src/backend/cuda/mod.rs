@@ -525,6 +525,23 @@ impl CudaBackend {
         self.deltanet_quant.store(on, Ordering::Relaxed);
     }
 
+    /// Runs a producer op's launch with a side buffer for its `n` outputs in `out` quantized,
+    /// when producers quantize (`wanted`, and [`quant::Kernels::producer_side`]); `launch`
+    /// returns whether its kernel wrote them, and then the next op may read them instead of
+    /// running `quantize_x` (quant.rs).
+    fn produce(
+        &self,
+        out: &mut CudaBuf,
+        n: usize,
+        wanted: bool,
+        launch: impl FnOnce(&mut CudaBuf, Option<&quant::XQuant>) -> bool,
+    ) {
+        let side = if wanted { self.q.producer_side(&self.dev, out, n) } else { None };
+        if launch(out, side.as_ref()) {
+            self.q.set_prequantized(&self.dev, out, n, side.expect("quantized into it"));
+        }
+    }
+
     /// The producer's quantization of `x` for a packed GEMV of `tokens` rows of `cols`, if the
     /// last kernel on the device wrote it (quant.rs); called first in an op, before `bind`.
     /// `use_it` false only drops the record.
@@ -849,10 +866,7 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &CudaBuf, weight: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
         self.dev.bind();
-        let side = self.q.producer_side(&self.dev, out, dim);
-        if self.ew.rms_norm(&self.dev, x, weight, dim, eps, out, side.as_ref()) {
-            self.q.set_prequantized(&self.dev, out, dim, side.expect("quantized into it"));
-        }
+        self.produce(out, dim, true, |out, side| self.ew.rms_norm(&self.dev, x, weight, dim, eps, out, side));
     }
 
     fn add_rms_norm(
@@ -865,10 +879,9 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
-        let side = self.q.producer_side(&self.dev, out, dim);
-        if self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out, side.as_ref()) {
-            self.q.set_prequantized(&self.dev, out, dim, side.expect("quantized into it"));
-        }
+        self.produce(out, dim, true, |out, side| {
+            self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out, side)
+        });
     }
 
     fn add(&self, residual: &mut CudaBuf, x: &CudaBuf, len: usize) {
@@ -1094,12 +1107,16 @@ impl Backend for CudaBackend {
         if tokens == 1 && gate.dtype().is_quantized() && up.dtype().is_quantized() && up.rows() == n {
             self.matmul_many(x, tokens, &[gate, up], &mut [&mut *gate_out, &mut *up_out], decode_batch);
             self.dev.bind();
-            if let Some(side) = self.q.producer_side(&self.dev, act, n) {
-                self.ew.swiglu_q(&self.dev, gate_out, up_out, n, act, &side);
-                self.q.set_prequantized(&self.dev, act, n, side);
-            } else {
-                self.ew.swiglu(&self.dev, gate_out, up_out, n, act);
-            }
+            self.produce(act, n, true, |act, side| match side {
+                Some(side) => {
+                    self.ew.swiglu_q(&self.dev, gate_out, up_out, n, act, side);
+                    true
+                }
+                None => {
+                    self.ew.swiglu(&self.dev, gate_out, up_out, n, act);
+                    false
+                }
+            });
             return;
         }
         crate::backend::matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
@@ -1212,32 +1229,27 @@ impl Backend for CudaBackend {
             );
         }
         // One token's output may also go out quantized for the packed out_proj (quant.rs).
-        let n = shape.value_dim();
-        let side = if states.len() == 1 && self.deltanet_quant.load(Ordering::Relaxed) {
-            self.q.producer_side(&self.dev, out, n)
-        } else {
-            None
-        };
+        let quantize = states.len() == 1 && self.deltanet_quant.load(Ordering::Relaxed);
         self.dev.bind();
-        let quantized = self.dn.deltanet_decode_rows(
-            &self.dev,
-            shape,
-            qkv,
-            z,
-            a,
-            b,
-            conv_weight,
-            a_log,
-            dt_bias,
-            norm,
-            convs,
-            states,
-            out,
-            side.as_ref(),
-        );
-        if let (true, Some(side)) = (quantized, side) {
-            self.q.set_prequantized(&self.dev, out, n, side);
-        }
+        self.produce(out, shape.value_dim(), quantize, |out, side| {
+            let dn = &self.dn;
+            dn.deltanet_decode_rows(
+                &self.dev,
+                shape,
+                qkv,
+                z,
+                a,
+                b,
+                conv_weight,
+                a_log,
+                dt_bias,
+                norm,
+                convs,
+                states,
+                out,
+                side,
+            )
+        });
         bump(&self.counters.batch_rows);
         bump(&self.counters.gdn_decode_fused);
     }

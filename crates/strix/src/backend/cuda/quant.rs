@@ -145,6 +145,11 @@ fn planes(dtype: DType, cols: usize) -> (usize, usize, usize) {
     }
 }
 
+/// Where a packed weight's scale planes start: after every row's quants ([`repack`]).
+fn scales_ptr(w: &CudaWeight) -> u64 {
+    w.ptr() + (w.rows() * planes(w.dtype(), w.cols()).0) as u64
+}
+
 /// Regroups a `[rows, cols]` matrix of GGML blocks into the device layout (`quant.cu`): per
 /// row the quants of every block, then per row the scales. Same bytes, same size.
 pub(super) fn repack(dtype: DType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
@@ -434,7 +439,7 @@ impl Kernels {
         let fi = format_index(dtype);
         let xq = self.quantize_x(dev, x, tokens, cols, pre);
         let log2 = self.split_log2(rows, cols / unit_cols(dtype));
-        let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
+        let scales = scales_ptr(w);
         let blocks = |r: usize| rows.div_ceil((QG_WARPS >> log2) * r);
         let (f, nt, r) = if tokens > 1 {
             (&self.gemv_rows[fi], QG_NT, batch_rows_per_warp(dtype))
@@ -515,7 +520,7 @@ impl Kernels {
                 for (k, &j) in group.iter().enumerate() {
                     let w = ws[j];
                     segs.wq[k] = w.ptr();
-                    segs.ws[k] = w.ptr() + (w.rows() * planes(dtype, cols).0) as u64;
+                    segs.ws[k] = scales_ptr(w);
                     segs.out[k] = outs[j].ptr();
                     segs.rows[k] = w.rows() as i32;
                 }
@@ -571,7 +576,6 @@ impl Kernels {
         check(x, 1, gate, act);
         let (n, cols, dtype) = (gate.rows(), gate.cols(), gate.dtype());
         let xq = self.quantize_x(dev, x, 1, cols, pre);
-        let scales = |w: &CudaWeight| w.ptr() + (n * planes(dtype, cols).0) as u64;
         dev.launch(
             "qgemv_glu",
             &self.gemv_glu[format_index(dtype)],
@@ -580,9 +584,9 @@ impl Kernels {
             0,
             kernel_args![
                 gate.ptr(),
-                scales(gate),
+                scales_ptr(gate),
                 up.ptr(),
-                scales(up),
+                scales_ptr(up),
                 xq.q,
                 xq.d,
                 xq.s,
@@ -608,7 +612,7 @@ impl Kernels {
     /// Rows `[r0, r0 + nrows)` of `w` dequantized into `dst` (`[nrows, cols]` bf16).
     fn dequant(&self, dev: &Device, w: &CudaWeight, r0: usize, nrows: usize, dst: u64) {
         let (rows, cols, dtype) = (w.rows(), w.cols(), w.dtype());
-        let scales = w.ptr() + (rows * planes(dtype, cols).0) as u64;
+        let scales = scales_ptr(w);
         let units = nrows * (cols / unit_cols(dtype));
         dev.launch(
             "dequant_bf16",
@@ -703,7 +707,7 @@ impl Kernels {
         }
         let (_ids_dev, ids_ptr) = dev.ids_on_device(ids);
         let units = cols / unit_cols(dtype);
-        let scales = table.ptr() + (rows * planes(dtype, cols).0) as u64;
+        let scales = scales_ptr(table);
         dev.launch(
             "embed_packed",
             &self.embed[format_index(dtype)],
