@@ -703,8 +703,8 @@ fn producer_quantized_activations_are_bitwise_and_never_stale() {
 /// sequence in a batch of two (where every packed GEMV quantizes its own input) bitwise its
 /// batch-1 logits. The packed GEMVs of a batch-1 step that read their producer's quantization:
 /// every layer's input projections (the norm), its gate/up (the norm) and down (the gate/up
-/// GEMV with the SwiGLU), the lm_head (the final norm), and with the 9B's heads each DeltaNet
-/// layer's out_proj.
+/// GEMV with the SwiGLU), each attention layer's o_proj (the attention merge), the lm_head (the
+/// final norm), and with the 9B's heads each DeltaNet layer's out_proj.
 #[test]
 fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
     if gpu().is_none() {
@@ -750,7 +750,7 @@ fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
             assert_eq!(off_counts.gemv_quant_prequantized, 0, "{what}: read while off");
             assert!(on_counts.graph_replays > 0 && on_counts.graph_captures > 0, "{what}: no graphs ran");
             // Host ops run for the batch-1 step's eager sight and its recording, not its replays.
-            let per_step = 3 * c.num_layers + 1 + out_proj_reads;
+            let per_step = 3 * c.num_layers + (c.num_layers - linear_layers) + 1 + out_proj_reads;
             assert_eq!(
                 on_counts.gemv_quant_prequantized,
                 2 * per_step as u64,

@@ -265,10 +265,13 @@ ATT_BATCH(attention_partial_batch_bf16_g4, bf16_t, 4)
 // Merges the splits of every (row, head) in split order and applies the sigmoid gate. A row
 // reads its own att_splits(visible) splits (visible = positions[r] + 1 for a decode batch,
 // pos0 + r + 1 for one sequence), with the m/l pairs staged in shared memory and the
-// accumulator loads independent of each other.
+// accumulator loads independent of each other. With xq (one row, head_dim a multiple of 32: the
+// launcher checks) the row is also written quantized for the packed o_proj GEMV, a warp's 32
+// values one group of quantize_x (quant.rs, "activations quantized by their producer").
 // grid (heads, rows), block head_dim rounded up to a warp.
 extern "C" __global__ void attention_combine(const float* partial, const float* gate, float* out,
-                                             const u32* positions, int pos0, int nh, int hd, int splits) {
+                                             const u32* positions, int pos0, int nh, int hd, int splits,
+                                             signed char* xq, float* xd, int* xs) {
     pdl_enter();
     __shared__ float sm[ATT_MAX_SPLITS], sl[ATT_MAX_SPLITS];
     const int h = blockIdx.x, r = blockIdx.y, d = threadIdx.x;
@@ -293,7 +296,9 @@ extern "C" __global__ void attention_combine(const float* partial, const float* 
         o += p[s * (hd + 2) + 2 + d] * f;
     }
     const i64 at = ((i64)r * nh + h) * hd + d;
-    out[at] = o / sum * sigmoid_f(gate[at]);
+    const float res = o / sum * sigmoid_f(gate[at]);
+    out[at] = res;
+    if (xq != nullptr) quantize_group32(res, threadIdx.x & 31, at / 32, xq, xd, xs);
 }
 
 // A value as a cache of element type T stores it: f32 as is, bf16 rounded to nearest even.

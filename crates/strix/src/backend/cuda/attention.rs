@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
+use super::quant::XQuant;
 use crate::backend::{AttentionShape, KvCacheType};
 use crate::error::Result;
 
@@ -349,7 +350,7 @@ impl Kernels {
                 scale
             ],
         );
-        self.combine(dev, &partial, gate, out, nh, hd, tokens, n_splits, 0, pos0);
+        self.combine(dev, &partial, gate, out, nh, hd, tokens, n_splits, 0, pos0, None);
         n_splits
     }
 
@@ -368,7 +369,9 @@ impl Kernels {
         n_splits: usize,
         positions: u64,
         pos0: usize,
+        side: Option<&XQuant>,
     ) {
+        let (xq, xd, xs) = side.map_or((0, 0, 0), |q| (q.q, q.d, q.s));
         dev.launch(
             "attention_combine",
             &self.combine,
@@ -383,13 +386,18 @@ impl Kernels {
                 pos0 as i32,
                 nh as i32,
                 hd as i32,
-                n_splits as i32
+                n_splits as i32,
+                xq,
+                xd,
+                xs
             ],
         );
     }
 
     /// A decode batch: row `i` is the token of sequence `i` at `positions[i]`, written into and
     /// attending over that sequence's caches, by the arithmetic of [`Kernels::attention`].
+    /// With `side`, one row whose head_dim is a multiple of 32 also goes out quantized there
+    /// for the packed o_proj (as `quantize_x` would, bitwise): true when it did.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_rows(
         &self,
@@ -403,7 +411,8 @@ impl Kernels {
         v_caches: &mut [&mut CudaCache],
         positions: &[usize],
         out: &mut CudaBuf,
-    ) {
+        side: Option<&XQuant>,
+    ) -> bool {
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let (kv, n) = (shape.kv_dim(), positions.len());
         assert!(hd <= MAX_HEAD_DIM, "attention_rows: head_dim {hd} > {MAX_HEAD_DIM} is not supported");
@@ -414,7 +423,7 @@ impl Kernels {
         assert!(out.len() >= n * nh * hd, "attention_rows: out too short");
         assert!(n <= 65535, "attention_rows: batch of {n} exceeds one launch's grid");
         if n == 0 {
-            return;
+            return false;
         }
         let dtype = k_caches[0].dtype;
         let mut ptrs = Vec::with_capacity(2 * n);
@@ -479,6 +488,8 @@ impl Kernels {
                 scale
             ],
         );
-        self.combine(dev, &partial, gate, out, nh, hd, n, n_splits, pos_ptr, 0);
+        let side = side.filter(|_| n == 1 && hd.is_multiple_of(32));
+        self.combine(dev, &partial, gate, out, nh, hd, n, n_splits, pos_ptr, 0, side);
+        side.is_some()
     }
 }
