@@ -1267,26 +1267,11 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         // One token's output may also go out quantized for the packed o_proj (quant.rs).
-        let n = shape.num_heads * shape.head_dim;
-        let side = if positions.len() == 1 { self.q.producer_side(&self.dev, out, n) } else { None };
         self.dev.bind();
-        let at = &self.at;
-        let quantized = at.attention_rows(
-            &self.dev,
-            shape,
-            q,
-            k,
-            v,
-            gate,
-            k_caches,
-            v_caches,
-            positions,
-            out,
-            side.as_ref(),
-        );
-        if let (true, Some(side)) = (quantized, side) {
-            self.q.set_prequantized(&self.dev, out, n, side);
-        }
+        self.produce(out, shape.num_heads * shape.head_dim, positions.len() == 1, |out, side| {
+            let at = &self.at;
+            at.attention_rows(&self.dev, shape, q, k, v, gate, k_caches, v_caches, positions, out, side)
+        });
         bump(&self.counters.batch_rows);
     }
 }
