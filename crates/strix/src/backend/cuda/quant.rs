@@ -14,13 +14,14 @@
 //!   and an FMA per weight per token, which at the H200's bandwidth is about the issue rate of
 //!   the SM at batch 1 and far past it at batch 16; `dp4a` does 4 weights in one instruction.
 //! - **Activations quantized by their producer**: a packed GEMV of one token usually reads the
-//!   output of a row norm, of the MLP's gate/up GEMV with the SwiGLU, or of the delta rule.
+//!   output of a row norm, of the MLP's gate/up GEMV with the SwiGLU, of the delta rule or of
+//!   the attention merge.
 //!   When packed weights are loaded, those kernels' one-token forms also write their output
 //!   quantized (the same int8 values, scales and sums `quantize_x` would make of it:
 //!   `quantize_group32` in prelude.cu) into a side buffer and record it here
 //!   ([`Kernels::set_prequantized`]); the next op, if it is a one-token packed GEMV of that
 //!   very buffer, reads the side buffer and skips `quantize_x` (a kernel and a launch boundary;
-//!   all of a 9B step's packed GEMVs but the 8 o_proj). The one-token MLP runs its gate and up
+//!   every packed GEMV of a 9B step). The one-token MLP runs its gate and up
 //!   projections and the SwiGLU as one kernel ([`Kernels::gemv_glu`]), so its down GEMV reads
 //!   that kernel's quantization. The record is valid only while
 //!   [`Device::work_seq`] has not moved since the producer's kernel, i.e. no op, kernel or copy
