@@ -35,6 +35,8 @@ const DECODE_NAMES: [&str; 4] = [
     "gdn_decode_fused_dk128_k4_c64",
     "gdn_decode_fused_dk128_k4_c128",
 ];
+/// The 32-column fast path (`DECODE_NAMES[1]`) that also quantizes one token's output.
+const DECODE_NAME_C32_Q: &str = "gdn_decode_fused_dk128_k4_c32_q";
 /// The recurrent kernels hold k_head_dim / GDN_PARTS state values per thread in registers.
 const GDN_RECURRENT_MAX_DK: usize = 256;
 /// `CH` and `DVB` of the chunked kernel.
@@ -105,7 +107,7 @@ impl Kernels {
                 f(DECODE_NAMES[3])?,
             ],
             gdn_decode_fused_generic: f("gdn_decode_fused_generic")?,
-            gdn_decode_fused_c32_q: f("gdn_decode_fused_dk128_k4_c32_q")?,
+            gdn_decode_fused_c32_q: f(DECODE_NAME_C32_Q)?,
             decode_cols: std::env::var("STRIX_GDN_DECODE_COLS").ok().and_then(|v| v.parse().ok()),
             chunked_smem_limit: limit,
         })
@@ -340,11 +342,8 @@ impl Kernels {
         let (k, n) = (shape.conv_kernel, states.len());
         let (f, name, cols, cluster) = self.decode_kernel(shape, n, dev.sm_count as usize);
         let quantize = side.filter(|_| n == 1 && name == DECODE_NAMES[1] && dv.is_multiple_of(32));
-        let (f, name) = if quantize.is_some() {
-            (&self.gdn_decode_fused_c32_q, "gdn_decode_fused_dk128_k4_c32_q")
-        } else {
-            (f, name)
-        };
+        let (f, name) =
+            if quantize.is_some() { (&self.gdn_decode_fused_c32_q, DECODE_NAME_C32_Q) } else { (f, name) };
         let (xq, xd, xs) = quantize.map_or((0, 0, 0), |q| (q.q, q.d, q.s));
         assert_eq!(convs.len(), n, "deltanet_decode_rows: one conv state per sequence");
         assert!(qkv.len() >= n * shape.conv_dim(), "deltanet_decode_rows: qkv too short");

@@ -48,10 +48,11 @@ struct SampleRow {
     frequency: f32,
 }
 
-/// `ARGMAX_THREADS` and `ARGMAX_SPAN` of `elementwise.cu`: a block of the argmax's first stage
-/// and the columns it scans.
+/// `ARGMAX_THREADS` and `ARGMAX_UNROLL` of `elementwise.cu`: a block of the argmax's first
+/// stage, and the columns each of its threads reads; the block scans `ARGMAX_SPAN` columns.
 const ARGMAX_THREADS: u32 = 256;
-const ARGMAX_SPAN: usize = 256 * 8;
+const ARGMAX_UNROLL: usize = 8;
+const ARGMAX_SPAN: usize = ARGMAX_THREADS as usize * ARGMAX_UNROLL;
 
 /// `SAMPLE_MAX_K` of the kernel: the top-k a prepared draw may carry.
 const SAMPLE_MAX_K: usize = crate::sampling::PREPARED_TOP_K_MAX;
