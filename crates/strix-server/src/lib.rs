@@ -142,6 +142,40 @@ pub struct Server {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Ctrl-C (SIGINT), listened for from the moment it is installed.
+struct Interrupt {
+    #[cfg(unix)]
+    signal: tokio::signal::unix::Signal,
+}
+
+impl Interrupt {
+    /// Installs the handler now; needs the runtime's context.
+    fn install() -> std::io::Result<Interrupt> {
+        #[cfg(unix)]
+        {
+            Ok(Interrupt {
+                signal: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?,
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            Ok(Interrupt {})
+        }
+    }
+
+    /// Waits for the next Ctrl-C.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            self.signal.recv().await;
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
 /// How long open connections (streams) get to finish after a shutdown is asked for.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -196,6 +230,20 @@ impl Server {
                         return;
                     }
                 };
+                // The Ctrl-C handler goes in before the first request can be answered: installed
+                // lazily (on the select's first poll) it raced the server, and an interrupt sent
+                // right after startup killed the process instead of shutting it down.
+                let interrupt = if ctrl_c {
+                    match Interrupt::install() {
+                        Ok(interrupt) => Some(interrupt),
+                        Err(e) => {
+                            eprintln!("strix serve: cannot listen for Ctrl-C: {e}");
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
                 let app = api::router(state);
                 let (stop_tx, stop_rx) = oneshot::channel::<()>();
                 let server = tokio::spawn(async move {
@@ -206,10 +254,10 @@ impl Server {
                         eprintln!("strix serve: {e}");
                     }
                 });
-                if ctrl_c {
+                if let Some(mut interrupt) = interrupt {
                     tokio::select! {
                         _ = shutdown_rx => {}
-                        _ = tokio::signal::ctrl_c() => eprintln!("strix serve: shutting down"),
+                        _ = interrupt.recv() => eprintln!("strix serve: shutting down"),
                     }
                 } else {
                     let _ = shutdown_rx.await;
