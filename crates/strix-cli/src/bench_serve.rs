@@ -9,7 +9,12 @@
 //! Clients are closed-loop: each is a thread with its own kept-alive HTTP connection (a `ureq`
 //! agent) that sends its next request as soon as its last one has ended, so at most
 //! `--clients` requests are in flight. A blocking read per client stamps every event the moment
-//! it arrives, with no async scheduler between the socket and the clock.
+//! it arrives, with no async scheduler between the socket and the clock. Connections are kept
+//! alive by default because clients pool them, and because only then does a server that leaves
+//! Nagle's algorithm on show what it costs: after a connection's first exchange the client's
+//! delayed ACKs (up to 40 ms on Linux) hold back every small write the server queues behind an
+//! unacknowledged one, while a fresh connection starts in quick-ACK mode and hides it
+//! (`--keep-alive false` compares).
 //!
 //! Responses are read as server-sent events, a line at a time under a length cap, and only the
 //! figures are kept (a few numbers per request, four bytes per token gap): memory is bounded by
@@ -200,6 +205,11 @@ pub struct BenchServeArgs {
     #[arg(long, value_name = "BOOL", default_value_t = true, action = ArgAction::Set)]
     pub usage: bool,
 
+    /// Keep each client's connection open between its requests, as pooling clients (the
+    /// OpenAI SDKs) do; false opens a connection per request
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = ArgAction::Set)]
+    pub keep_alive: bool,
+
     /// A JSON object merged into every request body, over the fields above
     #[arg(long, value_name = "JSON")]
     pub extra_body: Option<String>,
@@ -293,6 +303,7 @@ struct Plan {
     seed: Option<u64>,
     extra: Map<String, Value>,
     timeout: Duration,
+    keep_alive: bool,
 }
 
 impl Plan {
@@ -372,6 +383,7 @@ impl Plan {
             seed: args.seed,
             extra,
             timeout,
+            keep_alive: args.keep_alive,
         })
     }
 
@@ -431,11 +443,11 @@ impl Plan {
         format!("{}{}", self.server.base, self.endpoint.path())
     }
 
-    /// A client's HTTP agent: one kept-alive connection.
+    /// A client's HTTP agent: one kept-alive connection, or (no pool) one per request.
     fn agent(&self) -> ureq::Agent {
         ureq::AgentBuilder::new()
             .timeout_connect(CONNECT_TIMEOUT.min(self.timeout))
-            .max_idle_connections_per_host(1)
+            .max_idle_connections_per_host(usize::from(self.keep_alive))
             .user_agent(concat!("strix-bench-serve/", env!("CARGO_PKG_VERSION")))
             .build()
     }
@@ -1123,6 +1135,7 @@ impl Report {
             "mix": plan.profiles.iter().map(|p| json!({"sampling": p.name, "fields": p.fields})).collect::<Vec<_>>(),
             "ignore_eos": plan.ignore_eos,
             "include_usage": plan.usage,
+            "keep_alive": plan.keep_alive,
             "seed": plan.seed,
             "extra_body": plan.extra,
             "timeout_s": plan.timeout.as_secs_f64(),
@@ -1164,6 +1177,8 @@ impl Report {
         row("sampling", names.join(" | "));
         let eos = if plan.ignore_eos { ", ignore_eos" } else { "" };
         row("max tokens", format!("{}{eos}", plan.max_tokens));
+        let connections = if plan.keep_alive { "one per client, kept alive" } else { "one per request" };
+        row("connections", connections.to_string());
         row(
             "requests",
             format!(

@@ -142,19 +142,20 @@ fn measures_a_strix_server_with_every_request_accounted_for() {
 }
 
 #[test]
-fn chat_requests_with_word_prompts_are_measured() {
+fn chat_requests_with_word_prompts_on_fresh_connections_are_measured() {
     let server = strix_server();
     let url = format!("http://{}/v1", server.addr());
     let out = bench_serve(
         &format!(
             "--url {url} --endpoint chat --clients 2 --requests 3 --warmup 0 --max-tokens 4 \
-             --prompt-len 20 --temperature 0.5"
+             --prompt-len 20 --temperature 0.5 --keep-alive false"
         ),
         &["--extra-body", r#"{"chat_template_kwargs": {"enable_thinking": false}}"#],
     );
     assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
     let r = report(&out);
     assert_eq!(r["server"]["endpoint"], "/v1/chat/completions");
+    assert_eq!(r["keep_alive"], false);
     assert_eq!((r["completed"].as_u64(), r["output_tokens"].as_u64()), (Some(3), Some(12)), "{r}");
     assert_eq!(r["mix"][0]["fields"], serde_json::json!({"temperature": 0.5}));
     // Text prompts: only the server knows their length, and it said.
