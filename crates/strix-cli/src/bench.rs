@@ -696,7 +696,7 @@ fn pseudo_random_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 }
 
 /// The CPU's name from /proc/cpuinfo (x86's `model name`, else ARM's `Hardware`/`Model`).
-fn cpu_name() -> String {
+pub(crate) fn cpu_name() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     ["model name", "Hardware", "Model", "cpu model"]
         .iter()

@@ -2,6 +2,7 @@
 //! where an error becomes a message on stderr and a non-zero exit status.
 
 mod bench;
+mod bench_serve;
 mod chat;
 mod common;
 mod device;
@@ -55,6 +56,8 @@ enum Command {
     Logits(logits::LogitsArgs),
     /// Measure prefill and decode speed, and decode speed against memory bandwidth
     Bench(bench::BenchArgs),
+    /// Measure a running OpenAI-compatible server: N streaming clients, throughput, ttft, itl
+    BenchServe(bench_serve::BenchServeArgs),
     /// Serve the OpenAI API over HTTP, with continuous batching
     Serve(serve::ServeArgs),
     /// Perplexity of a text file (llama.cpp's definition), or KL divergence against a base run
@@ -70,6 +73,7 @@ fn main() {
         Command::Chat(args) => chat::chat(args),
         Command::Logits(args) => logits::logits(args),
         Command::Bench(args) => bench::bench(args),
+        Command::BenchServe(args) => bench_serve::bench_serve(args),
         Command::Serve(args) => serve::serve(args),
         Command::Perplexity(args) => perplexity::perplexity(args),
         Command::Quantize(args) => quantize::quantize(args),
