@@ -1424,7 +1424,8 @@ mod tests {
         for case in 0..3000 {
             let letters = 2 + rng.next_u64() % 7;
             let stops: Vec<String> = (0..rng.next_u64() % 6).map(|_| word(&mut rng, letters, 7)).collect();
-            let (mut fast, mut slow) = (StopMatcher::new(stops.clone()), SimpleStopMatcher::new(stops.clone()));
+            let (mut fast, mut slow) =
+                (StopMatcher::new(stops.clone()), SimpleStopMatcher::new(stops.clone()));
             for step in 0..30 {
                 let piece = word(&mut rng, letters, 6);
                 assert_eq!(fast.push(&piece), slow.push(&piece), "case {case} step {step}: {stops:?}");
