@@ -881,6 +881,26 @@ mod tests {
         assert_eq!(usage["usage"]["total_tokens"], 50);
     }
 
+    /// A turn each for `permits` requests; `max_waiting` more wait, and leave the line when
+    /// their client goes away (the future is dropped); beyond them, 429 at once.
+    #[tokio::test]
+    async fn the_prompt_gate_bounds_work_and_waiting() {
+        use std::future::Future;
+        use std::task::{Context, Poll};
+        let gate = PromptGate::new(1, 1);
+        let turn = gate.enter().await.unwrap();
+        let mut waiter = Box::pin(gate.enter());
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        assert!(waiter.as_mut().poll(&mut cx).is_pending());
+        let refused = gate.enter().await.unwrap_err();
+        assert_eq!((refused.status.as_u16(), refused.kind), (429, "rate_limit_error"));
+        drop(waiter);
+        let mut waiter = Box::pin(gate.enter());
+        assert!(waiter.as_mut().poll(&mut cx).is_pending(), "the cancelled waiter left the line");
+        drop(turn);
+        assert!(matches!(waiter.as_mut().poll(&mut cx), Poll::Ready(Ok(_))));
+    }
+
     #[test]
     fn the_byte_table_is_gpt2s() {
         let t = byte_decoder();
