@@ -1430,7 +1430,7 @@ mod tests {
                 let piece = word(&mut rng, letters, 6);
                 assert_eq!(fast.push(&piece), slow.push(&piece), "case {case} step {step}: {stops:?}");
                 assert_eq!(fast.matched(), slow.matched());
-                if rng.next_u64() % 17 == 0 {
+                if rng.next_u64().is_multiple_of(17) {
                     assert_eq!(fast.finish(), slow.finish(), "case {case} step {step}: {stops:?}");
                 }
             }
