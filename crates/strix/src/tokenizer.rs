@@ -101,7 +101,7 @@ impl Tokenizer {
         piece_bytes: usize,
     ) -> Result<Option<Vec<u32>>> {
         let pieces = self.pieces.get_or_init(|| Pieces::of(&self.inner));
-        if pieces.cannot_fit(text.len(), max_tokens) {
+        if pieces.cannot_fit(text, max_tokens) {
             return Ok(None);
         }
         let Some(cuts) = &pieces.cuts else {
@@ -113,7 +113,7 @@ impl Tokenizer {
         while start < text.len() {
             let end = pieces.cut_after(cuts, text, start + piece_bytes);
             let left = max_tokens - ids.len();
-            if pieces.cannot_fit(end - start, left) {
+            if pieces.cannot_fit(&text[start..end], left) {
                 return Ok(None);
             }
             ids.extend(self.encode(&text[start..end], false)?);
@@ -193,9 +193,6 @@ impl Pieces {
         let mut added_chars: Vec<char> = added.values().flat_map(|t| t.content.chars()).collect();
         added_chars.sort_unstable();
         added_chars.dedup();
-        // A token's text is at least as long in UTF-8 as the bytes it stands for (byte-level
-        // vocabularies spell each byte as one character, `Ġ` for a space).
-        let max_token_bytes = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
         // Added tokens that take in the whitespace around them, or match only as whole words,
         // make a token depend on its neighbours beyond the cuts' reach.
         let plain_added = added.values().all(|t| !(t.lstrip || t.rstrip || t.single_word));
@@ -204,14 +201,26 @@ impl Pieces {
             .then(|| qwen_split(tokenizer))
             .flatten()
             .and_then(|_| onig::Regex::new(r"[\p{L}\p{N}][^\p{L}\p{M}\p{N}]").ok());
+        // A token's text is at least as long in UTF-8 as the bytes it stands for; a byte-level
+        // vocabulary (the split above ends in one) spells each byte as one character (`Ġ`).
+        let vocab = tokenizer.get_vocab(false);
+        let spelled = |token: &String| if cuts.is_some() { token.chars().count() } else { token.len() };
+        let max_token_bytes = vocab
+            .keys()
+            .map(spelled)
+            .chain(added.values().map(|t| t.content.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Pieces { cuts, added_chars, max_token_bytes: plain_normalizer.then_some(max_token_bytes) }
     }
 
-    /// Whether `bytes` of text certainly hold more than `tokens` tokens: each token stands for
-    /// at most `max_token_bytes` bytes of the normalized text.
-    fn cannot_fit(&self, bytes: usize, tokens: usize) -> bool {
+    /// Whether `text` certainly holds more than `tokens` tokens: each token stands for at most
+    /// `max_token_bytes` bytes of the normalized text (ASCII is its own NFC).
+    fn cannot_fit(&self, text: &str, tokens: usize) -> bool {
+        let shrink = if text.is_ascii() { 1 } else { NFC_MAX_SHRINK };
         self.max_token_bytes
-            .is_some_and(|most| bytes / NFC_MAX_SHRINK > most.saturating_mul(tokens.saturating_add(1)))
+            .is_some_and(|most| text.len() / shrink > most.saturating_mul(tokens.saturating_add(1)))
     }
 
     /// The first cut at or after byte `from` of `text`, or its end.
@@ -642,6 +651,13 @@ mod tests {
         for text in ["a ".repeat(2 << 20), "a".repeat(4 << 20)] {
             assert_eq!(qwen.encode_within(&text, 1000).unwrap(), None);
         }
+        // The longest Qwen token stands for 128 bytes: ASCII of more than 128 bytes a token is
+        // refused unseen, at the server's default context too.
+        let pieces = qwen.pieces.get().unwrap();
+        assert_eq!(pieces.max_token_bytes, Some(128));
+        assert!(pieces.cannot_fit(&"a".repeat(128 * 4096 + 1), 4095));
+        assert!(!pieces.cannot_fit(&"a".repeat(128 * 4096), 4095));
+        assert!(!pieces.cannot_fit(&"é".repeat(128 * 4096), 4095), "NFC may shrink what is not ASCII");
         let text = "a ".repeat(3000);
         assert_eq!(qwen.encode_within(&text, 10_000).unwrap(), Some(qwen.encode(&text, false).unwrap()));
         assert_eq!(qwen.encode_within("", 0).unwrap(), Some(vec![]));
