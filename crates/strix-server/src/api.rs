@@ -2,13 +2,17 @@
 //! tokenization), and engine events → OpenAI responses, whole or as server-sent events.
 //!
 //! Handlers never block the async runtime on model work: rendering and tokenizing run on
-//! the blocking pool, generation on the engine thread. A handler's event receiver lives as
+//! the blocking pool, generation on the engine thread. The prompt work is bounded: a
+//! [`PromptGate`] lets as many prompts be rendered and tokenized at once as there are cores
+//! (a bounded number more wait, cancellably; beyond that, 429), and tokenization stops as
+//! soon as the prompt cannot fit the context ([`Tokenizer::encode_within`]), so a request
+//! costs memory and time in proportion to the context, not to the text it sends. A handler's event receiver lives as
 //! long as its client: when the connection closes, axum drops the handler future or the SSE
 //! stream, the receiver goes with it, and the engine cancels the sequence at its next step.
 
 use std::convert::Infallible;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -24,9 +28,10 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use strix::chat::ChatTemplate;
 use strix::generate::FinishReason;
-use strix::sampling::{Sampler, SamplingParams, TokenLogprobs};
+use strix::sampling::{Sampler, SamplingParams, StopMatcher, TokenLogprobs};
 use strix::tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::engine::{EngineHandle, Event, Job};
 use crate::error::ApiError;
@@ -47,9 +52,71 @@ pub struct AppState {
     pub max_body: usize,
     /// Unix time the server started, reported as the model's `created`.
     pub created: u64,
+    /// Turns at rendering and tokenizing prompts.
+    pub prompt_gate: PromptGate,
 }
 
 type AppStateRef = Arc<AppState>;
+
+/// Bounds the prompt work on the blocking pool (rendering the chat template, tokenizing):
+/// `permits` prompts at once, and at most `max_waiting` requests waiting for a turn, beyond
+/// which a request gets 429 at once. A waiting request waits asynchronously (a client that
+/// goes away leaves the line); its work, once started, is bounded by the context.
+///
+/// Without it every request tokenized at once: 16 concurrent 3.9 MB prompts took 10.6 GB,
+/// and 24 aborted the process.
+pub struct PromptGate {
+    permits: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    max_waiting: usize,
+}
+
+impl PromptGate {
+    pub fn new(permits: usize, max_waiting: usize) -> Self {
+        PromptGate {
+            permits: Arc::new(Semaphore::new(permits.max(1))),
+            waiting: AtomicUsize::new(0),
+            max_waiting,
+        }
+    }
+
+    /// One prompt at a time per core: tokenizing is compute-bound, more at once would only
+    /// hold more memory.
+    pub fn per_core(max_waiting: usize) -> Self {
+        Self::new(std::thread::available_parallelism().map_or(1, |n| n.get()), max_waiting)
+    }
+
+    /// Waits for a turn; the permit is the turn, given back when dropped.
+    async fn enter(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+            return Ok(permit);
+        }
+        /// Leaves the line however the wait ends (a turn, or the client going away).
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let waiting = self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiting);
+        if waiting >= self.max_waiting {
+            return Err(ApiError {
+                code: Some("rate_limit_exceeded"),
+                ..ApiError::new(
+                    axum::http::StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    format!("the server is busy: {waiting} prompts are already waiting to be tokenized; retry later"),
+                )
+            });
+        }
+        self.permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::unavailable("the server is shutting down"))
+    }
+}
 
 /// The known routes, as labels for the request counter (anything else is `other`, so that
 /// scanners cannot grow the metric without bound).
@@ -169,17 +236,21 @@ async fn chat_inner(state: AppStateRef, headers: HeaderMap, body: Body) -> Resul
         .template
         .clone()
         .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
+    let limit = prompt_limit(&state, &req.gen)?;
     let tokenizer = state.tokenizer.clone();
     let (messages, options) = (req.messages, req.template.clone());
+    let turn = state.prompt_gate.enter().await?;
     let (prompt_text, ids) = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
         let text = template.render(&messages, &options).map_err(|e| {
             ApiError::invalid_param("messages", format!("cannot apply the chat template: {e}"))
         })?;
-        let ids = tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let ids = tokenizer.encode_within(&text, limit).map_err(|e| ApiError::bad_request(e.to_string()))?;
         Ok::<_, ApiError>((text, ids))
     })
     .await
     .map_err(|_| ApiError::internal("rendering the prompt failed"))??;
+    let ids = ids.ok_or_else(|| prompt_too_long(&state, &req.gen, "messages", limit))?;
 
     let tools = if req.parse_tools { req.template.tools.clone() } else { None };
     let parser = OutputParser::new(OutputParser::prompt_opens_reasoning(&prompt_text), tools);
@@ -199,11 +270,17 @@ async fn completion_inner(state: AppStateRef, headers: HeaderMap, body: Body) ->
     let ids = match req.prompt {
         Prompt::Ids(ids) => ids,
         Prompt::Text(text) => {
+            let limit = prompt_limit(&state, &req.gen)?;
             let tokenizer = state.tokenizer.clone();
-            tokio::task::spawn_blocking(move || tokenizer.encode(&text, false))
-                .await
-                .map_err(|_| ApiError::internal("tokenizing the prompt failed"))?
-                .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
+            let turn = state.prompt_gate.enter().await?;
+            tokio::task::spawn_blocking(move || {
+                let _turn = turn;
+                tokenizer.encode_within(&text, limit)
+            })
+            .await
+            .map_err(|_| ApiError::internal("tokenizing the prompt failed"))?
+            .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
+            .ok_or_else(|| prompt_too_long(&state, &req.gen, "prompt", limit))?
         }
     };
     let events = submit(&state, ids, &req.gen, "prompt", submitted)?;
@@ -212,6 +289,41 @@ async fn completion_inner(state: AppStateRef, headers: HeaderMap, body: Body) ->
         Ok(sse(completion_stream(reply, events)))
     } else {
         completion_whole(reply, events).await
+    }
+}
+
+/// The most prompt tokens a request may have: the context less `max_tokens`, or less one
+/// token to generate when it asks for none. A `max_tokens` that leaves no room is refused
+/// here, before any tokenizing.
+fn prompt_limit(state: &AppState, gen: &GenOptions) -> Result<usize, ApiError> {
+    let context = state.engine.context;
+    match gen.max_tokens {
+        Some(max) if max >= context => Err(ApiError {
+            param: Some(gen.max_tokens_param.to_owned()),
+            ..ApiError::context_length(format!(
+                "`{}` is {max}, and this server's context holds {context} tokens (prompt and completion \
+                 together); ask for fewer than {context} tokens",
+                gen.max_tokens_param
+            ))
+        }),
+        Some(max) => Ok(context - max),
+        None => Ok(context.saturating_sub(1)),
+    }
+}
+
+/// The prompt has more than `limit` tokens (tokenizing stopped there).
+fn prompt_too_long(state: &AppState, gen: &GenOptions, prompt_param: &str, limit: usize) -> ApiError {
+    let context = state.engine.context;
+    let room = match gen.max_tokens {
+        Some(max) => format!("{max} of them asked for the completion (`{}`)", gen.max_tokens_param),
+        None => "at least one of them for the completion".to_owned(),
+    };
+    ApiError {
+        param: Some(prompt_param.to_owned()),
+        ..ApiError::context_length(format!(
+            "the prompt is longer than {limit} tokens, and this server's context holds {context} tokens \
+             with {room}; shorten the prompt"
+        ))
     }
 }
 
@@ -244,14 +356,28 @@ fn submit(
         ));
     }
     let room = context - prompt.len();
-    let max_tokens = gen.max_tokens.unwrap_or(room).min(room);
+    // As OpenAI and vLLM do: a completion that cannot fit is refused, not cut short.
+    if let Some(max) = gen.max_tokens.filter(|&max| max > room) {
+        return Err(ApiError {
+            param: Some(gen.max_tokens_param.to_owned()),
+            ..ApiError::context_length(format!(
+                "the prompt is {} tokens long and `{}` asks for {max} more, {} in all, and this \
+                 server's context holds {context} tokens; ask for at most {room} or shorten the prompt",
+                prompt.len(),
+                gen.max_tokens_param,
+                prompt.len() + max
+            ))
+        });
+    }
+    let max_tokens = gen.max_tokens.unwrap_or(room);
     let sampler = Sampler::new(gen.sampling.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let (events, receiver) = unbounded_channel();
     state.engine.submit(Job {
         prompt,
         max_tokens,
         sampler,
-        stop: gen.stop.clone(),
+        // Built here, off the engine thread (the stops are capped by request.rs).
+        stops: StopMatcher::new(gen.stop.clone()),
         logprobs: gen.logprobs,
         ignore_eos: gen.ignore_eos,
         events,
@@ -676,6 +802,7 @@ mod tests {
             .join("../../tests/fixtures/models/vlm-f32-gdn2x");
         let gen = GenOptions {
             max_tokens: None,
+            max_tokens_param: "max_tokens",
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             logprobs: None,
@@ -752,6 +879,26 @@ mod tests {
         let usage = chunks.last().unwrap();
         assert_eq!(usage["choices"], json!([]));
         assert_eq!(usage["usage"]["total_tokens"], 50);
+    }
+
+    /// A turn each for `permits` requests; `max_waiting` more wait, and leave the line when
+    /// their client goes away (the future is dropped); beyond them, 429 at once.
+    #[tokio::test]
+    async fn the_prompt_gate_bounds_work_and_waiting() {
+        use std::future::Future;
+        use std::task::{Context, Poll};
+        let gate = PromptGate::new(1, 1);
+        let turn = gate.enter().await.unwrap();
+        let mut waiter = Box::pin(gate.enter());
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        assert!(waiter.as_mut().poll(&mut cx).is_pending());
+        let refused = gate.enter().await.unwrap_err();
+        assert_eq!((refused.status.as_u16(), refused.kind), (429, "rate_limit_error"));
+        drop(waiter);
+        let mut waiter = Box::pin(gate.enter());
+        assert!(waiter.as_mut().poll(&mut cx).is_pending(), "the cancelled waiter left the line");
+        drop(turn);
+        assert!(matches!(waiter.as_mut().poll(&mut cx), Poll::Ready(Ok(_))));
     }
 
     #[test]

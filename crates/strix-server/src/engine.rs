@@ -44,7 +44,8 @@ pub struct Job {
     /// At most what fits in the context after the prompt.
     pub max_tokens: usize,
     pub sampler: Sampler,
-    pub stop: Vec<String>,
+    /// The request's stop strings, matched on its text.
+    pub stops: StopMatcher,
     /// `Some(n)`: report each token's log-probability and the `n` most likely alternatives.
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
@@ -350,7 +351,7 @@ impl<B: Backend> Engine<B> {
             let seq = Seq {
                 session: self.model.new_session(self.config.context),
                 decoder: self.tokenizer.stream_decoder(true),
-                stops: StopMatcher::new(job.stop.clone()),
+                stops: job.stops.clone(),
                 generated: Vec::with_capacity(job.max_tokens.min(1024)),
                 fed: 0,
                 next: 0,
@@ -381,6 +382,14 @@ impl<B: Backend> Engine<B> {
                 "prompt",
                 format!("token id {bad} is outside the vocabulary"),
             ));
+        }
+        if job.prompt.len() + job.max_tokens > self.config.context {
+            return Some(ApiError::context_length(format!(
+                "the prompt has {} tokens and max_tokens is {}; the context holds {}",
+                job.prompt.len(),
+                job.max_tokens,
+                self.config.context
+            )));
         }
         if job.max_tokens == 0 {
             return Some(ApiError::invalid_param("max_tokens", "max_tokens must be at least 1"));
@@ -572,7 +581,7 @@ mod tests {
             prompt: (0..prompt_len).map(|i| (i % 300) as u32).collect(),
             max_tokens,
             sampler: Sampler::new(SamplingParams::greedy()).unwrap(),
-            stop: Vec::new(),
+            stops: StopMatcher::new(Vec::new()),
             logprobs: None,
             ignore_eos: true,
             events,

@@ -213,6 +213,9 @@ impl Server {
             api_key: config.api_key.clone(),
             max_body: config.max_body,
             created: api::unix_time(),
+            prompt_gate: api::PromptGate::per_core(
+                config.engine.max_seqs.saturating_add(config.engine.max_queue),
+            ),
         });
 
         let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -2,11 +2,18 @@
 //! field the server reads, and errors that name the field at fault (`param`).
 //!
 //! Fields are read one by one from the JSON object rather than through a derived
-//! `Deserialize`, for two reasons: unknown fields must be ignored while a known field of the
-//! wrong type must be a 400 naming that field, and OpenAI's fields have several shapes
-//! (`stop` is a string or a list, a completion `prompt` text or token ids). `null` counts as
-//! absent everywhere, as in OpenAI's API. Nothing here panics on any input: the property
-//! tests in `tests/fuzz.rs` feed it random bytes and random JSON.
+//! `Deserialize`, because a field of the wrong type must be a 400 naming that field, and
+//! OpenAI's fields have several shapes (`stop` is a string or a list, a completion `prompt`
+//! text or token ids). `null` counts as absent everywhere, as in OpenAI's API.
+//!
+//! What the server does not do, it refuses rather than ignores: a field outside the lists of
+//! what each endpoint reads ([`CHAT_FIELDS`], [`COMPLETION_FIELDS`], [`COMMON_FIELDS`]) is a 400
+//! naming it, as OpenAI answers ("Unrecognized request argument supplied"), and so is a known
+//! field in a form the server cannot honour (`response_format` other than text, a non-empty
+//! `logit_bias`, image or audio content parts, `tool_choice` forcing a call...). A few
+//! informational fields clients send are accepted and have no effect (`user`, `metadata`,
+//! `store`, `service_tier`). Nothing here panics on any input: the property tests in
+//! `tests/fuzz.rs` feed it random bytes and random JSON.
 
 use serde_json::{Map, Value};
 use strix::chat::{ChatMessage, ChatOptions};
@@ -14,16 +21,65 @@ use strix::sampling::SamplingParams;
 
 use crate::error::ApiError;
 
-/// Most stop strings a request may give (OpenAI allows 4; vLLM has no limit).
+/// Most stop strings a request may give. OpenAI allows 4; strix took 16 before it capped
+/// their length and keeps that, since matching costs nothing per stop (an automaton).
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes. The matcher holds back up to this much text that could
+/// still become a stop, and builds an automaton as large as all stops together: 256 bytes
+/// keeps both small while far exceeding any delimiter a client stops on.
+pub const MAX_STOP_BYTES: usize = 256;
 /// Most `top_logprobs` (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Fields both endpoints read (`logit_bias` only as `{}`, which asks for nothing); `user`,
+/// `metadata`, `store` and `service_tier` are informational (accepted, without effect).
+pub const COMMON_FIELDS: [&str; 22] = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "logprobs",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logit_bias",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+];
+/// Fields only `/v1/chat/completions` reads (`response_format` and `modalities` only in the
+/// forms that ask for nothing more than text, `parallel_tool_calls` only as `true`).
+pub const CHAT_FIELDS: [&str; 8] = [
+    "messages",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "response_format",
+    "modalities",
+];
+/// Fields only `/v1/completions` reads (`echo` only as false, `best_of` only as 1; `suffix` is
+/// known to be refused).
+pub const COMPLETION_FIELDS: [&str; 4] = ["prompt", "echo", "suffix", "best_of"];
 
 /// What both endpoints share: how much to generate, how to sample, when to stop, what to report.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenOptions {
     /// `max_completion_tokens`, else `max_tokens`; `None` runs to the end of the context.
     pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came from, for errors.
+    pub max_tokens_param: &'static str,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     /// `Some(n)` when log-probabilities are asked for, with the `n` most likely alternatives.
@@ -63,7 +119,35 @@ pub struct CompletionRequest {
 pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest, ApiError> {
     let object = parse_object(body)?;
     let f = Fields(&object);
+    f.only(&CHAT_FIELDS)?;
     let gen = gen_options(&f, defaults, LogprobsStyle::Chat)?;
+    match f.get("response_format") {
+        None => {}
+        Some(Value::Object(format)) if format.get("type") == Some(&Value::from("text")) && format.len() == 1 => {}
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "response_format",
+                "`response_format` is not supported: only {\"type\": \"text\"} (structured output is not implemented)",
+            ))
+        }
+    }
+    match f.get("modalities") {
+        None => {}
+        Some(Value::Array(m)) if m.iter().all(|m| m == "text") => {}
+        Some(_) => {
+            return Err(ApiError::invalid_param("modalities", "only the \"text\" modality is supported"))
+        }
+    }
+    match f.get("parallel_tool_calls") {
+        None | Some(Value::Bool(true)) => {}
+        Some(Value::Bool(false)) => {
+            return Err(ApiError::invalid_param(
+                "parallel_tool_calls",
+                "`parallel_tool_calls: false` is not supported: the model may call several tools in one turn",
+            ))
+        }
+        Some(_) => return Err(type_error("parallel_tool_calls", "a boolean")),
+    }
 
     let messages = match f.get("messages") {
         None => return Err(ApiError::invalid_param("messages", "`messages` is required")),
@@ -96,18 +180,17 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
         None => false,
         Some(Value::String(choice)) => match choice.as_str() {
             "none" => true,
-            "auto" | "required" => false,
+            "auto" => false,
+            "required" => return Err(forced_tool_call()),
             other => {
                 return Err(ApiError::invalid_param(
                     "tool_choice",
-                    format!(
-                    "`tool_choice` must be \"none\", \"auto\", \"required\" or a function, got \"{other}\""
-                ),
+                    format!("`tool_choice` must be \"none\" or \"auto\", got \"{other}\""),
                 ))
             }
         },
-        Some(Value::Object(_)) => false,
-        Some(_) => return Err(type_error("tool_choice", "a string or an object")),
+        Some(Value::Object(_)) => return Err(forced_tool_call()),
+        Some(_) => return Err(type_error("tool_choice", "a string")),
     };
     let tools = if tool_choice_none { None } else { tools };
 
@@ -134,10 +217,19 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
     })
 }
 
+/// `tool_choice` that forces a call: the server cannot make the model call a tool.
+fn forced_tool_call() -> ApiError {
+    ApiError::invalid_param(
+        "tool_choice",
+        "forcing a tool call (`tool_choice` \"required\" or a function) is not supported; use \"auto\" or \"none\"",
+    )
+}
+
 /// Parses a `/v1/completions` body.
 pub fn parse_completion(body: &[u8], defaults: &SamplingParams) -> Result<CompletionRequest, ApiError> {
     let object = parse_object(body)?;
     let f = Fields(&object);
+    f.only(&COMPLETION_FIELDS)?;
     let gen = gen_options(&f, defaults, LogprobsStyle::Completion)?;
     let prompt = match f.get("prompt") {
         None => return Err(ApiError::invalid_param("prompt", "`prompt` is required")),
@@ -213,11 +305,8 @@ fn message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
     match object.get("content") {
         None | Some(Value::Null | Value::String(_)) => {}
         Some(Value::Array(parts)) => {
-            if let Some(i) = parts.iter().position(|part| !part.is_object()) {
-                return Err(ApiError::invalid_param(
-                    format!("{param}.content[{i}]"),
-                    "content parts must be objects such as {\"type\": \"text\", \"text\": \"...\"}",
-                ));
+            for (i, part) in parts.iter().enumerate() {
+                content_part(&format!("{param}.content[{i}]"), part)?;
             }
         }
         Some(_) => return Err(type_error(format!("{param}.content"), "a string, an array of parts or null")),
@@ -230,6 +319,15 @@ fn message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
     if !matches!(object.get("tool_calls"), None | Some(Value::Null | Value::Array(_))) {
         return Err(type_error(format!("{param}.tool_calls"), "an array"));
     }
+    // Other fields reach the template, which may use them; these the Qwen templates never read.
+    for field in ["function_call", "audio"] {
+        if !matches!(object.get(field), None | Some(Value::Null)) {
+            return Err(ApiError::invalid_param(
+                format!("{param}.{field}"),
+                format!("`{field}` in a message is not supported"),
+            ));
+        }
+    }
     let mut message: ChatMessage = serde_json::from_value(value.clone())
         .map_err(|e| ApiError::invalid_param(param.clone(), format!("invalid message: {e}")))?;
     // OpenAI's newer name for the system role; the Qwen templates know only `system`.
@@ -237,6 +335,33 @@ fn message(index: usize, value: &Value) -> Result<ChatMessage, ApiError> {
         message.role = "system".into();
     }
     Ok(message)
+}
+
+/// A content part: only `{"type": "text", "text": "..."}`; the served models read no images,
+/// audio or files, and dropping them would answer a question that was not asked.
+fn content_part(param: &str, part: &Value) -> Result<(), ApiError> {
+    const SHAPE: &str = "content parts must be {\"type\": \"text\", \"text\": \"...\"}";
+    let Value::Object(part) = part else {
+        return Err(ApiError::invalid_param(param, SHAPE));
+    };
+    match part.get("type") {
+        Some(Value::String(kind)) if kind == "text" => {}
+        Some(Value::String(kind)) => {
+            return Err(ApiError::invalid_param(
+                format!("{param}.type"),
+                format!("content parts of type \"{kind}\" are not supported: this server reads text only"),
+            ))
+        }
+        _ => return Err(ApiError::invalid_param(format!("{param}.type"), SHAPE)),
+    }
+    if !matches!(part.get("text"), Some(Value::String(_))) {
+        return Err(type_error(format!("{param}.text"), "a string"));
+    }
+    if let Some((key, _)) = part.iter().find(|(k, v)| !matches!(k.as_str(), "type" | "text") && !v.is_null())
+    {
+        return Err(unrecognized(&format!("{param}.{key}")));
+    }
+    Ok(())
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -256,10 +381,18 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
     if !matches!(f.get("model"), None | Some(Value::String(_))) {
         return Err(type_error("model", "a string"));
     }
-    let max_tokens = match f.positive("max_completion_tokens")? {
-        Some(n) => Some(n),
-        None => f.positive("max_tokens")?,
+    let (max_tokens, max_tokens_param) = match f.positive("max_completion_tokens")? {
+        Some(n) => (Some(n), "max_completion_tokens"),
+        None => (f.positive("max_tokens")?, "max_tokens"),
     };
+    match f.get("logit_bias") {
+        None => {}
+        Some(Value::Object(bias)) if bias.is_empty() => {}
+        Some(Value::Object(_)) => {
+            return Err(ApiError::invalid_param("logit_bias", "`logit_bias` is not supported yet"))
+        }
+        Some(_) => return Err(type_error("logit_bias", "an object")),
+    }
 
     let mut s = defaults.clone();
     if let Some(t) = f.number("temperature")? {
@@ -314,7 +447,7 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
     }
     s.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
 
-    let stop = match f.get("stop") {
+    let stop: Vec<String> = match f.get("stop") {
         None => Vec::new(),
         Some(Value::String(stop)) => vec![stop.clone()],
         Some(Value::Array(items)) => {
@@ -335,6 +468,12 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
         }
         Some(_) => return Err(type_error("stop", "a string or an array of strings")),
     };
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!("a stop string may be at most {MAX_STOP_BYTES} bytes long; one is {} bytes", long.len()),
+        ));
+    }
 
     let logprobs = match style {
         LogprobsStyle::Chat => {
@@ -378,15 +517,42 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
-        Some(Value::Object(options)) => match options.get("include_usage") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(type_error("stream_options.include_usage", "a boolean")),
-        },
+        Some(Value::Object(options)) => {
+            if let Some((key, _)) = options.iter().find(|(k, v)| *k != "include_usage" && !v.is_null()) {
+                return Err(unrecognized(&format!("stream_options.{key}")));
+            }
+            match options.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => return Err(type_error("stream_options.include_usage", "a boolean")),
+            }
+        }
         Some(_) => return Err(type_error("stream_options", "an object")),
     };
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
-    Ok(GenOptions { max_tokens, sampling: s, stop, logprobs, stream, include_usage, ignore_eos })
+    Ok(GenOptions {
+        max_tokens,
+        max_tokens_param,
+        sampling: s,
+        stop,
+        logprobs,
+        stream,
+        include_usage,
+        ignore_eos,
+    })
+}
+
+/// OpenAI's answer to a field it does not know, with a hint for the usual ones.
+fn unrecognized(param: &str) -> ApiError {
+    let hint = match param {
+        "functions" | "function_call" => " (use `tools` and `tool_choice`)",
+        "max_new_tokens" => " (use `max_tokens`)",
+        _ => "",
+    };
+    ApiError::invalid_param(
+        param,
+        format!("Unrecognized request argument supplied: {param}{hint}. strix-server does not implement it"),
+    )
 }
 
 fn type_error(param: impl Into<String>, expected: &str) -> ApiError {
@@ -398,6 +564,17 @@ fn type_error(param: impl Into<String>, expected: &str) -> ApiError {
 struct Fields<'a>(&'a Map<String, Value>);
 
 impl Fields<'_> {
+    /// Refuses any field (not null) that is neither one of `endpoint`'s nor a common one.
+    fn only(&self, endpoint: &[&str]) -> Result<(), ApiError> {
+        let unknown = self.0.iter().find(|(name, value)| {
+            !value.is_null() && !endpoint.contains(&name.as_str()) && !COMMON_FIELDS.contains(&name.as_str())
+        });
+        match unknown {
+            Some((name, _)) => Err(unrecognized(name)),
+            None => Ok(()),
+        }
+    }
+
     /// The field, `None` when absent or null.
     fn get(&self, name: &str) -> Option<&Value> {
         self.0.get(name).filter(|v| !v.is_null())
@@ -474,11 +651,13 @@ mod tests {
                 "top_logprobs": 2, "stream": true, "stream_options": {"include_usage": true},
                 "tools": [{"type": "function", "function": {"name": "f"}}],
                 "chat_template_kwargs": {"enable_thinking": false, "custom": 1},
-                "unknown_field": {"anything": [1, 2]}, "n": 1, "user": null}"#,
+                "unknown_field": null, "n": 1, "user": "u1", "metadata": {"k": "v"}, "store": false,
+                "service_tier": "auto", "parallel_tool_calls": true, "response_format": {"type": "text"},
+                "logit_bias": {}, "modalities": ["text"], "tool_choice": "auto"}"#,
         )
         .unwrap();
         assert_eq!(r.messages[0].role, "system");
-        assert_eq!(r.gen.max_tokens, Some(7));
+        assert_eq!((r.gen.max_tokens, r.gen.max_tokens_param), (Some(7), "max_completion_tokens"));
         assert_eq!(r.gen.sampling.top_k, 0);
         assert_eq!(r.gen.sampling.seed, Some(-3i64 as u64));
         assert_eq!(r.gen.stop, vec!["x"]);
@@ -574,5 +753,118 @@ mod tests {
         .unwrap();
         assert!(!r.parse_tools);
         assert_eq!(r.template.tools, None);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name() {
+        let e = chat(r#"{"messages": [{"role": "user", "content": "x"}], "max_new_tokens": 5}"#).unwrap_err();
+        assert!(e.message.starts_with("Unrecognized request argument supplied: max_new_tokens"), "{e}");
+        assert_eq!(param(e), "max_new_tokens");
+        let cases = [
+            (r#"{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}"#, "messages"),
+            (r#"{"prompt": "x", "tools": []}"#, "tools"),
+            (r#"{"prompt": "x", "top_logprobs": 2}"#, "top_logprobs"),
+            (r#"{"prompt": "x", "response_format": {"type": "text"}}"#, "response_format"),
+            (r#"{"prompt": "x", "guided_json": {}}"#, "guided_json"),
+            (
+                r#"{"prompt": "x", "stream_options": {"include_usage": true, "include_obfuscation": true}}"#,
+                "stream_options.include_obfuscation",
+            ),
+        ];
+        for (body, expected) in cases {
+            assert_eq!(param(completion(body).unwrap_err()), expected, "{body}");
+        }
+        for body in [
+            r#"{"messages": [{"role": "user", "content": "x"}], "prompt": "x"}"#,
+            r#"{"messages": [{"role": "user", "content": "x"}], "echo": false}"#,
+        ] {
+            assert!(chat(body).is_err(), "{body}");
+        }
+        // Null is absent, for unknown fields too; informational fields are accepted.
+        completion(
+            r#"{"prompt": "x", "guided_json": null, "user": "u", "metadata": {}, "store": true,
+                       "service_tier": "default", "logit_bias": {}, "echo": false, "best_of": 1}"#,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn features_the_server_lacks_are_refused_not_ignored() {
+        let with = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {extra}}}"#);
+        let cases = [
+            (with(r#""response_format": {"type": "json_object"}"#), "response_format"),
+            (with(r#""response_format": {"type": "json_schema", "json_schema": {}}"#), "response_format"),
+            (with(r#""logit_bias": {"50256": -100}"#), "logit_bias"),
+            (with(r#""logit_bias": [1]"#), "logit_bias"),
+            (with(r#""functions": [{"name": "f"}]"#), "functions"),
+            (with(r#""function_call": "auto""#), "function_call"),
+            (with(r#""tool_choice": "required""#), "tool_choice"),
+            (with(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#), "tool_choice"),
+            (with(r#""parallel_tool_calls": false"#), "parallel_tool_calls"),
+            (with(r#""modalities": ["text", "audio"]"#), "modalities"),
+            (with(r#""audio": {"voice": "alloy"}"#), "audio"),
+            (r#"{"prompt": "x", "logit_bias": {"1": 1}}"#.to_owned(), "logit_bias"),
+        ];
+        for (body, expected) in &cases {
+            let e =
+                if body.contains("prompt") { completion(body).map(|_| ()) } else { chat(body).map(|_| ()) };
+            assert_eq!(param(e.unwrap_err()), *expected, "{body}");
+        }
+        let part = |p: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "a"}}, {p}]}}]}}"#
+            )
+        };
+        let parts = [
+            (
+                r#"{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}"#,
+                "messages[0].content[1].type",
+            ),
+            (
+                r#"{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}"#,
+                "messages[0].content[1].type",
+            ),
+            (r#"{"type": "file", "file": {"file_id": "f"}}"#, "messages[0].content[1].type"),
+            (r#"{"type": "hologram"}"#, "messages[0].content[1].type"),
+            (r#"{"text": "no type"}"#, "messages[0].content[1].type"),
+            (r#"{"type": "text", "text": 5}"#, "messages[0].content[1].text"),
+            (r#"{"type": "text"}"#, "messages[0].content[1].text"),
+            (
+                r#"{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}"#,
+                "messages[0].content[1].cache_control",
+            ),
+            (r#""text""#, "messages[0].content[1]"),
+        ];
+        for (p, expected) in parts {
+            assert_eq!(param(chat(&part(p)).unwrap_err()), expected, "{p}");
+        }
+        let e =
+            chat(r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#)
+                .unwrap_err();
+        assert!(e.message.contains("\"image_url\"") && e.message.contains("not supported"), "{e}");
+        assert_eq!(
+            param(
+                chat(r#"{"messages": [{"role": "assistant", "function_call": {"name": "f"}}]}"#).unwrap_err()
+            ),
+            "messages[0].function_call"
+        );
+        chat(&part(r#"{"type": "text", "text": "b"}"#)).unwrap();
+    }
+
+    #[test]
+    fn stop_strings_are_capped_in_count_and_length() {
+        let stops = |n: usize, len: usize| {
+            let stops: Vec<String> = (0..n).map(|i| format!("{i:0>len$}")).collect();
+            completion(&serde_json::json!({"prompt": "x", "stop": stops}).to_string())
+        };
+        assert_eq!(stops(MAX_STOP_STRINGS, MAX_STOP_BYTES).unwrap().gen.stop.len(), MAX_STOP_STRINGS);
+        assert_eq!(param(stops(MAX_STOP_STRINGS + 1, 1).unwrap_err()), "stop");
+        let e = stops(1, MAX_STOP_BYTES + 1).unwrap_err();
+        assert!(e.message.contains("at most 256 bytes"), "{e}");
+        assert_eq!(param(e), "stop");
+        // A single string is capped too, in bytes (UTF-8), not characters.
+        let long = "é".repeat(MAX_STOP_BYTES / 2 + 1);
+        let e = completion(&serde_json::json!({"prompt": "x", "stop": long}).to_string()).unwrap_err();
+        assert_eq!(param(e), "stop");
     }
 }

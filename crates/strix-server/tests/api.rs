@@ -387,16 +387,85 @@ fn prompts_longer_than_the_context_are_400() {
     assert_eq!(e["param"], "prompt");
     let e = post(server.addr(), "/v1/chat/completions", &json!({"messages": user(&long)})).error(400);
     assert_eq!(e["code"], "context_length_exceeded");
-    // A long max_tokens is cut to the context rather than refused.
+    // A completion that cannot fit is refused (as OpenAI and vLLM do), naming the field.
+    for (body, param) in [
+        (json!({"prompt": "hi", "max_tokens": 1_000_000_000}), "max_tokens"),
+        (json!({"prompt": "hi", "max_tokens": 64}), "max_tokens"),
+        (json!({"prompt": [1, 2, 3], "max_tokens": 62}), "max_tokens"),
+        (json!({"prompt": "hi", "max_completion_tokens": 1000}), "max_completion_tokens"),
+    ] {
+        let e = post(server.addr(), "/v1/completions", &body).error(400);
+        assert_eq!(
+            (e["code"].as_str(), e["param"].as_str()),
+            (Some("context_length_exceeded"), Some(param)),
+            "{body}"
+        );
+    }
+    let e = post(server.addr(), "/v1/chat/completions", &json!({"messages": user("hi"), "max_tokens": 60}))
+        .error(400);
+    assert_eq!(e["code"], "context_length_exceeded");
+    // A prompt that fits beside its max_tokens but not beside the rest of the context...
+    let e = post(server.addr(), "/v1/completions", &json!({"prompt": "word ".repeat(30), "max_tokens": 40}))
+        .error(400);
+    assert_eq!((e["code"].as_str(), e["param"].as_str()), (Some("context_length_exceeded"), Some("prompt")));
+    // ... and exactly the context is fine; no max_tokens runs to the end of the context.
     let r = post(
         server.addr(),
         "/v1/completions",
-        &json!({"prompt": "hi", "max_tokens": 100000, "ignore_eos": true,
-        "temperature": 0}),
+        &json!({"prompt": [1, 2, 3, 4], "max_tokens": 60, "ignore_eos": true, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["total_tokens"], 64);
+    let r = post(
+        server.addr(),
+        "/v1/completions",
+        &json!({"prompt": "hi", "ignore_eos": true, "temperature": 0}),
     )
     .json();
     assert_eq!(r["choices"][0]["finish_reason"], "length");
     assert_eq!(r["usage"]["total_tokens"], 64);
+}
+
+#[test]
+fn what_the_server_does_not_do_is_refused_by_name() {
+    let server = start(|_| {});
+    let addr = server.addr();
+    let chat = "/v1/chat/completions";
+    let cases = [
+        (json!({"messages": user("x"), "response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"messages": user("x"), "logit_bias": {"1": 10}}), "logit_bias"),
+        (json!({"messages": user("x"), "functions": [{"name": "f"}]}), "functions"),
+        (json!({"messages": user("x"), "some_new_option": true}), "some_new_option"),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                   {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}),
+            "messages[0].content[1].type",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+            "messages[0].content[0].text",
+        ),
+    ];
+    for (body, param) in cases {
+        let e = post(addr, chat, &body).error(400);
+        assert_eq!(e["param"], param, "{body}");
+        assert_eq!(e["type"], "invalid_request_error");
+    }
+    let e = post(addr, "/v1/completions", &json!({"prompt": "x", "best_of": 1, "mirostat": 2})).error(400);
+    assert!(
+        e["message"].as_str().unwrap().starts_with("Unrecognized request argument supplied: mirostat"),
+        "{e}"
+    );
+    // What asks for nothing more than the server does is accepted.
+    let ok = post(
+        addr,
+        chat,
+        &json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2,
+                "response_format": {"type": "text"}, "logit_bias": {}, "user": "u", "store": false,
+                "metadata": {"a": "b"}, "service_tier": "auto", "parallel_tool_calls": true,
+                "stream_options": null, "seed": null}),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.text());
 }
 
 /// A request that runs until cancelled: a long context and no end-of-sequence.

@@ -46,7 +46,7 @@ fn any_json() -> impl Strategy<Value = Value> {
     })
 }
 
-const FIELDS: [&str; 24] = [
+const FIELDS: [&str; 31] = [
     "model",
     "messages",
     "prompt",
@@ -71,6 +71,13 @@ const FIELDS: [&str; 24] = [
     "chat_template_kwargs",
     "ignore_eos",
     "echo",
+    "response_format",
+    "logit_bias",
+    "parallel_tool_calls",
+    "modalities",
+    "metadata",
+    "user",
+    "functions",
 ];
 
 /// A valid request with one known field replaced by a random value.

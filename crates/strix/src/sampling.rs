@@ -43,8 +43,14 @@
 //! within that rounding of the boundary between two tokens is the only way two platforms can
 //! disagree.
 
-use crate::error::{Error, Result};
 use std::cmp::Ordering;
+use std::sync::Arc;
+
+use aho_corasick::automaton::{Automaton, StateID};
+use aho_corasick::nfa::noncontiguous::NFA;
+use aho_corasick::{Anchored, MatchKind};
+
+use crate::error::{Error, Result};
 
 /// How to pick the next token; see the module documentation for the order the steps apply in.
 ///
@@ -669,18 +675,86 @@ impl Xoshiro256StarStar {
 /// stop string is emitted and nothing after it; later pushes return nothing. At the end of
 /// generation [`StopMatcher::finish`] returns what was held back. Held-back text always ends
 /// and starts on character boundaries, since stop strings and chunks are whole `str`s.
+///
+/// The matching is an Aho-Corasick automaton over the stops (the `aho-corasick` crate), fed
+/// the bytes of each piece once: the state it ends in is the longest tail of the text that
+/// is a prefix of a stop, which is exactly the tail to hold back, so a push costs time
+/// proportional to the piece, whatever the number or the length of the stops. (Searching
+/// the held text again for every stop at each token made a request with long stops slow down
+/// the engine thread, and every sequence it serves.)
 #[derive(Clone, Debug)]
 pub struct StopMatcher {
     stops: Vec<String>,
+    /// `None` when there are no (non-empty) stops.
+    automaton: Option<Arc<StopAutomaton>>,
+    /// The automaton's state after every byte pushed so far.
+    state: StateID,
     held: String,
     matched: Option<usize>,
+}
+
+/// The automaton of a set of stops, and how long the text is that each of its states stands
+/// for (the length of the tail to hold back there).
+#[derive(Debug)]
+struct StopAutomaton {
+    nfa: NFA,
+    /// Indexed by `StateID::as_usize()` (dense for a noncontiguous NFA).
+    depth: Vec<u32>,
+}
+
+impl StopAutomaton {
+    /// `None` when the automaton cannot be built (more pattern bytes than its state ids can
+    /// count, far beyond any request's stops): the caller falls back to no automaton only for
+    /// empty stop lists, so this is reported as a plain failure to build.
+    fn new(stops: &[String]) -> Option<Self> {
+        // `Standard` reports every stop that ends at a position, so the earliest start and
+        // the first-listed stop can be picked among them (leftmost-first semantics would
+        // report a later-ending match first in a stream).
+        let nfa = NFA::builder().match_kind(MatchKind::Standard).build(stops).ok()?;
+        // Every state an unanchored search can reach is a prefix of some stop (the trie) or the
+        // start; walking each stop anchored names the state of each of its prefixes.
+        let mut depth = Vec::new();
+        let mut set = |sid: StateID, d: usize| {
+            let i = sid.as_usize();
+            if depth.len() <= i {
+                depth.resize(i + 1, 0);
+            }
+            depth[i] = d as u32;
+        };
+        set(nfa.start_state(Anchored::No).ok()?, 0);
+        let anchored = nfa.start_state(Anchored::Yes).ok()?;
+        set(anchored, 0);
+        for stop in stops {
+            let mut sid = anchored;
+            for (i, &b) in stop.as_bytes().iter().enumerate() {
+                sid = nfa.next_state(Anchored::Yes, sid, b);
+                set(sid, i + 1);
+            }
+        }
+        Some(StopAutomaton { nfa, depth })
+    }
+
+    fn depth(&self, sid: StateID) -> usize {
+        self.depth.get(sid.as_usize()).map_or(0, |&d| d as usize)
+    }
 }
 
 impl StopMatcher {
     /// Empty stop strings are dropped: they would match before any text.
     pub fn new(stops: Vec<String>) -> Self {
-        let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
-        StopMatcher { stops, held: String::new(), matched: None }
+        let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
+        let automaton = if stops.is_empty() {
+            None
+        } else {
+            // Building fails only past u32::MAX states; the callers bound stops far below.
+            Some(Arc::new(StopAutomaton::new(&stops).expect("stop strings fit the automaton")))
+        };
+        let state = Self::start(&automaton);
+        StopMatcher { stops, automaton, state, held: String::new(), matched: None }
+    }
+
+    fn start(automaton: &Option<Arc<StopAutomaton>>) -> StateID {
+        automaton.as_ref().and_then(|a| a.nfa.start_state(Anchored::No).ok()).unwrap_or_default()
     }
 
     /// Adds the next piece of text; returns what is safe to emit and whether a stop was hit.
@@ -688,33 +762,35 @@ impl StopMatcher {
         if self.matched.is_some() {
             return (String::new(), true);
         }
+        let Some(automaton) = self.automaton.clone() else {
+            return (text.to_owned(), false);
+        };
+        let nfa = &automaton.nfa;
+        // The held text is the longest tail that is a prefix of a stop, so a stop that ends in
+        // this piece starts inside `held + text`: its offsets are taken there.
+        let base = self.held.len();
         self.held.push_str(text);
         // The earliest occurrence wins; at one position, the stop listed first.
-        let hit = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, stop)| self.held.find(stop.as_str()).map(|pos| (pos, i)))
-            .min();
+        let mut hit: Option<(usize, usize)> = None;
+        for (i, &b) in text.as_bytes().iter().enumerate() {
+            self.state = nfa.next_state(Anchored::No, self.state, b);
+            if nfa.is_match(self.state) {
+                let end = base + i + 1;
+                for k in 0..nfa.match_len(self.state) {
+                    let pattern = nfa.match_pattern(self.state, k);
+                    let candidate = (end - nfa.pattern_len(pattern), pattern.as_usize());
+                    hit = Some(hit.map_or(candidate, |best| best.min(candidate)));
+                }
+            }
+        }
         if let Some((pos, i)) = hit {
             self.matched = Some(i);
             self.held.truncate(pos);
             return (std::mem::take(&mut self.held), true);
         }
-        // Any later match starts inside the longest tail that is a proper prefix of a stop, so
-        // everything before that tail is final.
-        let keep = self
-            .stops
-            .iter()
-            .filter_map(|stop| {
-                stop.char_indices()
-                    .map(|(i, _)| i)
-                    .skip(1)
-                    .filter(|&i| self.held.ends_with(&stop[..i]))
-                    .last()
-            })
-            .max()
-            .unwrap_or(0);
+        // Any later match starts inside the longest tail that is a proper prefix of a stop (the
+        // automaton's state), so everything before that tail is final.
+        let keep = automaton.depth(self.state);
         let emit = self.held[..self.held.len() - keep].to_string();
         self.held.drain(..self.held.len() - keep);
         (emit, false)
@@ -722,6 +798,7 @@ impl StopMatcher {
 
     /// Returns the held-back text (nothing after a stop string was hit).
     pub fn finish(&mut self) -> String {
+        self.state = Self::start(&self.automaton);
         std::mem::take(&mut self.held)
     }
 
@@ -1276,6 +1353,89 @@ mod tests {
         assert_eq!(stream(&["日本語"], &["今日", "本", "語です"]), ("今".into(), true, String::new()));
         assert_eq!(stream(&["日本語"], &["今日", "本", "人"]), ("今日本人".into(), false, String::new()));
         assert_eq!(stream(&["🦀!"], &["a🦀", "🦀", "!b"]), ("a🦀".into(), true, String::new()));
+    }
+
+    /// The matcher as it was before the automaton (every stop searched in the held text at
+    /// each push), kept as the oracle of its exact semantics.
+    struct SimpleStopMatcher {
+        stops: Vec<String>,
+        held: String,
+        matched: Option<usize>,
+    }
+
+    impl SimpleStopMatcher {
+        fn new(stops: Vec<String>) -> Self {
+            let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
+            SimpleStopMatcher { stops, held: String::new(), matched: None }
+        }
+
+        fn push(&mut self, text: &str) -> (String, bool) {
+            if self.matched.is_some() {
+                return (String::new(), true);
+            }
+            self.held.push_str(text);
+            let hit = self
+                .stops
+                .iter()
+                .enumerate()
+                .filter_map(|(i, stop)| self.held.find(stop.as_str()).map(|pos| (pos, i)))
+                .min();
+            if let Some((pos, i)) = hit {
+                self.matched = Some(i);
+                self.held.truncate(pos);
+                return (std::mem::take(&mut self.held), true);
+            }
+            let keep = self
+                .stops
+                .iter()
+                .filter_map(|stop| {
+                    stop.char_indices()
+                        .map(|(i, _)| i)
+                        .skip(1)
+                        .filter(|&i| self.held.ends_with(&stop[..i]))
+                        .last()
+                })
+                .max()
+                .unwrap_or(0);
+            let emit = self.held[..self.held.len() - keep].to_string();
+            self.held.drain(..self.held.len() - keep);
+            (emit, false)
+        }
+
+        fn finish(&mut self) -> String {
+            std::mem::take(&mut self.held)
+        }
+
+        fn matched(&self) -> Option<&str> {
+            self.matched.map(|i| self.stops[i].as_str())
+        }
+    }
+
+    /// Push by push, the automaton emits, holds back and matches exactly what the simple
+    /// search did: random stops (overlapping, prefixes of each other, repeated, empty,
+    /// multi-byte) over random text in random pieces, and pushes after a hit or a finish.
+    #[test]
+    fn stop_matcher_pushes_exactly_like_the_simple_search() {
+        let mut rng = Xoshiro256StarStar::from_seed(7);
+        let alphabet = ['a', 'b', 'c', 'é', 'è', '日', '本', '🦀'];
+        let word = |rng: &mut Xoshiro256StarStar, letters: u64, n: u64| -> String {
+            (0..rng.next_u64() % n).map(|_| alphabet[(rng.next_u64() % letters) as usize]).collect()
+        };
+        for case in 0..3000 {
+            let letters = 2 + rng.next_u64() % 7;
+            let stops: Vec<String> = (0..rng.next_u64() % 6).map(|_| word(&mut rng, letters, 7)).collect();
+            let (mut fast, mut slow) =
+                (StopMatcher::new(stops.clone()), SimpleStopMatcher::new(stops.clone()));
+            for step in 0..30 {
+                let piece = word(&mut rng, letters, 6);
+                assert_eq!(fast.push(&piece), slow.push(&piece), "case {case} step {step}: {stops:?}");
+                assert_eq!(fast.matched(), slow.matched());
+                if rng.next_u64().is_multiple_of(17) {
+                    assert_eq!(fast.finish(), slow.finish(), "case {case} step {step}: {stops:?}");
+                }
+            }
+            assert_eq!(fast.finish(), slow.finish(), "case {case}: {stops:?}");
+        }
     }
 
     #[test]
