@@ -631,12 +631,10 @@ fn decode_runs<B: DeviceInfo>(
         let ids = match draw {
             Draw::Greedy => model.decode_batch_greedy(&mut refs, tokens)?,
             Draw::Prepared => {
-                let rows: Vec<_> = samplers
-                    .iter_mut()
-                    .zip(&generated)
-                    .map(|(s, g)| s.prepare(&[], g).expect("top-k 20 is prepared"))
-                    .collect();
-                model.decode_batch_prepared(&mut refs, tokens, &rows)?
+                let rows: Vec<_> =
+                    samplers.iter_mut().zip(&generated).map(|(s, g)| s.prepare(&[], g, None)).collect();
+                let draws = model.decode_batch_prepared(&mut refs, tokens, &rows)?;
+                draws.into_iter().map(|d| d.map(|d| d.token)).collect::<Result<_, _>>()?
             }
             Draw::Host => {
                 let mut logits = model.decode_batch(&mut refs, tokens)?;
