@@ -114,9 +114,11 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N,..")]
     pub batches: Option<SizeList>,
 
-    /// Also time batch-1 decode with sampling at each --contexts length, as Qwen3.5's
-    /// generation config samples (temperature 0.6, top-k 20, top-p 0.95): the draw finished
-    /// next to the logits (only ids come back), and with the logits copied to the host
+    /// Also time decode with sampling: batch 1 at each --contexts length as Qwen3.5's
+    /// generation config samples (temperature 0.6, top-k 20, top-p 0.95), the draw finished
+    /// next to the logits (only ids come back) and with the logits copied to the host; and
+    /// with temperature 0.7 alone over the whole vocabulary (what OpenAI clients send), at
+    /// each context and each --batches size
     #[arg(long)]
     pub sampled: bool,
 
@@ -354,7 +356,7 @@ fn bench_with<B: DeviceInfo>(
     }
     let mut sampled_sweep = Vec::new();
     for &ctx in plan.contexts.iter().filter(|_| args.sampled) {
-        for draw in [Draw::Prepared, Draw::Host] {
+        for draw in [Draw::Prepared, Draw::Temperature, Draw::Host] {
             let m = decode_runs(&model, 1, ctx, args.gen, args.repeats, draw, &mut peak)?;
             note(format!("sampled decode ({draw:?}) at context {ctx}: {:.2} tok/s", m.median()));
             sampled_sweep.push((ctx, draw, m));
@@ -367,6 +369,20 @@ fn bench_with<B: DeviceInfo>(
             decode_runs(&model, batch, args.batch_context, args.gen, args.repeats, Draw::Greedy, &mut peak)?;
         note(format!("batch {batch} at context {}: {:.1} tok/s", args.batch_context, m.median()));
         batch_sweep.push((batch, m));
+    }
+    let mut sampled_batch_sweep = Vec::new();
+    for &batch in plan.batches.iter().filter(|_| args.sampled) {
+        let m = decode_runs(
+            &model,
+            batch,
+            args.batch_context,
+            args.gen,
+            args.repeats,
+            Draw::Temperature,
+            &mut peak,
+        )?;
+        note(format!("batch {batch}, temperature alone: {:.1} tok/s", m.median()));
+        sampled_batch_sweep.push((batch, m));
     }
     peak.sample(model.backend());
 
@@ -430,8 +446,8 @@ fn bench_with<B: DeviceInfo>(
         })).collect::<Vec<_>>(),
         "sampled": sampled_sweep.iter().map(|(ctx, draw, m)| json!({
             "context": ctx,
-            "draw": if *draw == Draw::Prepared { "device" } else { "host" },
-            "sampling": qwen_sampling(),
+            "draw": if *draw == Draw::Host { "host" } else { "device" },
+            "sampling": draw.sampling(),
             "tok_s": m.median(),
             "ms_per_token": 1e3 / m.median(),
             "runs": m.runs,
@@ -443,6 +459,15 @@ fn bench_with<B: DeviceInfo>(
             "tok_s": m.median(),
             "ms_per_step": 1e3 * *batch as f64 / m.median(),
             "roofline_pct": roofline_pct(m.median() / *batch as f64),
+            "runs": m.runs,
+            "paths": paths_json(m),
+        })).collect::<Vec<_>>(),
+        "batched_sampled": sampled_batch_sweep.iter().map(|(batch, m)| json!({
+            "batch": batch,
+            "context": args.batch_context,
+            "sampling": Draw::Temperature.sampling(),
+            "tok_s": m.median(),
+            "ms_per_step": 1e3 * *batch as f64 / m.median(),
             "runs": m.runs,
             "paths": paths_json(m),
         })).collect::<Vec<_>>(),
@@ -500,10 +525,10 @@ fn bench_with<B: DeviceInfo>(
     }
     for (ctx, draw, m) in &sampled_sweep {
         let t = m.median();
-        let place = if *draw == Draw::Prepared {
-            "draw finished by the backend"
-        } else {
-            "logits copied to the sampler"
+        let place = match draw {
+            Draw::Host => "Qwen's sampling, logits copied to the sampler",
+            Draw::Temperature => "temperature alone, draw finished by the backend",
+            _ => "Qwen's sampling, draw finished by the backend",
         };
         row(&format!("sampled at context {ctx}"), format!("{t:.2} tok/s, {:.3} ms/token ({place})", 1e3 / t));
         paths_row(m);
@@ -514,6 +539,14 @@ fn bench_with<B: DeviceInfo>(
         row(
             &format!("batch {batch} (context {})", args.batch_context),
             format!("{t:.1} tok/s aggregate, {:.3} ms/step{}", 1e3 * b / t, pct(roofline_pct(t / b))),
+        );
+        paths_row(m);
+    }
+    for (batch, m) in &sampled_batch_sweep {
+        let t = m.median();
+        row(
+            &format!("batch {batch}, temperature alone (context {})", args.batch_context),
+            format!("{t:.1} tok/s"),
         );
         paths_row(m);
     }
@@ -594,15 +627,31 @@ fn prefill_runs<B: DeviceInfo>(
 enum Draw {
     /// Greedy, on the device (`strix run --temperature 0`).
     Greedy,
-    /// Sampled, the draw finished next to the logits (`Model::decode_batch_prepared`).
+    /// Qwen's sampling, the draw finished next to the logits (`Model::decode_batch_prepared`).
     Prepared,
-    /// Sampled, the logits copied to the host and drawn there (`Model::decode_batch`).
+    /// Temperature alone over the whole vocabulary, finished next to the logits.
+    Temperature,
+    /// Qwen's sampling, the logits copied to the host and drawn there (`Model::decode_batch`).
     Host,
 }
 
-/// The sampling of `--sampled`: Qwen3.5's `generation_config.json`, seeded.
-fn qwen_sampling() -> SamplingParams {
-    SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, seed: Some(SEED), ..SamplingParams::default() }
+impl Draw {
+    /// The sampling of a sampled measurement, seeded: Qwen3.5's `generation_config.json`, or
+    /// temperature 0.7 alone. Greedy has none.
+    fn sampling(self) -> SamplingParams {
+        match self {
+            Draw::Temperature => {
+                SamplingParams { temperature: 0.7, seed: Some(SEED), ..SamplingParams::default() }
+            }
+            _ => SamplingParams {
+                temperature: 0.6,
+                top_k: 20,
+                top_p: 0.95,
+                seed: Some(SEED),
+                ..SamplingParams::default()
+            },
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -625,18 +674,16 @@ fn decode_runs<B: DeviceInfo>(
     }
     let mut refs: Vec<&mut Session<B>> = sessions.iter_mut().collect();
     let mut samplers: Vec<Sampler> =
-        (0..batch).map(|_| Sampler::new(qwen_sampling())).collect::<strix::Result<_>>()?;
+        (0..batch).map(|_| Sampler::new(draw.sampling())).collect::<strix::Result<_>>()?;
     let mut generated: Vec<Vec<u32>> = vec![Vec::new(); batch];
     let mut step = |tokens: &[u32]| -> Result<Vec<u32>> {
         let ids = match draw {
             Draw::Greedy => model.decode_batch_greedy(&mut refs, tokens)?,
-            Draw::Prepared => {
-                let rows: Vec<_> = samplers
-                    .iter_mut()
-                    .zip(&generated)
-                    .map(|(s, g)| s.prepare(&[], g).expect("top-k 20 is prepared"))
-                    .collect();
-                model.decode_batch_prepared(&mut refs, tokens, &rows)?
+            Draw::Prepared | Draw::Temperature => {
+                let rows: Vec<_> =
+                    samplers.iter_mut().zip(&generated).map(|(s, g)| s.prepare(&[], g, None)).collect();
+                let draws = model.decode_batch_prepared(&mut refs, tokens, &rows)?;
+                draws.into_iter().map(|d| d.map(|d| d.token)).collect::<Result<_, _>>()?
             }
             Draw::Host => {
                 let mut logits = model.decode_batch(&mut refs, tokens)?;

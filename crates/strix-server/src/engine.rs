@@ -30,7 +30,7 @@ use strix::backend::Backend;
 use strix::config::LayerKind;
 use strix::generate::FinishReason;
 use strix::model::{attention_shape, deltanet_shape, Logits, Model};
-use strix::sampling::{Sampler, StopMatcher, TokenLogprobs};
+use strix::sampling::{sample_prepared, Draw, NonFiniteLogits, Sampler, StopMatcher, TokenLogprobs};
 use strix::session::Session;
 use strix::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -423,10 +423,9 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let mut seq = self.prefilling.remove(i).expect("index checked by the loop");
-            match self.sample(&mut seq, &mut logits) {
-                Some(finish) => self.finish(seq, finish),
-                None => self.decoding.push(seq),
-            }
+            let row = seq.job.sampler.prepare(&seq.job.prompt, &seq.generated, seq.job.logprobs);
+            let draw = sample_prepared(&mut logits, &row);
+            self.take(seq, draw);
         }
     }
 
@@ -435,45 +434,22 @@ impl<B: Backend> Engine<B> {
             return;
         }
         let tokens: Vec<u32> = self.decoding.iter().map(|s| s.next).collect();
-        // When every row's draw can be finished next to the logits (greedy or top-k, no
-        // logprobs), only token ids leave the backend; otherwise the rows come back as logits.
-        let prepared = self.decoding.iter().all(|s| s.job.logprobs.is_none() && s.job.sampler.can_prepare());
-        if prepared {
-            let rows: Vec<_> = self
-                .decoding
-                .iter_mut()
-                .map(|s| s.job.sampler.prepare(&s.job.prompt, &s.generated).expect("can_prepare was checked"))
-                .collect();
-            let mut sessions: Vec<&mut Session<B>> =
-                self.decoding.iter_mut().map(|s| &mut s.session).collect();
-            match self.model.decode_batch_prepared(&mut sessions, &tokens, &rows) {
-                Ok(ids) => {
-                    let batch = std::mem::take(&mut self.decoding);
-                    for (mut seq, token) in batch.into_iter().zip(ids) {
-                        match self.accept(&mut seq, token, None) {
-                            Some(finish) => self.finish(seq, finish),
-                            None => self.decoding.push(seq),
-                        }
-                    }
-                }
-                Err(e) => self.fail_decoding(e),
-            }
-            return;
-        }
+        // Every row's draw is finished next to the logits: only the token ids (and the few
+        // log-probabilities asked for) leave the backend.
+        let rows: Vec<_> = self
+            .decoding
+            .iter_mut()
+            .map(|s| s.job.sampler.prepare(&s.job.prompt, &s.generated, s.job.logprobs))
+            .collect();
         let mut sessions: Vec<&mut Session<B>> = self.decoding.iter_mut().map(|s| &mut s.session).collect();
-        let result = self.model.decode_batch(&mut sessions, &tokens);
-        let mut logits = match result {
-            Ok(logits) => logits,
-            Err(e) => return self.fail_decoding(e),
-        };
-        let vocab = self.model.config.vocab_size;
-        let batch = std::mem::take(&mut self.decoding);
-        for (seq, row) in batch.into_iter().zip(logits.chunks_mut(vocab)) {
-            let mut seq = seq;
-            match self.sample(&mut seq, row) {
-                Some(finish) => self.finish(seq, finish),
-                None => self.decoding.push(seq),
+        match self.model.decode_batch_prepared(&mut sessions, &tokens, &rows) {
+            Ok(draws) => {
+                let batch = std::mem::take(&mut self.decoding);
+                for (seq, draw) in batch.into_iter().zip(draws) {
+                    self.take(seq, draw);
+                }
             }
+            Err(e) => self.fail_decoding(e),
         }
     }
 
@@ -486,18 +462,20 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Samples the next token from `logits` and streams its text; returns why the sequence
-    /// ends, if it does.
-    fn sample(&self, seq: &mut Seq<B>, logits: &mut [f32]) -> Option<FinishReason> {
-        let job = &mut seq.job;
-        let (token, logprobs) = match job.logprobs {
-            Some(n) => {
-                let (token, lp) = job.sampler.sample_with_logprobs(logits, &job.prompt, &seq.generated, n);
-                (token, Some(lp))
+    /// A drawn token (or logits no token can be drawn from): streams it, and the sequence
+    /// goes on decoding, finishes, or fails.
+    fn take(&mut self, mut seq: Seq<B>, draw: Result<Draw, NonFiniteLogits>) {
+        match draw {
+            Ok(draw) => match self.accept(&mut seq, draw.token, draw.logprobs) {
+                Some(finish) => self.finish(seq, finish),
+                None => self.decoding.push(seq),
+            },
+            Err(e) => {
+                seq.send(Event::Error(ApiError::internal(format!("generation stopped: {e}"))));
+                self.metrics.finished.fetch_add(1, Ordering::Relaxed);
+                self.release(&seq);
             }
-            None => (job.sampler.sample(logits, &job.prompt, &seq.generated), None),
-        };
-        self.accept(seq, token, logprobs)
+        }
     }
 
     /// Takes `token` as the sequence's next and streams its text; returns why the sequence
@@ -649,6 +627,57 @@ mod tests {
         assert_eq!(e.in_flight.load(Ordering::SeqCst), 1);
         assert_eq!(e.metrics.cancelled.load(Ordering::Relaxed), 1);
         assert!(tokens(&mut b_rx) > 0);
+    }
+
+    /// The fixture with its final norm's weights made NaN: every logit is NaN.
+    struct Broken(strix::checkpoint::Checkpoint);
+
+    impl strix::model::TensorSource for Broken {
+        fn contains(&self, name: &str) -> bool {
+            self.0.contains(name)
+        }
+        fn tensor(&self, name: &str, shape: &[usize]) -> strix::Result<strix::tensor::HostTensor> {
+            let t = self.0.tensor(name, shape)?;
+            if !(name.ends_with("language_model.norm.weight") || name == "model.norm.weight") {
+                return Ok(t);
+            }
+            let nan: Vec<u8> = (0..t.numel()).flat_map(|_| f32::NAN.to_le_bytes()).collect();
+            let bytes = strix::tensor::Bytes::owned(&nan);
+            Ok(strix::tensor::HostTensor { dtype: strix::tensor::DType::F32, bytes, ..t })
+        }
+    }
+
+    /// Logits that are not finite end the request with an error, never with made-up tokens,
+    /// and the sequence's memory comes back.
+    #[test]
+    fn non_finite_logits_end_the_request_with_an_error() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
+        let config = strix::config::ModelConfig::from_model_dir(&dir).unwrap();
+        let ckpt = strix::checkpoint::Checkpoint::open_dir(&dir).unwrap();
+        let model = Model::from_source(config, &Broken(ckpt), CpuBackend::new(), None).unwrap();
+        let tokenizer = Tokenizer::from_model_dir(&dir).unwrap().unwrap();
+        let mut e = engine(512);
+        e.model = model;
+        e.tokenizer = tokenizer;
+        for params in
+            [SamplingParams::greedy(), SamplingParams { temperature: 0.7, ..SamplingParams::default() }]
+        {
+            let (mut j, mut rx) = job(5, 10);
+            j.sampler = Sampler::new(params).unwrap();
+            e.in_flight.fetch_add(1, Ordering::SeqCst);
+            e.waiting.push_back(j);
+            e.step();
+            match rx.try_recv() {
+                Ok(Event::Error(err)) => {
+                    assert_eq!(err.status.as_u16(), 500);
+                    assert!(err.message.contains("not finite"), "{}", err.message);
+                }
+                other => panic!("expected an error, got {other:?}"),
+            }
+            assert!(e.is_idle());
+            assert_eq!(e.reserved, 0);
+            assert_eq!(e.in_flight.load(Ordering::SeqCst), 0);
+        }
     }
 
     #[test]

@@ -38,6 +38,10 @@ pub enum Error {
     #[error("model download: {0}")]
     Download(String),
 
+    /// The model's output holds NaN or +∞ (or nothing above −∞): no token can be drawn.
+    #[error(transparent)]
+    NonFinite(#[from] crate::sampling::NonFiniteLogits),
+
     /// The CUDA driver, a device, NVRTC or cuBLAS is missing or failed.
     #[error("cuda: {0}")]
     Cuda(String),

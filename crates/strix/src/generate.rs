@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::{Logits, Model};
-use crate::sampling::{Sampler, SamplingParams, StopMatcher};
+use crate::sampling::{sample_prepared, Sampler, SamplingParams, StopMatcher};
 use crate::session::Session;
 use crate::tokenizer::Tokenizer;
 
@@ -108,10 +108,9 @@ pub fn generate<B: Backend>(
     let mut logits = model.forward(session, prompt, Logits::Last)?;
     timings.prefill_seconds = start.elapsed().as_secs_f64();
 
-    // Greedy decoding, and draws the backend can finish next to the logits (top-k up to its
-    // limit, penalties included), need no logits on the host: only the token comes back.
+    // Only the token comes back from the backend after the first: greedy decoding as an
+    // argmax, any other draw finished next to the logits (`Model::decode_batch_prepared`).
     let plain_greedy = params.sampling.is_greedy() && !params.sampling.penalises();
-    let prepared = sampler.can_prepare();
     let mut picked: Option<u32> = None;
     let mut ids = Vec::new();
     let mut text = String::new();
@@ -122,7 +121,7 @@ pub fn generate<B: Backend>(
         }
         let token = match picked.take() {
             Some(token) => token,
-            None => sampler.sample(&mut logits, &history, &ids),
+            None => sample_prepared(&mut logits, &sampler.prepare(&history, &ids, None))?.token,
         };
         ids.push(token);
         if !params.ignore_eos && model.config.eos_token_ids.contains(&token) {
@@ -143,14 +142,13 @@ pub fn generate<B: Backend>(
         if session.remaining() == 0 {
             break FinishReason::Context;
         }
-        if plain_greedy {
-            picked = Some(model.decode_batch_greedy(&mut [&mut *session], &[token])?[0]);
-        } else if prepared {
-            let row = sampler.prepare(&history, &ids).expect("can_prepare was checked");
-            picked = Some(model.decode_batch_prepared(&mut [&mut *session], &[token], &[row])?[0]);
+        picked = Some(if plain_greedy {
+            model.decode_batch_greedy(&mut [&mut *session], &[token])?[0]
         } else {
-            logits = model.forward(session, &[token], Logits::Last)?;
-        }
+            let row = sampler.prepare(&history, &ids, None);
+            let draw = model.decode_batch_prepared(&mut [&mut *session], &[token], &[row])?.remove(0);
+            draw?.token
+        });
         timings.decode_tokens += 1;
     };
     timings.decode_seconds = decode_start.elapsed().as_secs_f64();

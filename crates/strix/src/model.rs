@@ -10,7 +10,7 @@ use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::sampling::PreparedSample;
+use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::session::{LayerState, Session};
 use crate::tensor::HostTensor;
 
@@ -400,22 +400,25 @@ impl<B: Backend> Model<B> {
 
     /// [`Model::decode_batch`] that returns each row's greedy token (the argmax of its logits,
     /// ties to the lowest id) instead of the logits, so that only token ids leave the device.
+    /// A row whose logits are not finite is an [`Error::NonFinite`].
     pub fn decode_batch_greedy(&self, sessions: &mut [&mut Session<B>], tokens: &[u32]) -> Result<Vec<u32>> {
         let vocab = self.config.vocab_size;
         let mut ids = Vec::new();
         self.decode_step(sessions, tokens, &mut |b, out| ids = b.argmax_rows(out, tokens.len(), vocab))?;
-        Ok(ids)
+        Ok(ids.into_iter().collect::<Result<_, _>>()?)
     }
 
     /// [`Model::decode_batch`] that finishes each row's prepared draw next to the logits
-    /// ([`Backend::sample_rows`]): row `i`'s token is what `sampling::sample_prepared` picks
-    /// from its logits with `rows[i]`, and only the ids leave the device.
+    /// ([`Backend::sample_rows`]): row `i`'s draw is what `sampling::sample_prepared` makes of
+    /// its logits with `rows[i]`, and only the ids (and the log-probabilities asked for) leave
+    /// the device. A row whose logits are not finite gets its own `Err`, so a batch can drop
+    /// that sequence alone.
     pub fn decode_batch_prepared(
         &self,
         sessions: &mut [&mut Session<B>],
         tokens: &[u32],
         rows: &[PreparedSample],
-    ) -> Result<Vec<u32>> {
+    ) -> Result<Vec<std::result::Result<Draw, NonFiniteLogits>>> {
         if rows.len() != tokens.len() {
             return Err(Error::input(format!(
                 "a decode batch of {} tokens needs as many prepared draws, not {}",
@@ -425,9 +428,9 @@ impl<B: Backend> Model<B> {
         }
         let vocab = self.config.vocab_size;
         let picks: Vec<(usize, &PreparedSample)> = rows.iter().enumerate().collect();
-        let mut ids = Vec::new();
-        self.decode_step(sessions, tokens, &mut |b, out| ids = b.sample_rows(out, vocab, &picks))?;
-        Ok(ids)
+        let mut draws = Vec::new();
+        self.decode_step(sessions, tokens, &mut |b, out| draws = b.sample_rows(out, vocab, &picks))?;
+        Ok(draws)
     }
 
     /// One decode step for a batch; `read` gets the `[batch, vocab]` logits on the device.

@@ -25,13 +25,17 @@
 //! # Sampling next to the logits
 //!
 //! A backend that holds the logits on a device can finish the draw there, so that only the
-//! token id crosses to the host ([`crate::backend::Backend::sample_rows`]). The host does the
-//! bookkeeping: [`Sampler::prepare`] turns the history into a list of penalised tokens and
-//! takes the step's random number, giving a [`PreparedSample`]; [`sample_prepared`] is the
-//! rest of [`Sampler::sample`] on it, and picks the same token as `sample` would from the same
-//! logits and state. Rows qualify when they are greedy (penalties or not) or use top-k of at
-//! most [`PREPARED_TOP_K_MAX`] ([`Sampler::can_prepare`]): then the candidates are the top-k,
-//! in sorted order, and a device finishes them in one block.
+//! token id (and the few log-probabilities asked for) cross to the host
+//! ([`crate::backend::Backend::sample_rows`]). The host does the bookkeeping:
+//! [`Sampler::prepare`] turns the history into a list of penalised tokens and takes the step's
+//! random number, giving a [`PreparedSample`]; [`sample_prepared`] is the rest of
+//! [`Sampler::sample`] on it, and picks the same token as `sample` would from the same logits
+//! and state. Every setting can be prepared; the CUDA backend finishes every row on the device
+//! but those its kernels cannot hold (see `backend/cuda/sample.rs`).
+//!
+//! `sample_prepared` also refuses rows that hold NaN or +∞, or nothing above −∞
+//! ([`NonFiniteLogits`]): a model that produces them is broken, and a server must end the
+//! request with an error rather than stream tokens drawn from garbage.
 //!
 //! # Reproducibility
 //!
@@ -206,16 +210,11 @@ impl Sampler {
     /// −∞). `prompt` and `generated` are the token history: the repetition penalty uses both,
     /// the presence and frequency penalties only `generated`; ids outside the vocabulary are
     /// ignored. NaN logits count as −∞; a row that is all −∞ or NaN, or empty, gives token 0.
+    /// [`sample_prepared`] instead refuses rows that are not [`usable`].
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) -> u32 {
         self.apply_penalties(logits, prompt, generated);
-        if self.params.is_greedy() {
-            return argmax(logits);
-        }
-        if !normalise(logits, self.params.temperature) {
-            return 0;
-        }
-        self.truncate(logits);
-        self.draw()
+        let uniform = self.take_uniform();
+        finish_draw(&self.params, logits, uniform, None, &mut self.candidates, &mut self.scratch).token
     }
 
     /// Like [`Sampler::sample`], and also returns the log-probabilities of the chosen token
@@ -229,49 +228,22 @@ impl Sampler {
         top_n: usize,
     ) -> (u32, TokenLogprobs) {
         self.apply_penalties(logits, prompt, generated);
-        let greedy = self.params.is_greedy().then(|| argmax(logits));
-        let temperature = if self.params.temperature == 0.0 { 1.0 } else { self.params.temperature };
-        let token = if let Some(token) = greedy {
-            normalise(logits, temperature);
-            token
-        } else if !normalise(logits, temperature) {
-            0
-        } else {
-            self.truncate(logits);
-            self.draw()
-        };
-        let log_z = log_sum_exp(logits);
-        let logprob_of = |l: f32| {
-            if log_z == f32::NEG_INFINITY {
-                l
-            } else {
-                l - log_z
-            }
-        };
-        // The draw is done with the candidates, so they serve as scratch for the selection.
-        best_n(logits, top_n, &mut self.candidates);
-        let top = self.candidates.iter().map(|&(id, l)| (id, logprob_of(l))).collect();
-        let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
-        (token, TokenLogprobs { token, logprob, top })
+        let uniform = self.take_uniform();
+        let draw =
+            finish_draw(&self.params, logits, uniform, Some(top_n), &mut self.candidates, &mut self.scratch);
+        (draw.token, draw.logprobs.expect("asked for"))
     }
 
-    /// Whether [`Sampler::prepare`] takes this sampler's parameters: greedy decoding (with
-    /// or without penalties), or top-k between 2 and [`PREPARED_TOP_K_MAX`].
-    pub fn can_prepare(&self) -> bool {
-        self.params.is_greedy() || (2..=PREPARED_TOP_K_MAX).contains(&self.params.top_k)
+    /// The draw's random number: one per token unless greedy.
+    fn take_uniform(&mut self) -> Option<f64> {
+        (!self.params.is_greedy()).then(|| self.rng.next_f64())
     }
 
     /// The next token's draw, prepared for [`sample_prepared`] (or a backend's
     /// [`crate::backend::Backend::sample_rows`]): the penalties of the history (as `sample`
-    /// would apply them) and, unless greedy, the random number `sample` would take. `None`
-    /// when [`Sampler::can_prepare`] is false; then nothing is consumed.
-    ///
-    /// One difference from `sample`: a row whose logits are all −∞ or NaN gives token 0 in
-    /// both, but here the random number was already taken.
-    pub fn prepare(&mut self, prompt: &[u32], generated: &[u32]) -> Option<PreparedSample> {
-        if !self.can_prepare() {
-            return None;
-        }
+    /// would apply them), the random number `sample` would take (none when greedy), and
+    /// whether to report log-probabilities with `logprobs` alternatives.
+    pub fn prepare(&mut self, prompt: &[u32], generated: &[u32], logprobs: Option<usize>) -> PreparedSample {
         let p = &self.params;
         let mut penalties = Vec::new();
         if p.penalises() {
@@ -290,8 +262,8 @@ impl Sampler {
             }
             penalties.retain(|&(_, flags)| flags != 0);
         }
-        let uniform = (!p.is_greedy()).then(|| self.rng.next_f64());
-        Some(PreparedSample { params: self.params.clone(), uniform, penalties })
+        let uniform = self.take_uniform();
+        PreparedSample { params: self.params.clone(), uniform, penalties, logprobs }
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
@@ -335,21 +307,6 @@ impl Sampler {
                 }
             }
         }
-    }
-
-    /// Leaves in `self.candidates` the tokens that survive top-k, top-p and min-p, as
-    /// `(id, weight)` with weights proportional to their probabilities (the best one's is 1).
-    /// `logits` must have gone through [`normalise`] and returned true.
-    ///
-    /// The candidates end up either in id order or sorted by [`by_value_desc`]; both are
-    /// defined by the logits alone, never by how std's selection happens to shuffle, so the
-    /// draw walks them in an order that cannot change between Rust releases.
-    fn truncate(&mut self, logits: &[f32]) {
-        truncate(&self.params, logits, &mut self.candidates, &mut self.scratch);
-    }
-
-    fn draw(&mut self) -> u32 {
-        draw(&self.candidates, self.rng.next_f64())
     }
 }
 
@@ -417,8 +374,8 @@ fn draw(cands: &[(u32, f32)], u: f64) -> u32 {
     cands.iter().rev().find(|c| c.1 > 0.0).or(cands.first()).map_or(0, |c| c.0)
 }
 
-/// The largest top-k a [`PreparedSample`] may carry: a device finishes the candidates in one
-/// block of threads.
+/// The largest top-k the CUDA backend draws with its exact one-block kernel (candidates
+/// sorted in shared memory); larger ones go through its full-vocabulary kernels or the host.
 pub const PREPARED_TOP_K_MAX: usize = 1024;
 
 /// In [`PreparedSample::penalties`]: the token is in the history and the repetition penalty
@@ -435,6 +392,35 @@ pub struct PreparedSample {
     /// Each penalised token once: `(id, flags)`, flags [`PENALTY_REPEATED`] or'ed with the
     /// token's count in the generated text (for the presence and frequency penalties).
     pub penalties: Vec<(u32, u32)>,
+    /// `Some(n)`: report the drawn token's log-probability and the `n` most likely tokens'.
+    pub logprobs: Option<usize>,
+}
+
+/// A token drawn from a row of logits, with its log-probabilities when they were asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Draw {
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// A row of logits no token can be drawn from: it holds NaN or +∞, or nothing above −∞. A
+/// model that produces one is broken (NaN or infinite weights, or an overflow), and a request
+/// that meets one must end with an error rather than emit made-up tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the model produced logits that are not finite (NaN or infinity): its weights or its arithmetic are broken")]
+pub struct NonFiniteLogits;
+
+/// Whether a token can be drawn from `logits`: no NaN, no +∞, and something above −∞ (−∞
+/// alone is a legitimate mask).
+pub fn usable(logits: &[f32]) -> bool {
+    let mut any = false;
+    for &l in logits {
+        if l.is_nan() || l == f32::INFINITY {
+            return false;
+        }
+        any |= l > f32::NEG_INFINITY;
+    }
+    any
 }
 
 /// One penalised logit: the repetition penalty (flag), then presence and frequency (count), as
@@ -453,23 +439,60 @@ pub fn penalise(l: f32, flags: u32, p: &SamplingParams) -> f32 {
     l
 }
 
-/// The token [`Sampler::sample`] picks, from a row prepared by [`Sampler::prepare`] (the
-/// backends' host fallback, and the reference for their own kernels). `logits` is modified in
+/// The draw [`Sampler::sample`] (or [`Sampler::sample_with_logprobs`]) makes, from a row
+/// prepared by [`Sampler::prepare`] (the backends' host fallback, and the reference for their
+/// own kernels), or `Err` when the penalised row is not [`usable`]. `logits` is modified in
 /// place; penalties naming ids outside it are ignored.
-pub fn sample_prepared(logits: &mut [f32], prepared: &PreparedSample) -> u32 {
+pub fn sample_prepared(logits: &mut [f32], prepared: &PreparedSample) -> Result<Draw, NonFiniteLogits> {
     let p = &prepared.params;
     for &(t, flags) in &prepared.penalties {
         if let Some(l) = logits.get_mut(t as usize) {
             *l = penalise(*l, flags, p);
         }
     }
-    let Some(u) = prepared.uniform else { return argmax(logits) };
-    if !normalise(logits, p.temperature) {
-        return 0;
+    if !usable(logits) {
+        return Err(NonFiniteLogits);
     }
     let (mut cands, mut scratch) = (Vec::new(), Scratch::default());
-    truncate(p, logits, &mut cands, &mut scratch);
-    draw(&cands, u)
+    Ok(finish_draw(p, logits, prepared.uniform, prepared.logprobs, &mut cands, &mut scratch))
+}
+
+/// Everything of a draw after the penalties: greedy (`uniform` `None`) or normalise, truncate
+/// and draw with `uniform`; then, with `top_n`, the log-probabilities (of the logits
+/// normalised with the temperature, 1 when greedy, before any truncation).
+fn finish_draw(
+    p: &SamplingParams,
+    logits: &mut [f32],
+    uniform: Option<f64>,
+    top_n: Option<usize>,
+    cands: &mut Vec<(u32, f32)>,
+    scratch: &mut Scratch,
+) -> Draw {
+    let temperature = if p.temperature == 0.0 { 1.0 } else { p.temperature };
+    let token = match uniform {
+        None => {
+            let token = argmax(logits);
+            if top_n.is_some() {
+                normalise(logits, temperature);
+            }
+            token
+        }
+        Some(_) if !normalise(logits, temperature) => 0,
+        Some(u) => {
+            truncate(p, logits, cands, scratch);
+            draw(cands, u)
+        }
+    };
+    let logprobs = top_n.map(|n| {
+        let log_z = log_sum_exp(logits);
+        let logprob_of = |l: f32| if log_z == f32::NEG_INFINITY { l } else { l - log_z };
+        // The draw is done with the candidates, so they serve as scratch for the selection.
+        best_n(logits, n, cands);
+        let top = cands.iter().map(|&(id, l)| (id, logprob_of(l))).collect();
+        let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
+        TokenLogprobs { token, logprob, top }
+    });
+    Draw { token, logprobs }
 }
 
 impl std::fmt::Debug for Sampler {
@@ -497,6 +520,15 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// The greedy pick of a row: [`argmax`], or `Err` when the row is not [`usable`].
+pub fn greedy(logits: &[f32]) -> Result<u32, NonFiniteLogits> {
+    if usable(logits) {
+        Ok(argmax(logits))
+    } else {
+        Err(NonFiniteLogits)
+    }
 }
 
 /// Turns NaN into −∞, subtracts the maximum and divides by the temperature. Subtracting first
@@ -826,28 +858,28 @@ mod tests {
 
     /// The ids `truncate` keeps, sorted.
     fn kept(params: SamplingParams, logits: &[f32]) -> Vec<u32> {
-        let mut s = sampler(params);
         let mut l = logits.to_vec();
-        assert!(normalise(&mut l, s.params.temperature));
-        s.truncate(&l);
-        let mut ids: Vec<u32> = s.candidates.iter().map(|c| c.0).collect();
+        assert!(normalise(&mut l, params.temperature));
+        let (mut cands, mut scratch) = (Vec::new(), Scratch::default());
+        truncate(&params, &l, &mut cands, &mut scratch);
+        let mut ids: Vec<u32> = cands.iter().map(|c| c.0).collect();
         ids.sort_unstable();
         ids
     }
 
     /// `prepare` + `sample_prepared` picks what `sample` picks from the same logits, history
-    /// and seed, step after step (so the random streams stay aligned), over greedy rows with
-    /// penalties and top-k rows with every filter and penalty, on logits with ties, NaN and
-    /// infinities.
+    /// and seed, step after step (so the random streams stay aligned), and reports what
+    /// `sample_with_logprobs` reports, over greedy rows with penalties and rows with every
+    /// filter and penalty (top-k of any size or none), on logits with ties and −∞.
     #[test]
     fn prepared_rows_pick_what_sample_picks() {
         let mut rng = Xoshiro256StarStar::from_seed(99);
         let mut uniform = move || rng.next_f64() as f32;
         let vocab = 3000;
-        for case in 0..120u64 {
+        for case in 0..140u64 {
             let params = SamplingParams {
                 temperature: if case % 5 == 0 { 0.0 } else { 0.2 + 1.5 * uniform() },
-                top_k: [2, 7, 20, 40, 1000, 1024][case as usize % 6],
+                top_k: [2, 7, 20, 40, 1000, 1024, 0][case as usize % 7],
                 top_p: if case % 3 == 0 { 1.0 } else { 0.5 + 0.5 * uniform() },
                 min_p: if case % 4 == 0 { 0.05 * uniform() } else { 0.0 },
                 repetition_penalty: if case % 2 == 0 { 1.0 + uniform() } else { 1.0 },
@@ -855,34 +887,52 @@ mod tests {
                 frequency_penalty: if case % 6 < 2 { uniform() } else { 0.0 },
                 seed: Some(case),
             };
+            let logprobs = (case % 3 == 1).then_some(case as usize % 6);
             let (mut host, mut prep) = (sampler(params.clone()), sampler(params.clone()));
-            assert!(prep.can_prepare(), "{params:?}");
             let prompt: Vec<u32> = (0..50).map(|_| (uniform() * (vocab + 10) as f32) as u32).collect();
             let mut generated = Vec::new();
             for step in 0..8 {
                 let mut logits: Vec<f32> = (0..vocab).map(|_| (uniform() * 8.0).round() / 2.0).collect();
                 if case % 11 == 0 {
-                    logits[5] = f32::NAN;
                     logits[17] = f32::NEG_INFINITY;
                 }
-                if case % 23 == 0 && step == 3 {
-                    logits[40] = f32::INFINITY;
-                }
-                let want = host.sample(&mut logits.clone(), &prompt, &generated);
-                let row = prep.prepare(&prompt, &generated).unwrap();
+                let (want, want_lp) = match logprobs {
+                    Some(n) => {
+                        let (t, lp) = host.sample_with_logprobs(&mut logits.clone(), &prompt, &generated, n);
+                        (t, Some(lp))
+                    }
+                    None => (host.sample(&mut logits.clone(), &prompt, &generated), None),
+                };
+                let row = prep.prepare(&prompt, &generated, logprobs);
                 assert_eq!(row.uniform.is_none(), params.is_greedy());
-                let got = sample_prepared(&mut logits.clone(), &row);
-                assert_eq!(got, want, "case {case} step {step}: {params:?}");
+                let got = sample_prepared(&mut logits.clone(), &row).unwrap();
+                assert_eq!(
+                    got,
+                    Draw { token: want, logprobs: want_lp },
+                    "case {case} step {step}: {params:?}"
+                );
                 generated.push(want);
             }
         }
-        // Past the limit (or no top-k and not greedy) nothing is prepared or consumed.
-        for top_k in [0, PREPARED_TOP_K_MAX + 1] {
-            let mut s = sampler(SamplingParams { top_k, ..seeded(1.0, 3) });
-            assert!(!s.can_prepare() && s.prepare(&[], &[]).is_none());
-            let mut fresh = sampler(SamplingParams { top_k, ..seeded(1.0, 3) });
-            assert_eq!(s.rng.next_u64(), fresh.rng.next_u64());
+    }
+
+    /// Rows with NaN, +∞ or nothing above −∞ are refused by `sample_prepared` (before or after
+    /// the penalties), and only those.
+    #[test]
+    fn non_finite_rows_are_refused() {
+        let mut s = sampler(seeded(0.8, 1));
+        let row = s.prepare(&[], &[], Some(2));
+        let ok = [1.0f32, f32::NEG_INFINITY, 0.5];
+        assert!(usable(&ok) && sample_prepared(&mut ok.to_vec(), &row).is_ok());
+        for bad in [[1.0, f32::NAN, 0.5], [1.0, f32::INFINITY, 0.5], [f32::NEG_INFINITY; 3]] {
+            assert!(!usable(&bad), "{bad:?}");
+            assert_eq!(sample_prepared(&mut bad.to_vec(), &row), Err(NonFiniteLogits), "{bad:?}");
         }
+        assert!(!usable(&[]));
+        // A repetition penalty below 1 divides: a huge logit overflows to +∞.
+        let mut s = sampler(SamplingParams { repetition_penalty: 0.5, ..seeded(0.0, 1) });
+        let row = s.prepare(&[0], &[], None);
+        assert_eq!(sample_prepared(&mut vec![3e38, 1.0], &row), Err(NonFiniteLogits));
     }
 
     #[test]

@@ -1893,46 +1893,48 @@ fn tensor_core_gemv_is_batch_invariant(g: &CudaBackend, streamed: bool) {
     }
 }
 
-/// The device's greedy pick is the host sampler's: NaN as −∞, ties to the lowest index, 0 for
-/// a row where nothing beats −∞; and a greedy decode batch picks the argmax of its logits.
+/// The device's greedy pick is the host's (`sampling::greedy`): ties to the lowest index, and a
+/// row holding NaN or +∞, or nothing above −∞, refused; and a greedy decode batch picks the
+/// argmax of its logits.
 #[test]
 fn argmax_on_the_device_matches_the_host() {
+    use strix::sampling::NonFiniteLogits;
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng(18);
     for (rows, cols) in [(1usize, 1usize), (3, 1000), (2, 248_320), (5, 33)] {
         let mut x = rng.vec(rows * cols, 4.0);
         if cols > 10 {
-            x[3] = f32::NAN;
             x[cols + 7] = 100.0; // a tie in row 1: the lower index wins
             x[cols + 9] = 100.0;
         }
         let want = cpu.argmax_rows(&x, rows, cols);
+        assert!(want.iter().all(Result::is_ok));
         assert_eq!(g.argmax_rows(&g.upload(&x), rows, cols), want, "{rows}x{cols}");
     }
-    let odd = [f32::NAN, f32::NEG_INFINITY, f32::NAN];
-    assert_eq!(g.argmax_rows(&g.upload(&odd), 1, 3), vec![0]);
+    for odd in [[f32::NAN, f32::NEG_INFINITY, 1.0], [f32::NEG_INFINITY; 3], [0.0, f32::INFINITY, 1.0]] {
+        assert_eq!(g.argmax_rows(&g.upload(&odd), 1, 3), vec![Err(NonFiniteLogits)], "{odd:?}");
+    }
 
     // The device splits a row over blocks of 2048 columns: the best value in two blocks (the
-    // lower column wins), only in the last, partial block, or in no block at all (NaN and
-    // -inf around one finite value, or nothing finite); 64 vocabulary rows at once.
-    for (rows, cols) in [(4usize, 2048usize), (4, 2049), (4, 6000), (64, 248_320)] {
+    // lower column wins), only in the last, partial block, one finite value among -inf, nothing
+    // above -inf, and a single NaN or +inf in an otherwise good row; 64 vocabulary rows at once.
+    for (rows, cols) in [(6usize, 2048usize), (6, 2049), (6, 6000), (64, 248_320)] {
         let mut x = rng.vec(rows * cols, 4.0);
         let row = |r: usize| r * cols;
         x[row(0) + cols - 1] = 50.0;
         x[row(0) + 5] = 50.0;
         x[row(1) + cols - 1] = 60.0;
-        for v in &mut x[row(2)..row(3)] {
-            *v = if rng.below(2) == 0 { f32::NAN } else { f32::NEG_INFINITY };
-        }
+        x[row(2)..row(3)].fill(f32::NEG_INFINITY);
         x[row(2) + cols / 2] = -3.0;
-        for v in &mut x[row(3)..row(4)] {
-            *v = if rng.below(2) == 0 { f32::NAN } else { f32::NEG_INFINITY };
-        }
+        x[row(3)..row(4)].fill(f32::NEG_INFINITY);
+        x[row(4) + cols - 2] = f32::NAN;
+        x[row(5) + 1] = f32::INFINITY;
         let want = cpu.argmax_rows(&x, rows, cols);
+        let bad = Err(NonFiniteLogits);
         assert_eq!(
-            &want[..4],
-            &[5, cols - 1, cols / 2, 0].map(|c| c as u32),
+            &want[..6],
+            &[Ok(5), Ok(cols as u32 - 1), Ok(cols as u32 / 2), bad, bad, bad],
             "{rows}x{cols}: the host's picks"
         );
         assert_eq!(g.argmax_rows(&g.upload(&x), rows, cols), want, "{rows}x{cols}");
@@ -2095,86 +2097,302 @@ fn fused_deltanet_decode_matches_cpu_and_is_batch_invariant() {
     assert!(g.path_counts().gdn_decode_fused > 0, "{}", g.path_counts());
 }
 
-/// Prepared draws finished on the device (`sample_rows`) pick what the host's
-/// `sample_prepared` picks from the same logits, for many rows in one launch: greedy rows with
-/// penalties, top-k from 2 to 1024 with temperature, top-p, min-p and every penalty, logits with
-/// ties, NaN and infinities, over a small and the real 248,320-token vocabulary. Rows the kernel
-/// does not take (no top-k, or a top-k not below the vocabulary) are drawn on the host; both
-/// paths are counted.
+/// The prepared draw of one test row: its sampling, log-probabilities and history.
+fn test_draw(
+    params: strix::sampling::SamplingParams,
+    logprobs: Option<usize>,
+    vocab: usize,
+    r: usize,
+) -> strix::sampling::PreparedSample {
+    let history: Vec<u32> = (0..40).map(|i| ((i * 7919 + r * 31) % (vocab + 5)) as u32).collect();
+    let (prompt, generated) = history.split_at(25);
+    strix::sampling::Sampler::new(params).unwrap().prepare(prompt, generated, logprobs)
+}
+
+/// Device draws against the host's: equal tokens (or both refused), equal top-n ids, and
+/// log-probabilities within 1e-5 (the two sides compute log Z in different precisions).
+fn same_draws(
+    what: &str,
+    got: &[Result<strix::sampling::Draw, strix::sampling::NonFiniteLogits>],
+    want: &[Result<strix::sampling::Draw, strix::sampling::NonFiniteLogits>],
+    prepared: &[strix::sampling::PreparedSample],
+) {
+    let mut wrong = Vec::new();
+    for (r, (g, w)) in got.iter().zip(want).enumerate() {
+        let same = match (g, w) {
+            (Ok(g), Ok(w)) => {
+                g.token == w.token
+                    && match (&g.logprobs, &w.logprobs) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => {
+                            a.token == b.token
+                                && (a.logprob - b.logprob).abs() <= 1e-5
+                                && a.top.len() == b.top.len()
+                                && a.top
+                                    .iter()
+                                    .zip(&b.top)
+                                    .all(|(x, y)| x.0 == y.0 && (x.1 - y.1).abs() <= 1e-5)
+                        }
+                        _ => false,
+                    }
+            }
+            (Err(_), Err(_)) => true,
+            _ => false,
+        };
+        if !same {
+            wrong.push(r);
+        }
+    }
+    println!("{what}: {} rows, {} differ from the host", got.len(), wrong.len());
+    for &r in &wrong {
+        println!(
+            "  row {r}: device {:?}\n         host {:?}\n         ({:?})",
+            got[r], want[r], prepared[r].params
+        );
+    }
+    assert!(wrong.is_empty(), "{what}: device draws differ from the host's");
+}
+
+/// Prepared draws finished next to the logits (`sample_rows`) make what the host's
+/// `sample_prepared` makes of the same logits, many rows in one launch, through every route of
+/// `backend/cuda/sample.rs`: greedy rows (penalties or not, top-k 1), top-k of 2 to 1024 (the
+/// one-block kernel), temperature alone, top-p, min-p and top-k at or above the vocabulary
+/// (the full-vocabulary pipeline), a top-k above 1024 (the host), top-p over heavily tied
+/// logits that overflow the pipeline's bucket (left to the host); every penalty;
+/// log-probabilities on a third of the rows of each kind; and rows holding NaN, +∞ or nothing
+/// above −∞ (refused on both sides). Over a 4,000-token and the real 248,320-token vocabulary.
+/// Both paths are counted. A row drawn alone gives what it gave in the batch.
 #[test]
 fn prepared_draws_on_the_device_match_the_host() {
-    use strix::sampling::{sample_prepared, Sampler, SamplingParams};
+    use strix::sampling::{sample_prepared, SamplingParams};
     let Some(g) = gpu() else { return };
     let mut rng = Rng(13);
-    for vocab in [1000usize, 248_320] {
-        let rows = if vocab > 10_000 { 24 } else { 200 };
-        let mut logits = Vec::with_capacity(rows * vocab);
+    for vocab in [4000usize, 248_320] {
+        let rows = if vocab > 10_000 { 60 } else { 300 };
+        let mut logits = Vec::with_capacity((rows + 1) * vocab);
         let mut prepared = Vec::new();
+        let mut host_rows = 0u64;
         for r in 0..rows {
             let u = |rng: &mut Rng| rng.vec(1, 1.0)[0].abs().min(1.0);
-            let mut row: Vec<f32> = if r % 3 == 0 {
-                // Ties: few distinct values.
+            // 0, 1 greedy; 2..4 top-k of at most 1024; 5 temperature alone; 6 top-p; 7 top-p and
+            // min-p; 8 top-k not below the vocabulary, min-p; 9 top-k above 1024 (host).
+            let kind = r % 10;
+            let ties = r % 7 == 3 && !matches!(kind, 6 | 7);
+            let mut row: Vec<f32> = if ties {
                 rng.vec(vocab, 4.0).iter().map(|v| v.round()).collect()
             } else {
                 rng.vec(vocab, 6.0)
             };
-            if r % 7 == 0 {
-                row[3] = f32::NAN;
-                row[vocab - 1] = f32::NEG_INFINITY;
+            if r % 13 == 6 {
+                row[vocab / 3] = f32::NAN;
             }
-            if r % 29 == 5 {
-                row[vocab / 2] = f32::INFINITY;
+            if r % 17 == 8 {
+                row[vocab - 1] = f32::INFINITY;
+            }
+            if r % 19 == 11 {
+                row.fill(f32::NEG_INFINITY);
+            }
+            if r % 5 == 4 {
+                row[7] = f32::NEG_INFINITY;
             }
             logits.extend_from_slice(&row);
+            let greedy = kind < 2;
             let params = SamplingParams {
-                temperature: if r % 5 == 0 { 0.0 } else { 0.3 + u(&mut rng) },
-                top_k: if r % 17 == 16 { 0 } else { [2, 5, 20, 40, 333, 1024][r % 6] },
-                top_p: if r % 2 == 0 { 1.0 } else { 0.5 + 0.5 * u(&mut rng) },
-                min_p: if r % 4 == 1 { 0.1 * u(&mut rng) } else { 0.0 },
-                repetition_penalty: if r % 3 == 1 { 1.5 } else { 1.0 },
+                temperature: if greedy && r % 20 != 11 { 0.0 } else { 0.3 + u(&mut rng) },
+                top_k: match kind {
+                    0 | 1 => (r % 20 == 11) as usize,
+                    2..=4 => [2, 5, 20, 40, 333, 1024][r % 6],
+                    8 => vocab + (r % 2) * 5,
+                    9 => 1500,
+                    _ => 0,
+                },
+                top_p: if matches!(kind, 6 | 7) || (kind == 3 && r % 2 == 1) {
+                    0.5 + 0.49 * u(&mut rng)
+                } else {
+                    1.0
+                },
+                min_p: if matches!(kind, 7 | 8) || (kind == 4 && r % 2 == 0) {
+                    0.1 * u(&mut rng)
+                } else {
+                    0.0
+                },
+                repetition_penalty: if kind == 1 || r % 3 == 1 { 1.5 } else { 1.0 },
                 presence_penalty: if r % 4 == 2 { 0.7 } else { 0.0 },
                 frequency_penalty: if r % 5 == 3 { 0.4 } else { 0.0 },
                 seed: Some(r as u64),
             };
-            let mut s = Sampler::new(params).unwrap();
-            let history: Vec<u32> = (0..40).map(|i| ((i * 7919 + r * 31) % (vocab + 5)) as u32).collect();
-            let (prompt, generated) = history.split_at(25);
-            // A sampler without top-k prepares nothing; such a row is made by preparing with a
-            // top-k and dropping it afterwards, so the host fallback is exercised.
-            let row = match s.prepare(prompt, generated) {
-                Some(row) => row,
-                None => {
-                    let mut p = s.params().clone();
-                    p.top_k = 50;
-                    let mut row = Sampler::new(p).unwrap().prepare(prompt, generated).unwrap();
-                    row.params.top_k = 0;
-                    row
-                }
-            };
-            prepared.push(row);
+            host_rows += (kind == 9) as u64;
+            let logprobs = (r % 3 == 0).then_some([0usize, 1, 5, 20][(r / 3) % 4]);
+            prepared.push(test_draw(params, logprobs, vocab, r));
         }
-        let mut want = Vec::new();
-        for (r, p) in prepared.iter().enumerate() {
-            want.push(sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), p));
+        if vocab > 10_000 {
+            // Top-p over a few distinct values: the crossing bucket holds tens of thousands of
+            // tokens, more than the pipeline gathers, so the host draws it.
+            logits.extend(rng.vec(vocab, 4.0).iter().map(|v| v.round()));
+            let params =
+                SamplingParams { temperature: 1.0, top_p: 0.9, seed: Some(77), ..SamplingParams::default() };
+            prepared.push(test_draw(params, Some(2), vocab, rows));
+            host_rows += 1;
         }
+        let n = prepared.len();
+        let want: Vec<_> = (0..n)
+            .map(|r| sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &prepared[r]))
+            .collect();
         let picks: Vec<(usize, &strix::sampling::PreparedSample)> = prepared.iter().enumerate().collect();
         let before = g.path_counts();
         let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
         let after = g.path_counts();
-        // Sampled rows without a top-k the kernel holds below the vocabulary go to the host.
-        let host_rows = prepared
-            .iter()
-            .filter(|p| p.uniform.is_some() && !(p.params.top_k >= 2 && p.params.top_k < vocab.min(1025)))
-            .count() as u64;
+        same_draws(&format!("vocab {vocab}"), &got, &want, &prepared);
         assert_eq!(after.sample_host - before.sample_host, host_rows, "{after}");
-        assert_eq!(after.sample_device - before.sample_device, rows as u64 - host_rows, "{after}");
-        let wrong: Vec<usize> = (0..rows).filter(|&r| got[r] != want[r]).collect();
-        println!("vocab {vocab}: {rows} rows, {} differ from the host", wrong.len());
-        for &r in &wrong {
-            println!("  row {r}: device {} host {} ({:?})", got[r], want[r], prepared[r].params);
+        assert_eq!(after.sample_device - before.sample_device, n as u64 - host_rows, "{after}");
+        // Batch invariance: each row alone (its logits uploaded afresh: draws modify them).
+        for r in (0..n).step_by(if vocab > 10_000 { 3 } else { 23 }) {
+            let alone =
+                g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
+            assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");
         }
-        assert!(wrong.is_empty(), "vocab {vocab}: device draws differ from the host's");
     }
+}
+
+/// The device's draws follow the distribution the host's sampler defines: for each setting,
+/// 16,000 draws (seeded, so the test is deterministic) from one row of a 4,096-token
+/// vocabulary whose mass sits on a few dozen tokens, against the probabilities computed
+/// independently in f64 (penalties, temperature, top-k, top-p, min-p, softmax), by Pearson's
+/// chi-square over the bins expected to hold at least 5 draws (the rest pooled), at a 0.1 %
+/// significance level.
+#[test]
+fn device_draws_follow_the_samplers_distribution() {
+    use strix::sampling::{Sampler, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let vocab = 4096usize;
+    let mut rng = Rng(29);
+    let mut logits: Vec<f32> = rng.vec(vocab, 1.0).iter().map(|v| v - 9.0).collect();
+    for (i, v) in rng.vec(40, 2.5).iter().enumerate() {
+        logits[(i * 97 + 5) % vocab] = *v;
+    }
+    let history: Vec<u32> = vec![5, 102, 5, 199, 296];
+    let settings = [
+        SamplingParams { temperature: 1.0, ..SamplingParams::default() },
+        SamplingParams { temperature: 0.7, top_p: 0.9, ..SamplingParams::default() },
+        SamplingParams { temperature: 1.3, min_p: 0.05, ..SamplingParams::default() },
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.8,
+            min_p: 0.02,
+            presence_penalty: 1.0,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_k: vocab,
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        },
+        SamplingParams { temperature: 1.0, top_k: 12, top_p: 0.95, ..SamplingParams::default() },
+    ];
+    for (case, params) in settings.iter().enumerate() {
+        let expected = reference_distribution(&logits, params, &history[..2], &history[2..]);
+        let draws = 16_000usize;
+        let mut counts = vec![0u64; vocab];
+        let mut sampler =
+            Sampler::new(SamplingParams { seed: Some(1000 + case as u64), ..params.clone() }).unwrap();
+        for chunk in 0..4 {
+            let rows = draws / 4;
+            let prepared: Vec<_> =
+                (0..rows).map(|_| sampler.prepare(&history[..2], &history[2..], None)).collect();
+            let picks: Vec<_> = prepared.iter().enumerate().collect();
+            let batch: Vec<f32> = logits.iter().copied().cycle().take(rows * vocab).collect();
+            for (i, d) in g.sample_rows(&g.upload(&batch), vocab, &picks).into_iter().enumerate() {
+                let token = d.unwrap_or_else(|e| panic!("case {case} chunk {chunk} row {i}: {e}")).token;
+                counts[token as usize] += 1;
+            }
+        }
+        let (mut chi2, mut bins, mut pooled_obs, mut pooled_exp) = (0.0f64, 0usize, 0.0f64, 0.0f64);
+        for t in 0..vocab {
+            let e = expected[t] * draws as f64;
+            let o = counts[t] as f64;
+            assert!(
+                expected[t] > 0.0 || counts[t] == 0,
+                "case {case}: token {t} drawn {o} times, probability 0"
+            );
+            if e >= 5.0 {
+                chi2 += (o - e) * (o - e) / e;
+                bins += 1;
+            } else {
+                pooled_obs += o;
+                pooled_exp += e;
+            }
+        }
+        if pooled_exp >= 5.0 {
+            chi2 += (pooled_obs - pooled_exp).powi(2) / pooled_exp;
+            bins += 1;
+        }
+        let df = (bins - 1) as f64;
+        // Wilson-Hilferty: the chi-square quantile at 1 - 0.001 (z = 3.09).
+        let critical = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+        println!("case {case} {params:?}: chi2 {chi2:.1} over {bins} bins (critical {critical:.1})");
+        assert!(bins >= 5, "case {case}: only {bins} bins");
+        assert!(chi2 < critical, "case {case}: chi2 {chi2:.1} >= {critical:.1}");
+    }
+}
+
+/// The probabilities `sampling.rs` defines for one draw, computed directly in f64: penalties,
+/// temperature, top-k, top-p (smallest prefix of the sorted tokens whose mass reaches p), min-p,
+/// softmax over what is left.
+fn reference_distribution(
+    logits: &[f32],
+    p: &strix::sampling::SamplingParams,
+    prompt: &[u32],
+    generated: &[u32],
+) -> Vec<f64> {
+    let mut l: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for &t in prompt.iter().chain(generated) {
+        if seen.insert(t) && p.repetition_penalty != 1.0 {
+            let rp = p.repetition_penalty as f64;
+            let v = &mut l[t as usize];
+            *v = if *v > 0.0 { *v / rp } else { *v * rp };
+        }
+    }
+    let mut counts = std::collections::BTreeMap::new();
+    for &t in generated {
+        *counts.entry(t).or_insert(0u32) += 1;
+    }
+    for (&t, &c) in &counts {
+        l[t as usize] -= p.frequency_penalty as f64 * c as f64 + p.presence_penalty as f64;
+    }
+    let max = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let n: Vec<f64> = l.iter().map(|v| (v - max) / p.temperature as f64).collect();
+    let mut order: Vec<usize> = (0..n.len()).collect();
+    order.sort_by(|&a, &b| n[b].partial_cmp(&n[a]).unwrap().then(a.cmp(&b)));
+    let mut keep = vec![true; n.len()];
+    if p.top_k > 0 && p.top_k < n.len() {
+        for &i in &order[p.top_k..] {
+            keep[i] = false;
+        }
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = order.iter().filter(|&&i| keep[i]).map(|&i| n[i].exp()).sum();
+        let mut cum = 0.0;
+        let mut reached = false;
+        for &i in order.iter().filter(|&&i| keep[i]).collect::<Vec<_>>() {
+            if reached {
+                keep[i] = false;
+            } else {
+                cum += n[i].exp();
+                reached = cum >= p.top_p as f64 * total;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        for i in 0..n.len() {
+            keep[i] &= n[i] >= (p.min_p as f64).ln();
+        }
+    }
+    let w: Vec<f64> = (0..n.len()).map(|i| if keep[i] { n[i].exp() } else { 0.0 }).collect();
+    let total: f64 = w.iter().sum();
+    w.iter().map(|x| x / total).collect()
 }
 
 /// The fused decode kernel's column tilings (16, 32, 64 or 128 columns a block; the launcher

@@ -164,12 +164,13 @@ fn decode_batch_rows_equal_decoding_alone() {
 }
 
 /// Prepared draws (`Model::decode_batch_prepared`, the backend finishing each row's sampling
-/// next to its logits) pick what the host sampler picks from `decode_batch`'s logits, step
-/// after step, for rows with different sampling settings in one batch; a mismatched number of
-/// draws is an error.
+/// next to its logits) pick what the host sampler picks from `decode_batch`'s logits, and
+/// report the log-probabilities it reports, step after step, for rows with different sampling
+/// settings in one batch (temperature alone among them); a mismatched number of draws is an
+/// error.
 #[test]
 fn prepared_draws_equal_host_sampling() {
-    use strix::sampling::{Sampler, SamplingParams};
+    use strix::sampling::{Draw, Sampler, SamplingParams};
     let dir = &fixtures()[0];
     let model = Model::load(dir, CpuBackend::new(), None).unwrap();
     let vocab = model.config.vocab_size;
@@ -196,7 +197,9 @@ fn prepared_draws_equal_host_sampling() {
             seed: Some(3),
             ..SamplingParams::default()
         },
+        SamplingParams { temperature: 0.7, seed: Some(4), ..SamplingParams::default() },
     ];
+    let logprobs = [Some(3), None, Some(0), Some(5)];
     let prompt: Vec<u32> = (0..9).map(|i| (i * 13 + 5) % 300).collect();
     let mut host_sessions: Vec<_> = settings.iter().map(|_| model.new_session(64)).collect();
     let mut prep_sessions: Vec<_> = settings.iter().map(|_| model.new_session(64)).collect();
@@ -212,17 +215,27 @@ fn prepared_draws_equal_host_sampling() {
     }
     for step in 0..8 {
         let tokens: Vec<u32> = generated.iter().map(|g| *g.last().unwrap()).collect();
-        let rows: Vec<_> =
-            prep_samplers.iter_mut().zip(&generated).map(|(s, g)| s.prepare(&prompt, g).unwrap()).collect();
+        let rows: Vec<_> = (0..settings.len())
+            .map(|i| prep_samplers[i].prepare(&prompt, &generated[i], logprobs[i]))
+            .collect();
         let picked = model
             .decode_batch_prepared(&mut prep_sessions.iter_mut().collect::<Vec<_>>(), &tokens, &rows)
             .unwrap();
         let logits = model.decode_batch(&mut host_sessions.iter_mut().collect::<Vec<_>>(), &tokens).unwrap();
         for i in 0..settings.len() {
             let mut row = logits[i * vocab..(i + 1) * vocab].to_vec();
-            let want = host_samplers[i].sample(&mut row, &prompt, &generated[i]);
-            assert_eq!(picked[i], want, "step {step} row {i}");
-            generated[i].push(want);
+            let want = match logprobs[i] {
+                Some(n) => {
+                    let (token, lp) =
+                        host_samplers[i].sample_with_logprobs(&mut row, &prompt, &generated[i], n);
+                    Draw { token, logprobs: Some(lp) }
+                }
+                None => {
+                    Draw { token: host_samplers[i].sample(&mut row, &prompt, &generated[i]), logprobs: None }
+                }
+            };
+            assert_eq!(picked[i], Ok(want.clone()), "step {step} row {i}");
+            generated[i].push(want.token);
         }
     }
     let mut s = model.new_session(8);

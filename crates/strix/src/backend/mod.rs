@@ -11,7 +11,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::error::Result;
-use crate::sampling::PreparedSample;
+use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::tensor::HostTensor;
 
 /// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
@@ -221,21 +221,24 @@ pub trait Backend: Send + Sync {
         read(&out);
     }
 
-    /// The index of the largest value of each `[cols]` row of `x`: NaN counts as −∞, ties go
-    /// to the lowest index, a row where nothing beats −∞ gives 0 (the sampler's greedy pick).
-    fn argmax_rows(&self, x: &Self::Buf, rows: usize, cols: usize) -> Vec<u32> {
+    /// The greedy token of each `[cols]` row of `x`: the index of its largest value, ties to the
+    /// lowest index; `Err` for a row that is not [`crate::sampling::usable`] (NaN, +∞, or
+    /// nothing above −∞).
+    fn argmax_rows(&self, x: &Self::Buf, rows: usize, cols: usize) -> Vec<Result<u32, NonFiniteLogits>> {
         let v = self.download(x, 0, rows * cols);
-        v.chunks(cols.max(1)).take(rows).map(crate::sampling::argmax).collect()
+        v.chunks(cols.max(1)).take(rows).map(crate::sampling::greedy).collect()
     }
 
-    // --- dense ops ----------------------------------------------------------------------------
-
-    /// `out[t] = table[ids[t]]` widened to f32; `out` is `[ids.len(), dim]`.
     /// Finishes prepared draws next to the logits (`[_, vocab]`): pick `i` names a row and how
-    /// to draw its token, [`crate::sampling::sample_prepared`]'s result; only the ids come
-    /// back. The rows' logits may be modified. The default downloads each row and draws on the
-    /// host.
-    fn sample_rows(&self, logits: &Self::Buf, vocab: usize, picks: &[(usize, &PreparedSample)]) -> Vec<u32> {
+    /// to draw its token, [`crate::sampling::sample_prepared`]'s result; only the ids (and the
+    /// log-probabilities asked for) come back. The rows' logits may be modified. The default
+    /// downloads each row and draws on the host.
+    fn sample_rows(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        picks: &[(usize, &PreparedSample)],
+    ) -> Vec<Result<Draw, NonFiniteLogits>> {
         picks
             .iter()
             .map(|&(row, p)| {

@@ -196,10 +196,11 @@ mod tests {
             return;
         }
         use crate::backend::cuda::{
-            attention, deltanet, deltanet_chunked, elementwise, flash_attention, matmul, quant,
+            attention, deltanet, deltanet_chunked, elementwise, flash_attention, matmul, quant, sample,
         };
         for (name, src) in [
             ("elementwise", elementwise::SOURCE),
+            ("sample", sample::SOURCE),
             ("matmul", matmul::SOURCE),
             ("deltanet", deltanet::SOURCE),
             ("attention", attention::SOURCE),

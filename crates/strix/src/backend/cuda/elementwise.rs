@@ -1,15 +1,14 @@
 //! Launchers for `elementwise.cu`: the embedding gather, the RMSNorms (plain, fused with the
-//! residual add, gated), the residual add, SwiGLU, the f32 → bf16 conversion feeding cuBLAS,
-//! and picking tokens from logits rows (greedy, and prepared draws: `sampling.rs`). The
-//! one-row norms and the one-token SwiGLU can also write their output quantized for the packed
-//! GEMV that reads it next (`quant.rs`, "activations quantized by their producer").
+//! residual add, gated), the residual add, SwiGLU and the f32 → bf16 conversion feeding
+//! cuBLAS (picking tokens from logits is `sample.rs`'s). The one-row norms and the one-token
+//! SwiGLU can also write their output quantized for the packed GEMV that reads it next
+//! (`quant.rs`, "activations quantized by their producer").
 
 use cudarc::driver::CudaFunction;
 
 use super::device::{kernel_args, CudaBuf, CudaWeight, Device};
 use super::quant::XQuant;
 use crate::error::Result;
-use crate::sampling::PreparedSample;
 
 pub(super) const SOURCE: &str = include_str!("elementwise.cu");
 
@@ -26,36 +25,7 @@ pub(super) struct Kernels {
     swiglu_to_bf16: CudaFunction,
     f32_to_bf16: CudaFunction,
     f32_to_bf16_split: CudaFunction,
-    argmax_partial: CudaFunction,
-    argmax_finish: CudaFunction,
-    sample_rows: CudaFunction,
 }
-
-/// `SampleRow` of `elementwise.cu`: one prepared draw.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SampleRow {
-    uniform: f64,
-    row: i64,
-    pen_at: i64,
-    pen_count: i32,
-    top_k: i32,
-    temperature: f32,
-    top_p: f32,
-    min_p_ln: f32,
-    rep: f32,
-    presence: f32,
-    frequency: f32,
-}
-
-/// `ARGMAX_THREADS` and `ARGMAX_UNROLL` of `elementwise.cu`: a block of the argmax's first
-/// stage, and the columns each of its threads reads; the block scans `ARGMAX_SPAN` columns.
-const ARGMAX_THREADS: u32 = 256;
-const ARGMAX_UNROLL: usize = 8;
-const ARGMAX_SPAN: usize = ARGMAX_THREADS as usize * ARGMAX_UNROLL;
-
-/// `SAMPLE_MAX_K` of the kernel: the top-k a prepared draw may carry.
-const SAMPLE_MAX_K: usize = crate::sampling::PREPARED_TOP_K_MAX;
 
 /// Threads of a block that reduces over one row of `dim`: about four elements each, so a
 /// single row (decode) is not a long serial loop, up to 1024. A function of `dim` alone, so a
@@ -89,9 +59,6 @@ impl Kernels {
             swiglu: f("swiglu")?,
             swiglu_q: f("swiglu_q")?,
             swiglu_to_bf16: f("swiglu_to_bf16")?,
-            argmax_partial: f("argmax_partial")?,
-            argmax_finish: f("argmax_finish")?,
-            sample_rows: f("sample_rows")?,
             f32_to_bf16: f("f32_to_bf16_copy")?,
             f32_to_bf16_split: f("f32_to_bf16_split")?,
         })
@@ -264,101 +231,6 @@ impl Kernels {
             0,
             kernel_args![gate.ptr(), up.ptr(), out.ptr(), xq.q, xq.d, xq.s, groups as i32],
         );
-    }
-
-    /// The index of the largest value of each `[cols]` row of `x` (the greedy token), only the
-    /// indices crossing to the host.
-    pub fn argmax_rows(&self, dev: &Device, x: &CudaBuf, rows: usize, cols: usize) -> Vec<u32> {
-        assert!(x.len() >= rows * cols && cols <= i32::MAX as usize, "argmax_rows: x too short");
-        if rows == 0 {
-            return Vec::new();
-        }
-        let parts = cols.div_ceil(ARGMAX_SPAN).max(1);
-        let part = dev.alloc(2 * rows * parts).unwrap_or_else(|e| panic!("{e}"));
-        let idx = dev.alloc(rows).unwrap_or_else(|e| panic!("{e}"));
-        dev.launch(
-            "argmax_partial",
-            &self.argmax_partial,
-            (parts as u32, rows as u32, 1),
-            (ARGMAX_THREADS, 1, 1),
-            0,
-            kernel_args![x.ptr(), part.ptr(), cols as i32, parts as i32],
-        );
-        dev.launch(
-            "argmax_finish",
-            &self.argmax_finish,
-            (rows as u32, 1, 1),
-            (128, 1, 1),
-            0,
-            kernel_args![part.ptr(), idx.ptr(), parts as i32],
-        );
-        let mut out = vec![0u32; rows];
-        dev.copy_dtoh(&mut out, idx.ptr()).unwrap_or_else(|e| panic!("{e}"));
-        out
-    }
-
-    /// Whether [`Kernels::sample_rows`] finishes this row on the device: greedy, or a top-k
-    /// the kernel holds that is below the vocabulary (else the host's order differs).
-    pub fn samples_on_device(p: &PreparedSample, vocab: usize) -> bool {
-        let k = p.params.top_k;
-        p.uniform.is_none() || ((2..=SAMPLE_MAX_K).contains(&k) && k < vocab)
-    }
-
-    /// The prepared draws of `picks` (each naming a row of `logits`, `[_, vocab]`), finished in
-    /// one launch: `sampling::sample_prepared` on the device (the rows' logits are modified in
-    /// place). Every pick must pass [`Kernels::samples_on_device`].
-    pub fn sample_rows(
-        &self,
-        dev: &Device,
-        logits: &CudaBuf,
-        vocab: usize,
-        picks: &[(usize, &PreparedSample)],
-    ) -> Vec<u32> {
-        assert!(vocab > 0 && vocab <= i32::MAX as usize, "sample_rows: vocabulary of {vocab}");
-        if picks.is_empty() {
-            return Vec::new();
-        }
-        let mut rows = Vec::with_capacity(picks.len());
-        let mut penalties: Vec<u32> = Vec::new();
-        for &(row, p) in picks {
-            assert!((row + 1) * vocab <= logits.len(), "sample_rows: row {row} outside the logits");
-            assert!(
-                Kernels::samples_on_device(p, vocab),
-                "sample_rows: row {row} cannot be drawn on the device"
-            );
-            let q = &p.params;
-            rows.push(SampleRow {
-                uniform: p.uniform.unwrap_or(-1.0),
-                row: row as i64,
-                pen_at: (penalties.len() / 2) as i64,
-                pen_count: p.penalties.len() as i32,
-                top_k: q.top_k as i32,
-                temperature: q.temperature,
-                top_p: q.top_p,
-                min_p_ln: if q.min_p > 0.0 { q.min_p.ln() } else { f32::NEG_INFINITY },
-                rep: q.repetition_penalty,
-                presence: q.presence_penalty,
-                frequency: q.frequency_penalty,
-            });
-            penalties.extend(p.penalties.iter().flat_map(|&(t, f)| [t, f]));
-        }
-        if penalties.is_empty() {
-            penalties.push(0);
-        }
-        let (_rows_dev, rows_ptr) = dev.upload_words(&rows).unwrap_or_else(|e| panic!("{e}"));
-        let (_pen_dev, pen_ptr) = dev.upload_u32(&penalties).unwrap_or_else(|e| panic!("{e}"));
-        let ids = dev.alloc(picks.len()).unwrap_or_else(|e| panic!("{e}"));
-        dev.launch(
-            "sample_rows",
-            &self.sample_rows,
-            (picks.len() as u32, 1, 1),
-            (1024, 1, 1),
-            0,
-            kernel_args![logits.ptr(), vocab as i32, rows_ptr, pen_ptr, ids.ptr()],
-        );
-        let mut out = vec![0u32; picks.len()];
-        dev.copy_dtoh(&mut out, ids.ptr()).unwrap_or_else(|e| panic!("{e}"));
-        out
     }
 
     /// `len` floats at `src` rounded to bf16 at `dst`.

@@ -38,13 +38,14 @@ mod flash_attention;
 mod graph;
 mod matmul;
 mod quant;
+mod sample;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType};
 use crate::error::Result;
-use crate::sampling::PreparedSample;
+use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::tensor::HostTensor;
 
 pub use attention::CudaCache;
@@ -273,6 +274,7 @@ fn bump(c: &AtomicU64) {
 pub struct CudaBackend {
     dev: Device,
     ew: elementwise::Kernels,
+    sample: sample::Kernels,
     mm: matmul::Kernels,
     q: quant::Kernels,
     dn: deltanet::Kernels,
@@ -308,6 +310,7 @@ impl CudaBackend {
             Ok::<_, crate::Error>(m)
         };
         let ew = elementwise::Kernels::load(&module("elementwise", elementwise::SOURCE)?)?;
+        let sample = sample::Kernels::load(&module("sample", sample::SOURCE)?)?;
         let mm = matmul::Kernels::load(&module("matmul", matmul::SOURCE)?, &dev)?;
         let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
@@ -321,6 +324,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             dev,
             ew,
+            sample,
             mm,
             q,
             dn,
@@ -812,27 +816,22 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn argmax_rows(&self, x: &CudaBuf, rows: usize, cols: usize) -> Vec<u32> {
+    fn argmax_rows(&self, x: &CudaBuf, rows: usize, cols: usize) -> Vec<Result<u32, NonFiniteLogits>> {
         self.dev.bind();
-        self.ew.argmax_rows(&self.dev, x, rows, cols)
+        self.sample.argmax_rows(&self.dev, x, rows, cols)
     }
 
-    fn sample_rows(&self, logits: &CudaBuf, vocab: usize, picks: &[(usize, &PreparedSample)]) -> Vec<u32> {
+    fn sample_rows(
+        &self,
+        logits: &CudaBuf,
+        vocab: usize,
+        picks: &[(usize, &PreparedSample)],
+    ) -> Vec<Result<Draw, NonFiniteLogits>> {
         self.dev.bind();
-        let (device, host): (Vec<usize>, Vec<usize>) =
-            (0..picks.len()).partition(|&i| elementwise::Kernels::samples_on_device(picks[i].1, vocab));
-        let mut ids = vec![0u32; picks.len()];
-        let on_device: Vec<_> = device.iter().map(|&i| picks[i]).collect();
-        for (&i, id) in device.iter().zip(self.ew.sample_rows(&self.dev, logits, vocab, &on_device)) {
-            ids[i] = id;
-            bump(&self.counters.sample_device);
-        }
-        for i in host {
-            let (row, p) = picks[i];
-            ids[i] = crate::sampling::sample_prepared(&mut self.download(logits, row * vocab, vocab), p);
-            bump(&self.counters.sample_host);
-        }
-        ids
+        let drawn = self.sample.draw_rows(&self.dev, logits, vocab, picks);
+        self.counters.sample_host.fetch_add(drawn.on_host as u64, Ordering::Relaxed);
+        self.counters.sample_device.fetch_add((picks.len() - drawn.on_host) as u64, Ordering::Relaxed);
+        drawn.draws
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], dim: usize, out: &mut CudaBuf) {
