@@ -80,6 +80,29 @@ impl ConnectionLimits {
     }
 }
 
+/// Connections the kernel queues for `accept` (std's listener has 128: a burst overflows it,
+/// and a `/health` probe in the burst waits a second for its handshake to be resent).
+const LISTEN_BACKLOG: i32 = 1024;
+
+/// Binds a listener on `host:port` (each address `host` resolves to, in turn, as std's
+/// `TcpListener::bind` does) with a backlog of [`LISTEN_BACKLOG`].
+pub fn bind(host: &str, port: u16) -> std::io::Result<std::net::TcpListener> {
+    let mut last_error = None;
+    for addr in std::net::ToSocketAddrs::to_socket_addrs(&(host, port))? {
+        let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+        // As std does on unix: a restarted server binds while old connections linger.
+        #[cfg(unix)]
+        socket.set_reuse_address(true)?;
+        match socket.bind(&addr.into()).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(()) => return Ok(socket.into()),
+            Err(e) => last_error = Some(e),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{host} resolves to no address"))
+    }))
+}
+
 /// Largest request head (request line and headers) in bytes; larger gets 431.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
 /// hyper's per-connection read buffer: a head, or a slice of a body.
@@ -87,10 +110,12 @@ const MAX_BUF_BYTES: usize = 128 << 10;
 /// Open files kept for everything that is not a connection (model files, the runtime, stdio).
 const FILES_RESERVED: u64 = 64;
 /// Connections being refused at once; more are closed without an answer.
-const REFUSALS_AT_ONCE: usize = 32;
+const REFUSALS_AT_ONCE: usize = 64;
 /// How long a closed connection may take to flush what it has been sent, and how long an error
 /// answer may take to reach the client.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// How long a refused connection is kept for its client to read the 503.
+const REFUSAL_LINGER: Duration = Duration::from_secs(1);
 /// What a connection is read for after an error answer, so that closing it with unread bytes
 /// does not reset it before the client reads the answer.
 const DRAIN_MAX_BYTES: usize = 1 << 20;
@@ -204,8 +229,16 @@ struct Registry {
     cap: usize,
     slack: usize,
     inner: Mutex<Open>,
-    /// Signalled when the last connection goes.
-    emptied: Notify,
+    /// Signalled whenever a connection goes.
+    freed: Notify,
+}
+
+enum Admission {
+    Admitted(Registered),
+    /// Every connection has a request in flight.
+    Full,
+    /// Too many connections asked to close have not closed yet.
+    Closing,
 }
 
 struct Open {
@@ -221,7 +254,7 @@ impl Registry {
             cap,
             slack: closing_slack(cap),
             inner: Mutex::new(Open { next_id: 0, slots: BTreeMap::new(), closing: 0 }),
-            emptied: Notify::new(),
+            freed: Notify::new(),
         })
     }
 
@@ -230,18 +263,20 @@ impl Registry {
     }
 
     /// Registers a new connection, closing the oldest one without a request in flight when
-    /// the cap is reached. `None`: every connection has a request in flight, or too many are
-    /// still closing.
-    fn admit(self: &Arc<Self>) -> Option<Registered> {
+    /// the cap is reached.
+    fn admit(self: &Arc<Self>) -> Admission {
         let mut open = self.open();
         if open.slots.len() >= self.cap + self.slack {
-            return None;
+            return Admission::Closing;
         }
         if open.slots.len() - open.closing >= self.cap {
             let victim = open
                 .slots
                 .values()
-                .find(|s| s.close_reason.load(Ordering::Acquire) == 0 && s.activity.is_idle())?;
+                .find(|s| s.close_reason.load(Ordering::Acquire) == 0 && s.activity.is_idle());
+            let Some(victim) = victim else {
+                return Admission::Full;
+            };
             if victim.ask_to_close(1) {
                 open.closing += 1;
             }
@@ -254,7 +289,18 @@ impl Registry {
             close: Notify::new(),
         });
         open.slots.insert(id, slot.clone());
-        Some(Registered { registry: self.clone(), id, slot })
+        Admission::Admitted(Registered { registry: self.clone(), id, slot })
+    }
+
+    /// Waits until fewer connections than the cap and its slack are open.
+    async fn wait_room(&self) {
+        loop {
+            let freed = self.freed.notified();
+            if self.open().slots.len() < self.cap + self.slack {
+                return;
+            }
+            freed.await;
+        }
     }
 
     /// Asks every connection to close (shutdown).
@@ -266,11 +312,11 @@ impl Registry {
 
     async fn wait_empty(&self) {
         loop {
-            let emptied = self.emptied.notified();
+            let freed = self.freed.notified();
             if self.open().slots.is_empty() {
                 return;
             }
-            emptied.await;
+            freed.await;
         }
     }
 }
@@ -288,9 +334,7 @@ impl Drop for Registered {
         if open.slots.remove(&self.id).is_some() && self.slot.close_reason.load(Ordering::Acquire) != 0 {
             open.closing -= 1;
         }
-        if open.slots.is_empty() {
-            self.registry.emptied.notify_waiters();
-        }
+        self.registry.freed.notify_waiters();
     }
 }
 
@@ -333,6 +377,8 @@ pub async fn serve(
 ) {
     let registry = Registry::new(cap);
     let refusals = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
+    let refusal = ApiError::too_many_connections(cap);
+    let refusal_bytes = response_bytes(&refusal);
     let mut builder = http1::Builder::new();
     builder
         .keep_alive(true)
@@ -364,8 +410,15 @@ pub async fn serve(
         };
         // Streamed tokens are small writes that must not wait for Nagle's algorithm.
         let _ = stream.set_nodelay(true);
-        match registry.admit() {
-            Some(registered) => {
+        let mut admission = registry.admit();
+        if let Admission::Closing = admission {
+            // The connections evicted for the last ones close at their tasks' next poll: wait
+            // for them (the kernel queues new connections meanwhile) rather than refuse.
+            let _ = tokio::time::timeout(CLOSE_GRACE, registry.wait_room()).await;
+            admission = registry.admit();
+        }
+        match admission {
+            Admission::Admitted(registered) => {
                 tokio::spawn(serve_connection(
                     stream,
                     registered,
@@ -374,14 +427,19 @@ pub async fn serve(
                     limits.clone(),
                 ));
             }
-            None => {
-                if let Ok(permit) = refusals.clone().try_acquire_owned() {
+            Admission::Full | Admission::Closing => match refusals.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    let refusal = refusal.clone();
                     tokio::spawn(async move {
-                        answer(stream, &ApiError::too_many_connections(cap)).await;
+                        answer(stream, &refusal, REFUSAL_LINGER).await;
                         drop(permit);
                     });
                 }
-            }
+                // Too many refusals lingering (clients that do not close): answer what the
+                // socket takes at once and close, after reading what has arrived (closing
+                // with unread bytes would reset the connection and could lose the answer).
+                Err(_) => refuse_at_once(stream, &refusal_bytes),
+            },
         }
     }
     drop(listener);
@@ -484,7 +542,7 @@ async fn serve_connection(
         _ => None,
     };
     match reply {
-        Some(error) => answer(stream, &error).await,
+        Some(error) => answer(stream, &error, CLOSE_GRACE).await,
         None => {
             let _ = tokio::time::timeout(CLOSE_GRACE, async {
                 if !held.is_empty() {
@@ -510,17 +568,9 @@ fn held_status(head: &[u8]) -> StatusCode {
 /// Writes `error` as a whole HTTP/1.1 response and closes the connection: shuts down the
 /// write side, then reads what the client still sends for a moment, since closing a socket
 /// with unread bytes resets it and the client could lose the answer.
-async fn answer(mut stream: TcpStream, error: &ApiError) {
-    let body = error.body().to_string();
-    let head = format!(
-        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        error.status.as_u16(),
-        error.status.canonical_reason().unwrap_or(""),
-        body.len()
-    );
-    let _ = tokio::time::timeout(CLOSE_GRACE, async {
-        write_all(&stream, head.as_bytes()).await?;
-        write_all(&stream, body.as_bytes()).await?;
+async fn answer(mut stream: TcpStream, error: &ApiError, linger: Duration) {
+    let _ = tokio::time::timeout(linger, async {
+        write_all(&stream, &response_bytes(error)).await?;
         shutdown(&mut stream).await?;
         let mut buf = [0u8; 4096];
         let mut drained = 0;
@@ -536,6 +586,34 @@ async fn answer(mut stream: TcpStream, error: &ApiError) {
         Ok::<_, std::io::Error>(())
     })
     .await;
+}
+
+/// Writes `response` without waiting, reads what has arrived, and closes.
+fn refuse_at_once(stream: TcpStream, response: &[u8]) {
+    let _ = stream.try_write(response);
+    let mut buf = [0u8; 4096];
+    let mut drained = 0;
+    while drained < DRAIN_MAX_BYTES {
+        match stream.try_read(&mut buf) {
+            Ok(n) if n > 0 => drained += n,
+            _ => break,
+        }
+    }
+    if let Ok(stream) = stream.into_std() {
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+/// `error` as a whole HTTP/1.1 response that closes the connection.
+fn response_bytes(error: &ApiError) -> Vec<u8> {
+    let body = error.body().to_string();
+    let head = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        error.status.as_u16(),
+        error.status.canonical_reason().unwrap_or(""),
+        body.len()
+    );
+    [head.into_bytes(), body.into_bytes()].concat()
 }
 
 async fn write_all(stream: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
@@ -563,11 +641,12 @@ mod tests {
     fn the_cap_fits_below_the_file_limit() {
         assert_eq!(connection_cap(1024, None), 1024);
         assert_eq!(connection_cap(1024, Some(1 << 20)), 1024);
-        // 1024 files: 64 reserved, 32 for refusals, 928 for connections and their closing
-        // slack (cap / 8).
+        // 1024 files: 64 reserved, 64 for refusals, 896 for connections and their closing
+        // slack (cap / 8, at least 16).
         let cap = connection_cap(1024, Some(1024));
-        assert_eq!(cap, 824);
-        assert_eq!(connection_cap(100, Some(200)), 88);
+        assert_eq!(cap, 792);
+        assert_eq!(connection_cap(100, Some(200)), 56);
+        assert!(56 + closing_slack(56) + REFUSALS_AT_ONCE + FILES_RESERVED as usize <= 200);
         assert!(cap + closing_slack(cap) + REFUSALS_AT_ONCE + FILES_RESERVED as usize <= 1024);
         assert_eq!(connection_cap(1024, Some(50)), 0);
     }

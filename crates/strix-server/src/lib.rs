@@ -256,7 +256,7 @@ impl Server {
                 file_limit.unwrap_or(0)
             )));
         }
-        let listener = std::net::TcpListener::bind((config.host.as_str(), config.port))?;
+        let listener = connection::bind(&config.host, config.port)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
 
