@@ -314,6 +314,16 @@ fn requests_hyper_cannot_parse_get_openai_errors() {
     assert!(first[..n].starts_with(b"HTTP/1.1 200"));
     write!(stream, "GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: -1\r\n\r\n").unwrap();
     read_response(&mut stream).error(400);
+    // The same pipelined (sent at once): both answers whole, in order.
+    let mut stream = connect(addr);
+    let good = "GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    write!(stream, "{good}{good}GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: x\r\n\r\n")
+        .unwrap();
+    let mut all = String::new();
+    stream.read_to_string(&mut all).unwrap();
+    let error_at = all.find("HTTP/1.1 400 Bad Request\r\n").unwrap_or_else(|| panic!("no 400 in {all}"));
+    assert_eq!(all[..error_at].matches("HTTP/1.1 200 OK\r\n").count(), 2, "{all}");
+    assert_eq!(parse_response(all[error_at..].as_bytes()).error(400)["code"], "malformed_request");
     assert_eq!(health(addr).status, 200);
 }
 
