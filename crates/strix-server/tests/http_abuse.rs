@@ -323,7 +323,7 @@ fn requests_hyper_cannot_parse_get_openai_errors() {
     stream.read_to_string(&mut all).unwrap();
     let error_at = all.find("HTTP/1.1 400 Bad Request\r\n").unwrap_or_else(|| panic!("no 400 in {all}"));
     assert_eq!(all[..error_at].matches("HTTP/1.1 200 OK\r\n").count(), 2, "{all}");
-    assert_eq!(parse_response(all[error_at..].as_bytes()).error(400)["code"], "malformed_request");
+    assert_eq!(parse_response(&all.as_bytes()[error_at..]).error(400)["code"], "malformed_request");
     assert_eq!(health(addr).status, 200);
 }
 
