@@ -153,6 +153,18 @@ impl ApiError {
         }
     }
 
+    /// 408: the request body did not arrive in time (see [`crate::wire::body_timeout_of`]).
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        ApiError {
+            code: Some("request_timeout"),
+            ..Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!("the request body did not arrive within {} s (--body-timeout)", limit.as_secs_f64()),
+            )
+        }
+    }
+
     /// A request the HTTP parser refused before any route saw it: 400 (malformed request line,
     /// header, `Content-Length`, `Transfer-Encoding`), 414 (target too long), 431 (head too
     /// large). `problem` is the parser's word for it.

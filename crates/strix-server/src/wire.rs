@@ -225,6 +225,19 @@ impl fmt::Display for BodyError {
 
 impl StdError for BodyError {}
 
+/// The limit a request body missed, when `error` (from reading a request body, as axum
+/// reports it) is a [`BodyError::Timeout`]: the caller answers 408 rather than 400.
+pub fn body_timeout_of(error: &axum::Error) -> Option<Duration> {
+    let mut source = error.source();
+    while let Some(cause) = source {
+        if let Some(BodyError::Timeout(limit)) = cause.downcast_ref::<BodyError>() {
+            return Some(*limit);
+        }
+        source = cause.source();
+    }
+    None
+}
+
 /// A request body that must arrive in full before a deadline, counted from the end of the
 /// request head. Past it, reading fails with [`BodyError::Timeout`].
 pub struct TimedBody {
@@ -303,5 +316,20 @@ impl HttpBody for TrackedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_timeout_is_told_apart() {
+        let limit = Duration::from_secs(60);
+        let timeout = axum::Error::new(BodyError::Timeout(limit));
+        assert_eq!(body_timeout_of(&timeout), Some(limit));
+        assert!(timeout.to_string().contains("--body-timeout"), "{timeout}");
+        let other = axum::Error::new(std::io::Error::other("broken"));
+        assert_eq!(body_timeout_of(&other), None);
     }
 }
