@@ -4,14 +4,15 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use strix::model::is_gguf_path;
-use strix_server::{ServedModel, Server, ServerConfig};
+use strix_server::{ConnectionLimits, ServedModel, Server, ServerConfig};
 
 use crate::common::{self, ModelArgs};
 use crate::device::{self, with_backend};
 
 #[derive(Args, Debug)]
 #[command(after_help = "Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health, GET /metrics (Prometheus), GET / (a chat page).
+GET /health, GET /metrics (Prometheus), GET / (a chat page). Request bodies must be sent as
+Content-Type: application/json.
 Example: curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
   -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")]
 pub struct ServeArgs {
@@ -61,6 +62,36 @@ pub struct ServeArgs {
     /// Largest request body accepted, in bytes
     #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
     pub max_body: usize,
+
+    /// Host names served besides localhost, 127.0.0.1 and [::1], comma-separated (`*`: any).
+    /// Bound to a loopback address the server answers only loopback names (so a web page
+    /// cannot reach it through DNS rebinding); bound elsewhere, any name unless this lists them
+    #[arg(long, value_name = "HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+
+    /// An origin whose web pages may call the API (CORS), as scheme://host[:port]; repeatable,
+    /// `*` for any. Without it only the server's own page (/) may
+    #[arg(long, value_name = "ORIGIN")]
+    pub cors_origin: Vec<String>,
+
+    /// Seconds a client has to send a request's line and headers, from their first byte
+    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().header_timeout.as_secs())]
+    pub header_timeout: u64,
+
+    /// Seconds a client has to send a request's body, once its headers are in
+    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().body_timeout.as_secs())]
+    pub body_timeout: u64,
+
+    /// Seconds a connection may stay open with no request (keep-alive). Requests in flight and
+    /// streamed answers are never timed out
+    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().idle_timeout.as_secs())]
+    pub idle_timeout: u64,
+
+    /// Connections open at once (lowered to fit the open-file limit). Beyond it a new
+    /// connection closes the oldest one without a request in flight; when every one has a
+    /// request in flight it is refused with 503
+    #[arg(long, value_name = "N", default_value_t = ConnectionLimits::default().max_connections)]
+    pub max_connections: usize,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -68,6 +99,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if args.max_seqs == 0 {
         bail!("--max-seqs must be at least 1");
     }
+    // The server's options are checked before the model loads, which can take minutes.
+    let mut options = ServerConfig::new("", 2);
+    configure(&args, &mut options);
+    options.validate().map_err(anyhow::Error::msg)?;
+    // Every connection is an open file: the soft limit (often 1024) would cap them early.
+    strix_server::connection::raise_open_file_limit();
     let dir = common::resolve_model(args.model.model.as_deref())?;
     let opened = device::open(&args.model.device, false)?;
     with_backend!(opened, backend => {
@@ -78,6 +115,22 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         args.model.device.configure(&mut model)?;
         serve_with(&args, &dir, model)
     })
+}
+
+/// The listening, admission and connection options of `args`.
+fn configure(args: &ServeArgs, config: &mut ServerConfig) {
+    config.host = args.host.clone();
+    config.port = args.port;
+    config.api_key = args.api_key.clone();
+    config.max_body = args.max_body;
+    config.allowed_hosts = args.allowed_hosts.clone();
+    config.cors_origins = args.cors_origin.clone();
+    config.connections = ConnectionLimits {
+        header_timeout: std::time::Duration::from_secs(args.header_timeout),
+        body_timeout: std::time::Duration::from_secs(args.body_timeout),
+        idle_timeout: std::time::Duration::from_secs(args.idle_timeout),
+        max_connections: args.max_connections,
+    };
 }
 
 /// The server's pass length without --ubatch: the prefill chunk rounded up to the delta rule's
@@ -117,10 +170,7 @@ fn serve_with<B: strix::backend::Backend + 'static>(
     });
 
     let mut config = ServerConfig::new(name.clone(), context);
-    config.host = args.host.clone();
-    config.port = args.port;
-    config.api_key = args.api_key.clone();
-    config.max_body = args.max_body;
+    configure(args, &mut config);
     config.engine.max_seqs = args.max_seqs;
     config.engine.max_queue = args.max_queue;
     config.engine.state_budget_bytes = args.state_budget_mib.saturating_mul(1 << 20);
@@ -129,11 +179,19 @@ fn serve_with<B: strix::backend::Backend + 'static>(
     let server = Server::start_with(served, config, true)
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     eprintln!(
-        "strix serve: {name} on http://{} (context {context}, up to {} sequences{})",
+        "strix serve: {name} on http://{} (context {context}, up to {} sequences, {} connections{})",
         server.addr(),
         args.max_seqs,
+        server.max_connections(),
         if args.api_key.is_some() { ", API key required" } else { "" }
     );
+    if server.max_connections() < args.max_connections {
+        eprintln!(
+            "strix serve: --max-connections lowered to {} to fit the open-file limit ({}); raise it with ulimit -n",
+            server.max_connections(),
+            strix_server::connection::open_file_limit().unwrap_or(0)
+        );
+    }
     server.wait();
     Ok(())
 }

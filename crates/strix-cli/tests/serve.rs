@@ -7,8 +7,13 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 fn get(addr: &str, path: &str) -> String {
+    get_as(addr, path, "localhost")
+}
+
+/// A GET with this `Host`.
+fn get_as(addr: &str, path: &str, host: &str) -> String {
     let mut stream = TcpStream::connect(addr).expect("connect");
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("response");
     response
@@ -18,7 +23,7 @@ fn post(addr: &str, path: &str, body: &str) -> String {
     let mut stream = TcpStream::connect(addr).expect("connect");
     write!(
         stream,
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
          Connection: close\r\n\r\n{body}",
         body.len()
     )
@@ -33,7 +38,7 @@ fn post(addr: &str, path: &str, body: &str) -> String {
 fn serve_takes_a_gguf_file() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/gguf-models/causal-bf16-gdn3x.bf16.gguf");
-    let (mut child, addr) = start(&model);
+    let (mut child, addr) = start(&model, &[]);
     let chat = post(
         &addr,
         "/v1/chat/completions",
@@ -46,10 +51,13 @@ fn serve_takes_a_gguf_file() {
     child.wait().unwrap();
 }
 
-/// Starts `strix serve` on a free port; the child and the address it listens on.
-fn start(model: &Path) -> (std::process::Child, String) {
+/// Starts `strix serve` on a free port with `extra` options; the child and the address it
+/// listens on.
+fn start(model: &Path, extra: &[&str]) -> (std::process::Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_strix"))
-        .args(["serve", "--device", "cpu", "--port", "0", "--served-model-name", "fixture", "--model"])
+        .args(["serve", "--device", "cpu", "--port", "0", "--served-model-name", "fixture"])
+        .args(extra)
+        .arg("--model")
         .arg(model)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -70,15 +78,46 @@ fn start(model: &Path) -> (std::process::Child, String) {
 #[test]
 fn serve_listens_answers_and_stops_on_ctrl_c() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
-    let (mut child, addr) = start(&model);
+    let (mut child, addr) = start(&model, &["--allowed-hosts", "box.lan", "--idle-timeout", "1"]);
     assert!(addr.starts_with("127.0.0.1:"), "binds loopback by default: {addr}");
 
     let health = get(&addr, "/health");
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     assert!(get(&addr, "/v1/models").contains("\"id\":\"fixture\""));
+    // Loopback and --allowed-hosts names only.
+    assert!(get_as(&addr, "/health", "box.lan:8080").starts_with("HTTP/1.1 200"));
+    let rebound = get_as(&addr, "/health", "evil.example");
+    assert!(rebound.starts_with("HTTP/1.1 403") && rebound.contains("host_not_allowed"), "{rebound}");
+    // --idle-timeout: a connection that says nothing is closed (read gives end of file).
+    let mut idle = TcpStream::connect(&addr).unwrap();
+    idle.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    assert_eq!(idle.read(&mut [0u8; 16]).expect("closed, not timed out"), 0);
 
     let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let exit = child.wait().unwrap();
     assert!(exit.success(), "strix serve exited with {exit}");
+}
+
+/// Options that make the server unusable are refused before the model loads (the model path
+/// here does not exist, so reaching the load would fail differently).
+#[test]
+fn serve_refuses_bad_options_up_front() {
+    for (args, says) in [
+        (["--api-key", ""], "--api-key is empty"),
+        (["--api-key", "   "], "--api-key is empty"),
+        (["--cors-origin", "app.example"], "is not an origin"),
+        (["--allowed-hosts", "a.example:80"], "is not a host name"),
+        (["--idle-timeout", "0"], "--idle-timeout must be more than 0"),
+        (["--max-connections", "0"], "--max-connections must be at least 1"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strix"))
+            .args(["serve", "--device", "cpu", "--port", "0", "--model", "/nonexistent/strix-model"])
+            .args(args)
+            .output()
+            .expect("run strix serve");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
 }

@@ -35,6 +35,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::engine::{EngineHandle, Event, Job};
 use crate::error::ApiError;
+use crate::guard::{self, BrowserPolicy};
 use crate::metrics::Metrics;
 use crate::output::{Delta, OutputParser, ToolCall};
 use crate::request::{self, GenOptions, Prompt};
@@ -123,11 +124,14 @@ impl PromptGate {
 const ROUTES: [&str; 6] =
     ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/"];
 
-pub fn router(state: AppStateRef) -> Router {
+/// Every route, behind the browser checks of `policy` (see [`crate::guard`]).
+pub fn router(state: AppStateRef, policy: Arc<BrowserPolicy>) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        // The key is checked first (the outer layer): a client without one learns nothing more.
+        .route_layer(middleware::from_fn(guard::require_json))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(v1)
@@ -136,6 +140,7 @@ pub fn router(state: AppStateRef) -> Router {
         .route("/", get(page))
         .fallback(not_found)
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(middleware::from_fn_with_state(policy, guard::check))
         .layer(middleware::from_fn_with_state(state.clone(), count_responses))
         .with_state(state)
 }

@@ -84,6 +84,101 @@ impl ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
 
+    /// 403: the `Host` names a server this one is not (DNS rebinding, or a name not listed
+    /// with `--allowed-hosts`).
+    pub fn host_not_allowed(host: &str) -> Self {
+        ApiError {
+            code: Some("host_not_allowed"),
+            ..Self::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                format!("Host {} is not served here (allow it with --allowed-hosts)", quoted(host)),
+            )
+        }
+    }
+
+    /// 403: a browser page from another origin, not allowed with `--cors-origin`.
+    pub fn origin_not_allowed(origin: &str) -> Self {
+        ApiError {
+            code: Some("origin_not_allowed"),
+            ..Self::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                format!(
+                    "requests from origin {} are not allowed (allow it with --cors-origin)",
+                    quoted(origin)
+                ),
+            )
+        }
+    }
+
+    /// 415: a body that is not declared `application/json`.
+    pub fn unsupported_media_type(given: Option<&str>) -> Self {
+        ApiError {
+            code: Some("unsupported_media_type"),
+            ..Self::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "invalid_request_error",
+                format!(
+                    "the request body must be sent as Content-Type: application/json (got {})",
+                    given.map_or("none".into(), quoted)
+                ),
+            )
+        }
+    }
+
+    /// 503: every connection slot holds a request in flight (`--max-connections`).
+    pub fn too_many_connections(limit: usize) -> Self {
+        ApiError {
+            code: Some("too_many_connections"),
+            ..Self::unavailable(format!(
+                "the server has {limit} connections open, each with a request in flight \
+                 (--max-connections); retry later"
+            ))
+        }
+    }
+
+    /// 408: the request head did not arrive in time.
+    pub fn header_timeout(limit: std::time::Duration) -> Self {
+        ApiError {
+            code: Some("request_timeout"),
+            ..Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request line and headers did not arrive within {} s (--header-timeout)",
+                    limit.as_secs_f64()
+                ),
+            )
+        }
+    }
+
+    /// 408: the request body did not arrive in time (see [`crate::wire::body_timeout_of`]).
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        ApiError {
+            code: Some("request_timeout"),
+            ..Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!("the request body did not arrive within {} s (--body-timeout)", limit.as_secs_f64()),
+            )
+        }
+    }
+
+    /// A request the HTTP parser refused before any route saw it: 400 (malformed request line,
+    /// header, `Content-Length`, `Transfer-Encoding`), 414 (target too long), 431 (head too
+    /// large). `problem` is the parser's word for it.
+    pub fn protocol(status: StatusCode, problem: &str) -> Self {
+        let message = match status {
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => {
+                format!("the request head is too large ({problem}): keep the request line and headers small")
+            }
+            StatusCode::URI_TOO_LONG => format!("the request target is too long ({problem})"),
+            _ => format!("malformed HTTP/1.1 request: {problem}"),
+        };
+        ApiError { code: Some("malformed_request"), ..Self::new(status, "invalid_request_error", message) }
+    }
+
     pub fn context_length(message: impl Into<String>) -> Self {
         ApiError { code: Some("context_length_exceeded"), ..Self::invalid_param("messages", message) }
     }
@@ -98,6 +193,16 @@ impl ApiError {
             }
         })
     }
+}
+
+/// A client's string in a message: quoted, control characters escaped, at most 100 characters.
+fn quoted(text: &str) -> String {
+    const MAX: usize = 100;
+    let mut out = format!("{:?}", text.chars().take(MAX).collect::<String>());
+    if text.chars().nth(MAX).is_some() {
+        out.push_str("...");
+    }
+    out
 }
 
 impl std::fmt::Display for ApiError {

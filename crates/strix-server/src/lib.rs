@@ -6,17 +6,23 @@
 //!   `/health`, `/metrics`), authentication, and OpenAI response and SSE chunk shapes;
 //! - [`request`]: request decoding and validation; [`output`]: splitting the output into
 //!   reasoning, content and tool calls; [`metrics`]: the Prometheus counters;
-//!   [`error`]: the OpenAI error body.
+//!   [`error`]: the OpenAI error body;
+//! - [`connection`]: the accept loop on hyper, with its timeouts and connection cap, and
+//!   [`wire`], what it watches on each connection; [`guard`]: the `Host`, `Origin` (CORS)
+//!   and content-type checks that keep browser pages from driving the server.
 //!
 //! [`Server::start`] runs it all in the background (tests start one on port 0);
 //! `strix serve` is the command-line front end.
 
 pub mod api;
+pub mod connection;
 pub mod engine;
 pub mod error;
+pub mod guard;
 pub mod metrics;
 pub mod output;
 pub mod request;
+pub mod wire;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -31,8 +37,10 @@ use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 use tokio::sync::oneshot;
 
+pub use connection::ConnectionLimits;
 pub use engine::EngineConfig;
 pub use error::ApiError;
+pub use guard::BrowserPolicy;
 
 /// How the server listens and what it admits.
 #[derive(Clone, Debug)]
@@ -46,6 +54,13 @@ pub struct ServerConfig {
     pub model_name: String,
     /// Largest request body accepted, in bytes.
     pub max_body: usize,
+    /// Timeouts and the connection cap.
+    pub connections: ConnectionLimits,
+    /// `Host` names served besides loopback ones (`*`: any). Bound to a loopback address
+    /// only loopback names are served without them; bound elsewhere, any name.
+    pub allowed_hosts: Vec<String>,
+    /// Origins whose pages may call the API from a browser (CORS; `*`: any).
+    pub cors_origins: Vec<String>,
     pub engine: EngineConfig,
 }
 
@@ -58,6 +73,9 @@ impl ServerConfig {
             api_key: None,
             model_name: model_name.into(),
             max_body: 4 << 20,
+            connections: ConnectionLimits::default(),
+            allowed_hosts: Vec::new(),
+            cors_origins: Vec::new(),
             engine: EngineConfig {
                 max_seqs: 64,
                 max_queue: 256,
@@ -67,6 +85,35 @@ impl ServerConfig {
             },
         }
     }
+
+    /// Checks what can be checked before a model is loaded: the API key, the host and origin
+    /// lists, the connection limits. The error names the option at fault.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(key) = &self.api_key {
+            check_api_key(key)?;
+        }
+        self.browser_policy()?;
+        self.connections.validate()
+    }
+
+    fn browser_policy(&self) -> Result<BrowserPolicy, String> {
+        BrowserPolicy::new(&self.host, &self.allowed_hosts, &self.cors_origins)
+    }
+}
+
+/// An API key a client can send: not empty, and only characters an `Authorization` header
+/// carries unchanged (printable ASCII; no space at either end, which HTTP strips).
+pub fn check_api_key(key: &str) -> Result<(), String> {
+    if key.trim().is_empty() {
+        return Err("--api-key is empty: give a key, or leave the option out to serve without one".into());
+    }
+    if key.trim() != key {
+        return Err("--api-key starts or ends with whitespace, which no client can send".into());
+    }
+    if !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err("--api-key must be printable ASCII (an HTTP header cannot carry it otherwise)".into());
+    }
+    Ok(())
 }
 
 /// What the server serves: the model and the text side of the checkpoint.
@@ -138,6 +185,7 @@ pub fn sampling_defaults(dir: &Path) -> SamplingParams {
 /// Dropping it shuts both down.
 pub struct Server {
     addr: SocketAddr,
+    max_connections: usize,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -180,8 +228,9 @@ impl Interrupt {
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 impl Server {
-    /// Binds `config.host:config.port` and starts serving. Errors: the address cannot be
-    /// bound, or a thread cannot be started.
+    /// Binds `config.host:config.port` and starts serving. Errors: the configuration is
+    /// invalid ([`ServerConfig::validate`]), the open-file limit leaves no room for
+    /// connections, the address cannot be bound, or a thread cannot be started.
     pub fn start<B: Backend + 'static>(
         served: ServedModel<B>,
         config: ServerConfig,
@@ -195,7 +244,19 @@ impl Server {
         config: ServerConfig,
         ctrl_c: bool,
     ) -> std::io::Result<Server> {
-        let listener = std::net::TcpListener::bind((config.host.as_str(), config.port))?;
+        let invalid = |message: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, message);
+        config.validate().map_err(invalid)?;
+        let policy = Arc::new(config.browser_policy().map_err(invalid)?);
+        let limits = config.connections.clone();
+        let file_limit = connection::open_file_limit();
+        let max_connections = connection::connection_cap(limits.max_connections, file_limit);
+        if max_connections == 0 {
+            return Err(invalid(format!(
+                "the open-file limit ({}) leaves no room for connections; raise it (ulimit -n)",
+                file_limit.unwrap_or(0)
+            )));
+        }
+        let listener = connection::bind(&config.host, config.port)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
 
@@ -247,16 +308,9 @@ impl Server {
                 } else {
                     None
                 };
-                let app = api::router(state);
+                let app = api::router(state, policy);
                 let (stop_tx, stop_rx) = oneshot::channel::<()>();
-                let server = tokio::spawn(async move {
-                    let serve = axum::serve(listener, app).with_graceful_shutdown(async {
-                        let _ = stop_rx.await;
-                    });
-                    if let Err(e) = serve.await {
-                        eprintln!("strix serve: {e}");
-                    }
-                });
+                let server = tokio::spawn(connection::serve(listener, app, limits, max_connections, stop_rx));
                 if let Some(mut interrupt) = interrupt {
                     tokio::select! {
                         _ = shutdown_rx => {}
@@ -273,12 +327,17 @@ impl Server {
             drop(runtime);
             let _ = engine_thread.join();
         })?;
-        Ok(Server { addr, shutdown: Some(shutdown), thread: Some(thread) })
+        Ok(Server { addr, max_connections, shutdown: Some(shutdown), thread: Some(thread) })
     }
 
     /// The address the server listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections served at once: `--max-connections`, lowered to fit the open-file limit.
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
     }
 
     /// Blocks until the server stops (Ctrl-C, with [`Server::start_with`]).

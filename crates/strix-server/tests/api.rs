@@ -525,8 +525,13 @@ fn disconnecting_cancels_the_request() {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         let body = endless(false).to_string();
         use std::io::Write;
-        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len())
-            .unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
         wait_until("it runs", || metric(addr, "strix_running_sequences") == 1.0);
     });
     handle.join().unwrap();
