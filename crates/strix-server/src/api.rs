@@ -216,7 +216,10 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<
     let mut data = Vec::new();
     let mut chunks = body.into_data_stream();
     while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+        let chunk = chunk.map_err(|e| match crate::wire::body_timeout_of(&e) {
+            Some(limit) => ApiError::body_timeout(limit),
+            None => ApiError::bad_request(format!("cannot read the request body: {e}")),
+        })?;
         if data.len() + chunk.len() > limit {
             return Err(ApiError::too_large(limit));
         }

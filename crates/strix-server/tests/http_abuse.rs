@@ -160,7 +160,7 @@ fn idle_connections_are_closed_silently() {
 }
 
 #[test]
-fn a_slow_body_is_cut_with_an_error() {
+fn a_slow_body_is_cut_with_a_408() {
     let server = start(short_timeouts);
     let mut stream = connect(server.addr());
     // 20 of the 200 bytes promised, then nothing.
@@ -170,8 +170,9 @@ fn a_slow_body_is_cut_with_an_error() {
          Content-Length: 200\r\n\r\n{{\"prompt\": \"hello\","
     )
     .unwrap();
-    let error = read_response(&mut stream).error(400);
+    let error = read_response(&mut stream).error(408);
     assert!(error["message"].as_str().unwrap().contains("--body-timeout"), "{error}");
+    assert_eq!(error["code"], "request_timeout");
 }
 
 #[test]
