@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use strix::backend::Backend;
 use strix::config::LayerKind;
@@ -227,6 +227,8 @@ struct Engine<B: Backend> {
     decoding: Vec<Seq<B>>,
     /// State bytes reserved by the sequences in the batch.
     reserved: u64,
+    /// Time spent in the model's calls during the current step (for the step histograms).
+    in_model: Duration,
 }
 
 impl<B: Backend> Engine<B> {
@@ -251,6 +253,7 @@ impl<B: Backend> Engine<B> {
             prefilling: VecDeque::new(),
             decoding: Vec::new(),
             reserved: 0,
+            in_model: Duration::ZERO,
         }
     }
 
@@ -295,10 +298,17 @@ impl<B: Backend> Engine<B> {
     }
 
     fn step(&mut self) {
+        let start = Instant::now();
+        self.in_model = Duration::ZERO;
         self.drop_cancelled();
         self.admit();
         self.prefill();
         self.decode();
+        if self.in_model > Duration::ZERO {
+            let whole = start.elapsed();
+            self.metrics.step.observe(whole);
+            self.metrics.step_host.observe(whole.saturating_sub(self.in_model));
+        }
     }
 
     fn publish(&self) {
@@ -405,7 +415,9 @@ impl<B: Backend> Engine<B> {
             let start = seq.fed;
             let pass = self.model.pass_tokens();
             let end = seq.job.prompt.len().min((start / pass + 1) * pass);
+            let called = Instant::now();
             let result = self.model.forward(&mut seq.session, &seq.job.prompt[start..end], Logits::Last);
+            self.in_model += called.elapsed();
             budget = budget.saturating_sub(end - start);
             self.metrics.prompt_tokens.fetch_add((end - start) as u64, Ordering::Relaxed);
             seq.fed = end;
@@ -442,7 +454,10 @@ impl<B: Backend> Engine<B> {
             .map(|s| s.job.sampler.prepare(&s.job.prompt, &s.generated, s.job.logprobs))
             .collect();
         let mut sessions: Vec<&mut Session<B>> = self.decoding.iter_mut().map(|s| &mut s.session).collect();
-        match self.model.decode_batch_prepared(&mut sessions, &tokens, &rows) {
+        let called = Instant::now();
+        let result = self.model.decode_batch_prepared(&mut sessions, &tokens, &rows);
+        self.in_model += called.elapsed();
+        match result {
             Ok(draws) => {
                 let batch = std::mem::take(&mut self.decoding);
                 for (seq, draw) in batch.into_iter().zip(draws) {
@@ -608,6 +623,10 @@ mod tests {
         assert_eq!(tokens(&mut a_rx), 1);
         assert_eq!(tokens(&mut b_rx), 2, "first token after the prefill, second from the decode step");
         assert_eq!(e.metrics.prompt_tokens.load(Ordering::Relaxed), 1105);
+        // Every step ran the model, so each is in the step histograms.
+        let text = e.metrics.render();
+        assert!(text.contains("strix_engine_step_seconds_count 4"), "{text}");
+        assert!(text.contains("strix_engine_step_host_seconds_count 4"), "{text}");
     }
 
     #[test]

@@ -11,23 +11,29 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// Latency buckets in seconds, from a fast decode step on a small model to a long prefill.
-const BUCKETS: [f64; 16] =
-    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0];
+const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0];
+/// Scheduler-step buckets in seconds: from the host's share of a step (tens of microseconds)
+/// to a step with a long prefill chunk.
+const STEP_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
 pub struct Histogram {
+    bounds: &'static [f64],
     /// Non-cumulative counts per bucket; the last slot counts what lies past every bound.
-    counts: [AtomicU64; BUCKETS.len() + 1],
+    counts: Vec<AtomicU64>,
     sum_nanos: AtomicU64,
 }
 
 impl Histogram {
-    fn new() -> Self {
-        Histogram { counts: std::array::from_fn(|_| AtomicU64::new(0)), sum_nanos: AtomicU64::new(0) }
+    fn new(bounds: &'static [f64]) -> Self {
+        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        Histogram { bounds, counts, sum_nanos: AtomicU64::new(0) }
     }
 
     pub fn observe(&self, d: Duration) {
         let seconds = d.as_secs_f64();
-        let slot = BUCKETS.iter().position(|&b| seconds <= b).unwrap_or(BUCKETS.len());
+        let slot = self.bounds.iter().position(|&b| seconds <= b).unwrap_or(self.bounds.len());
         self.counts[slot].fetch_add(1, Ordering::Relaxed);
         self.sum_nanos.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
@@ -35,11 +41,11 @@ impl Histogram {
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
-        for (i, bound) in BUCKETS.iter().enumerate() {
+        for (i, bound) in self.bounds.iter().enumerate() {
             cumulative += self.counts[i].load(Ordering::Relaxed);
             let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
         }
-        cumulative += self.counts[BUCKETS.len()].load(Ordering::Relaxed);
+        cumulative += self.counts[self.bounds.len()].load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
         let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
         let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {cumulative}");
@@ -63,6 +69,11 @@ pub struct Metrics {
     pub steps: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Whole scheduler steps that did work.
+    pub step: Histogram,
+    /// The part of each step outside the model's calls: scheduling, sampling bookkeeping,
+    /// detokenizing, stop strings and handing tokens to the HTTP side.
+    pub step_host: Histogram,
 }
 
 impl Default for Metrics {
@@ -77,8 +88,10 @@ impl Default for Metrics {
             running: AtomicU64::new(0),
             reserved_bytes: AtomicU64::new(0),
             steps: AtomicU64::new(0),
-            ttft: Histogram::new(),
-            itl: Histogram::new(),
+            ttft: Histogram::new(LATENCY_BUCKETS),
+            itl: Histogram::new(LATENCY_BUCKETS),
+            step: Histogram::new(STEP_BUCKETS),
+            step_host: Histogram::new(STEP_BUCKETS),
         }
     }
 }
@@ -150,6 +163,16 @@ impl Metrics {
             "strix_inter_token_latency_seconds",
             "Between consecutive tokens of a sequence.",
         );
+        self.step.render(
+            &mut out,
+            "strix_engine_step_seconds",
+            "One scheduler step that did work: admission, prompt chunks, a decode step, streaming its tokens.",
+        );
+        self.step_host.render(
+            &mut out,
+            "strix_engine_step_host_seconds",
+            "The part of a step outside the model's calls (scheduling, detokenizing, stop strings, sending tokens).",
+        );
         out
     }
 }
@@ -171,5 +194,11 @@ mod tests {
         assert!(text.contains("strix_time_to_first_token_seconds_bucket{le=\"+Inf\"} 2"));
         assert!(text.contains("strix_time_to_first_token_seconds_count 2"));
         assert!(text.contains("strix_running_sequences 0"));
+        m.step.observe(Duration::from_micros(300));
+        m.step_host.observe(Duration::from_micros(40));
+        let text = m.render();
+        assert!(text.contains("strix_engine_step_seconds_bucket{le=\"0.00025\"} 0"));
+        assert!(text.contains("strix_engine_step_seconds_bucket{le=\"0.0005\"} 1"));
+        assert!(text.contains("strix_engine_step_host_seconds_bucket{le=\"0.0001\"} 1"));
     }
 }
