@@ -23,6 +23,7 @@ PRESETS = {
     # hidden, layers, intermediate, q heads, kv heads, GDN v heads, tied
     "0.8b": (1024, 24, 3584, 8, 2, 16, True),
     "2b": (2048, 24, 6144, 8, 2, 16, True),
+    "9b": (4096, 32, 12288, 16, 4, 32, False),
 }
 
 
