@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use strix::backend::Backend;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use strix::gguf::GgufFile;
-use strix::hub::{fetch_model, DEFAULT_MODEL};
+use strix::hub::{fetch_model, HubOptions, DEFAULT_ENDPOINT, DEFAULT_MODEL};
 use strix::model::{is_gguf_path, Model};
 use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
@@ -207,7 +207,7 @@ fn looks_like_repo_id(s: &str) -> bool {
 pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
     let Some(arg) = arg else {
         eprintln!("strix: no --model given, using {DEFAULT_MODEL} (fetched from the Hugging Face Hub once)");
-        return Ok(fetch_model(DEFAULT_MODEL)?);
+        return Ok(fetch_model(DEFAULT_MODEL, &hub_options(env_var)?)?);
     };
     let path = Path::new(arg);
     if path.is_dir() || is_gguf_path(path) {
@@ -217,10 +217,69 @@ pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
         bail!("--model {arg} is neither a model directory (config.json, *.safetensors) nor a GGUF file");
     }
     if looks_like_repo_id(arg) {
-        return fetch_model(arg)
+        return fetch_model(arg, &hub_options(env_var)?)
             .with_context(|| format!("`{arg}` is not a local directory, and as a Hugging Face repo id"));
     }
     bail!("model directory {arg} does not exist")
+}
+
+/// A non-empty environment variable.
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// The hub settings from the environment variables huggingface_hub reads (`var` looks one
+/// up): `HF_ENDPOINT`; the cache `HF_HUB_CACHE` (or `HUGGINGFACE_HUB_CACHE`), by default
+/// `$HF_HOME/hub`, `HF_HOME` itself by default `$XDG_CACHE_HOME/huggingface` or
+/// `~/.cache/huggingface`; the token `HF_TOKEN` (or `HUGGING_FACE_HUB_TOKEN`), else the file
+/// `huggingface-cli login` writes (`$HF_TOKEN_PATH`, by default `$HF_HOME/token`);
+/// `HF_HUB_OFFLINE` (1, true, yes or on); `HF_HUB_DOWNLOAD_TIMEOUT` in seconds; the proxy for
+/// the endpoint's scheme (`HTTPS_PROXY` or `HTTP_PROXY`, else `ALL_PROXY`, also in lower case)
+/// unless `NO_PROXY` names the endpoint's host.
+pub fn hub_options(var: impl Fn(&str) -> Option<String>) -> Result<HubOptions> {
+    let hf_home = match var("HF_HOME") {
+        Some(home) => PathBuf::from(home),
+        None => match (var("XDG_CACHE_HOME"), var("HOME")) {
+            (Some(cache), _) => Path::new(&cache).join("huggingface"),
+            (None, Some(home)) => Path::new(&home).join(".cache").join("huggingface"),
+            (None, None) => {
+                bail!("no home directory for the Hugging Face cache: set HF_HOME or HF_HUB_CACHE")
+            }
+        },
+    };
+    let cache_dir = var("HF_HUB_CACHE")
+        .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
+        .map_or(hf_home.join("hub"), PathBuf::from);
+    let token = var("HF_TOKEN").or_else(|| var("HUGGING_FACE_HUB_TOKEN")).or_else(|| {
+        let path = var("HF_TOKEN_PATH").map_or(hf_home.join("token"), PathBuf::from);
+        std::fs::read_to_string(path).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty())
+    });
+    let offline = var("HF_HUB_OFFLINE")
+        .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+    let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| DEFAULT_ENDPOINT.to_string()).trim().to_string();
+    let scheme_proxy = if endpoint.starts_with("https://") { "HTTPS_PROXY" } else { "HTTP_PROXY" };
+    let proxy = [scheme_proxy, "ALL_PROXY"]
+        .iter()
+        .find_map(|name| var(name).or_else(|| var(&name.to_ascii_lowercase())))
+        .filter(|_| {
+            let no_proxy = var("NO_PROXY").or_else(|| var("no_proxy")).unwrap_or_default();
+            !bypasses_proxy(&no_proxy, url_host(&endpoint))
+        });
+    let mut options = HubOptions {
+        endpoint,
+        token: token.map(|t| t.trim().to_string()),
+        offline,
+        proxy,
+        ..HubOptions::new(cache_dir)
+    };
+    if let Some(text) = var("HF_HUB_DOWNLOAD_TIMEOUT") {
+        let seconds: f64 =
+            text.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).ok_or_else(|| {
+                anyhow!("HF_HUB_DOWNLOAD_TIMEOUT={text} is not a positive number of seconds")
+            })?;
+        options.timeout = std::time::Duration::from_secs_f64(seconds.min(86_400.0));
+    }
+    Ok(options)
 }
 
 /// A progress bar on stderr counting `unit`s ("bytes" shows sizes); indicatif draws nothing
@@ -384,6 +443,29 @@ impl StdoutStream {
     }
 }
 
+/// The host of `scheme://host:port/path` (`[::1]` without its brackets).
+fn url_host(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => authority.split(':').next().unwrap_or(""),
+    }
+}
+
+/// Whether a `NO_PROXY` list (`*`, hosts and domain suffixes, comma-separated, ports ignored)
+/// covers `host`, as curl and Python's requests read it.
+fn bypasses_proxy(no_proxy: &str, host: &str) -> bool {
+    let host = host.to_ascii_lowercase();
+    no_proxy.split(',').map(|entry| entry.trim().to_ascii_lowercase()).filter(|e| !e.is_empty()).any(
+        |entry| {
+            let entry = url_host(&entry).trim_start_matches('.').to_string();
+            entry == "*" || host == entry || host.ends_with(&format!(".{entry}"))
+        },
+    )
+}
+
 /// Tokens per second, 0 when nothing was timed.
 pub fn rate(tokens: usize, seconds: f64) -> f64 {
     if seconds > 0.0 {
@@ -411,6 +493,70 @@ mod tests {
         assert!(parse_ids("x,y").unwrap_err().to_string().contains("`x`"));
         assert!(parse_ids("-1").is_err());
         assert!(parse_ids(",").is_err());
+    }
+
+    #[test]
+    fn hub_options_follow_the_huggingface_variables() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let o = hub_options(env(&[("HOME", "/home/u")])).unwrap();
+        assert_eq!(o.cache_dir, Path::new("/home/u/.cache/huggingface/hub"));
+        assert_eq!((o.endpoint.as_str(), o.offline), (DEFAULT_ENDPOINT, false));
+        let o = hub_options(env(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")])).unwrap();
+        assert_eq!(o.cache_dir, Path::new("/x/huggingface/hub"));
+        let o = hub_options(env(&[
+            ("HF_HOME", "/hf"),
+            ("HF_ENDPOINT", "http://mirror:8080/"),
+            ("HF_TOKEN", " hf_abc "),
+            ("HF_HUB_OFFLINE", "TRUE"),
+            ("HF_HUB_DOWNLOAD_TIMEOUT", "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(o.cache_dir, Path::new("/hf/hub"));
+        assert_eq!(
+            (o.endpoint.as_str(), o.token.as_deref(), o.offline),
+            ("http://mirror:8080/", Some("hf_abc"), true)
+        );
+        assert_eq!(o.timeout, std::time::Duration::from_millis(2500));
+        let o =
+            hub_options(env(&[("HF_HOME", "/hf"), ("HF_HUB_CACHE", "/c"), ("HF_HUB_OFFLINE", "0")])).unwrap();
+        assert_eq!((o.cache_dir.as_path(), o.offline), (Path::new("/c"), false));
+
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), "hf_from_file\n").unwrap();
+        let home = dir.path().display().to_string();
+        let o = hub_options(|k: &str| (k == "HF_HOME").then(|| home.clone())).unwrap();
+        assert_eq!(o.token.as_deref(), Some("hf_from_file"));
+
+        assert!(hub_options(env(&[])).unwrap_err().to_string().contains("HF_HOME"));
+        let e = hub_options(env(&[("HOME", "/h"), ("HF_HUB_DOWNLOAD_TIMEOUT", "-1")])).unwrap_err();
+        assert!(e.to_string().contains("HF_HUB_DOWNLOAD_TIMEOUT"), "{e}");
+
+        // The proxy of the endpoint's scheme, unless NO_PROXY covers its host.
+        let o = hub_options(env(&[
+            ("HOME", "/h"),
+            ("https_proxy", "http://p:3128"),
+            ("HTTP_PROXY", "http://q:1"),
+        ]));
+        assert_eq!(o.unwrap().proxy.as_deref(), Some("http://p:3128"));
+        let o = hub_options(env(&[
+            ("HOME", "/h"),
+            ("HF_ENDPOINT", "http://127.0.0.1:9/"),
+            ("ALL_PROXY", "socks5://s:1"),
+        ]));
+        assert_eq!(o.unwrap().proxy.as_deref(), Some("socks5://s:1"));
+        let o = hub_options(env(&[
+            ("HOME", "/h"),
+            ("HTTPS_PROXY", "http://p:3128"),
+            ("NO_PROXY", "localhost, .huggingface.co"),
+        ]));
+        assert_eq!(o.unwrap().proxy, None);
+        assert!(bypasses_proxy("*", "example.org"));
+        assert!(bypasses_proxy("example.org:443", "cdn.example.org"));
+        assert!(!bypasses_proxy("ample.org", "example.org"));
+        assert_eq!(url_host("http://u:p@[::1]:8080/x"), "::1");
+        assert_eq!(url_host("https://huggingface.co"), "huggingface.co");
     }
 
     #[test]
