@@ -45,7 +45,7 @@ pub struct ChatArgs {
 
     /// Answer with at most N tokens per turn [default: until the end of the turn or a full
     /// context]
-    #[arg(short = 'n', long, visible_alias = "n-predict", value_name = "N")]
+    #[arg(short = 'n', long, visible_alias = "n-predict", value_name = "N", value_parser = crate::limits::tokens)]
     pub max_tokens: Option<usize>,
 
     /// Stop an answer before this text (repeatable)
@@ -54,7 +54,7 @@ pub struct ChatArgs {
 
     /// Context size in tokens, for the whole conversation [default: 4096, at most the model's
     /// max_position_embeddings]
-    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N", value_parser = crate::limits::tokens)]
     pub ctx: Option<usize>,
 
     /// When the chat template renders earlier turns differently from how they were generated
@@ -165,7 +165,7 @@ fn chat_with<B: Backend>(
         }
         if let Err(e) = conversation.turn(&message) {
             failed += 1;
-            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            eprintln!("error: {}", common::error_line(&e));
         }
     }
     if failed > 0 {

@@ -1,6 +1,8 @@
-//! What the subcommands share: finding the model (local directory or Hugging Face repo id),
-//! loading it onto the chosen backend behind a progress bar, the thread pool, the sampling and
-//! generation flags, and turning a prompt (text, chat message or token ids) into ids.
+//! What the subcommands share: finding the model (local directory, GGUF file or Hugging Face
+//! repo id, with a diagnosis of paths that are none of these), the hub settings from the `HF_*`
+//! environment variables, loading the model onto the chosen backend behind a progress bar, the
+//! thread pool, the sampling and generation flags, turning a prompt (text, chat message or
+//! token ids) into ids, and an error as the one line the user reads.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -17,6 +19,7 @@ use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 
 use crate::device::DeviceArgs;
+use crate::limits::{self, Seed};
 
 /// Context used when `--ctx` is not given, unless the prompt and its completion need more
 /// (and the model allows it).
@@ -32,7 +35,7 @@ pub struct ModelArgs {
     pub model: Option<String>,
 
     /// Worker threads [default: one per logical CPU]
-    #[arg(short, long, value_name = "N")]
+    #[arg(short, long, value_name = "N", value_parser = limits::threads)]
     pub threads: Option<usize>,
 
     #[command(flatten)]
@@ -58,7 +61,7 @@ pub struct SamplingArgs {
     pub temperature: f32,
 
     /// Sample from the K most likely tokens only (0: all)
-    #[arg(long, value_name = "K", default_value_t = 40, allow_negative_numbers = true)]
+    #[arg(long, value_name = "K", default_value_t = 40, value_parser = limits::top_k)]
     pub top_k: usize,
 
     /// Sample from the smallest set of most likely tokens whose probability reaches P (1: off)
@@ -87,9 +90,10 @@ pub struct SamplingArgs {
     #[arg(long, value_name = "X", default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
 
-    /// Random seed: the same seed, prompt and flags give the same output [default: random]
-    #[arg(short, long, value_name = "N")]
-    pub seed: Option<u64>,
+    /// Random seed: the same seed, prompt and flags give the same output; -1 draws one, as
+    /// when none is given [default: random]
+    #[arg(short, long, value_name = "N", value_parser = limits::seed)]
+    pub seed: Option<Seed>,
 }
 
 impl SamplingArgs {
@@ -104,7 +108,10 @@ impl SamplingArgs {
             repetition_penalty: self.repeat_penalty,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            seed: Some(self.seed.unwrap_or_else(random_seed)),
+            seed: Some(match self.seed {
+                Some(Seed::Fixed(seed)) => seed,
+                None | Some(Seed::Random) => random_seed(),
+            }),
         };
         params.validate()?;
         Ok(params)
@@ -165,8 +172,9 @@ fn random_seed() -> u64 {
 pub fn init_threads(threads: Option<usize>) -> Result<()> {
     let mut builder = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK);
     if let Some(n) = threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
+        // The flags' parser checks this too (crate::limits); here for any other caller.
+        if n == 0 || n > limits::max_threads() {
+            bail!("--threads must be 1 to {}", limits::max_threads());
         }
         builder = builder.num_threads(n);
     }
@@ -202,25 +210,71 @@ fn looks_like_repo_id(s: &str) -> bool {
     ok(owner) && ok(name)
 }
 
-/// The model directory `--model` names: a local directory, else a Hugging Face repo id to
-/// fetch; no `--model` fetches the default model.
+/// The model `--model` names: a model directory, a GGUF file, else a Hugging Face repo id to
+/// fetch; no `--model` fetches the default model. Anything else is refused with what it is.
 pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
     let Some(arg) = arg else {
         eprintln!("strix: no --model given, using {DEFAULT_MODEL} (fetched from the Hugging Face Hub once)");
-        return Ok(fetch_model(DEFAULT_MODEL, &hub_options(env_var)?)?);
+        return fetch_model(DEFAULT_MODEL, &hub_options(env_var)?)
+            .context("fetching the default model (--model DIR runs a local one)");
     };
     let path = Path::new(arg);
-    if path.is_dir() || is_gguf_path(path) {
-        return Ok(path.to_path_buf());
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => {
+            check_model_dir(path, arg)?;
+            Ok(path.to_path_buf())
+        }
+        Ok(_) if is_gguf_path(path) => Ok(path.to_path_buf()),
+        Ok(_) => {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let hint = if name.ends_with(".safetensors") || name.ends_with(".json") {
+                let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                format!(": give the directory that holds it ({})", parent.display())
+            } else {
+                String::new()
+            };
+            bail!("--model {arg} is a file but not a GGUF file, and not a model directory{hint}")
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if looks_like_repo_id(arg) {
+                return fetch_model(arg, &hub_options(env_var)?).with_context(|| {
+                    format!("--model {arg}: no such file or directory here, so it was taken for a Hugging Face repo id")
+                });
+            }
+            bail!(
+                "--model {arg}: no such file or directory (nor a Hugging Face repo id, which is owner/name)"
+            )
+        }
+        Err(e) => bail!("--model {arg}: {e}"),
     }
-    if path.exists() {
-        bail!("--model {arg} is neither a model directory (config.json, *.safetensors) nor a GGUF file");
+}
+
+/// A directory is a model directory when it has a `config.json`; otherwise say so (before any
+/// other file is looked for), with what it holds instead when that helps.
+pub fn check_model_dir(dir: &Path, arg: &str) -> Result<()> {
+    if dir.join("config.json").exists() {
+        return Ok(());
     }
-    if looks_like_repo_id(arg) {
-        return fetch_model(arg, &hub_options(env_var)?)
-            .with_context(|| format!("`{arg}` is not a local directory, and as a Hugging Face repo id"));
-    }
-    bail!("model directory {arg} does not exist")
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    let ggufs: Vec<&String> =
+        names.iter().filter(|n| n.to_ascii_lowercase().ends_with(".gguf")).take(3).collect();
+    let hint = if !ggufs.is_empty() {
+        let list: Vec<&str> = ggufs.iter().map(|n| n.as_str()).collect();
+        format!("; it holds {}: give --model that file", list.join(", "))
+    } else if names.iter().any(|n| n.ends_with(".safetensors")) {
+        "; it has safetensors weights but not the config that goes with them".to_string()
+    } else {
+        String::new()
+    };
+    bail!(
+        "--model {arg} is not a model directory: it has no config.json (a Hugging Face model directory \
+         holds config.json, *.safetensors and tokenizer.json){hint}"
+    )
 }
 
 /// A non-empty environment variable.
@@ -374,18 +428,24 @@ pub fn require_template(path: &Path) -> Result<ChatTemplate> {
     })
 }
 
-/// Parses `--prompt-ids 1,2,3` (spaces allowed around the commas).
+/// Parses `--prompt-ids 1,2,3` (spaces allowed around the commas; an empty id, as in `1,,2`
+/// or `1,2,`, is refused rather than skipped, since it is more likely a slip than intended).
 pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
-    let ids = text
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().map_err(|_| anyhow!("invalid --prompt-ids: `{s}` is not a token id (expected comma-separated non-negative integers)")))
-        .collect::<Result<Vec<_>>>()?;
-    if ids.is_empty() {
+    if text.trim().is_empty() {
         bail!("--prompt-ids is empty");
     }
-    Ok(ids)
+    text.split(',')
+        .map(str::trim)
+        .enumerate()
+        .map(|(i, s)| {
+            if s.is_empty() {
+                bail!("invalid --prompt-ids: id {} is empty (expected comma-separated token ids, e.g. 1,2,3)", i + 1)
+            }
+            s.parse::<u32>().map_err(|_| {
+                anyhow!("invalid --prompt-ids: `{s}` is not a token id (expected comma-separated non-negative integers)")
+            })
+        })
+        .collect()
 }
 
 /// Rejects ids the model has no embedding for, before any work is done.
@@ -466,6 +526,30 @@ fn bypasses_proxy(no_proxy: &str, host: &str) -> bool {
     )
 }
 
+/// The error and its causes on one line (so scripts and logs keep the message together),
+/// each cause after a colon, leaving out what the line already says: the library's I/O error
+/// names its file and prints its OS error, which is also its source, and a context that names
+/// a file is often followed by a cause that starts with the same file.
+pub fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string().replace('\n', " ");
+        if line.is_empty() {
+            line = text;
+            continue;
+        }
+        if line.ends_with(&text) {
+            continue;
+        }
+        // The longest `PREFIX: ` of the cause that the line already ends with is left out.
+        let repeated =
+            text.match_indices(": ").map(|(i, _)| i).filter(|&i| line.ends_with(&text[..i])).last();
+        line.push_str(": ");
+        line.push_str(repeated.map_or(&text[..], |i| &text[i + 2..]));
+    }
+    line
+}
+
 /// Tokens per second, 0 when nothing was timed.
 pub fn rate(tokens: usize, seconds: f64) -> f64 {
     if seconds > 0.0 {
@@ -493,6 +577,27 @@ mod tests {
         assert!(parse_ids("x,y").unwrap_err().to_string().contains("`x`"));
         assert!(parse_ids("-1").is_err());
         assert!(parse_ids(",").is_err());
+        assert!(parse_ids(" ").unwrap_err().to_string().contains("empty"));
+        assert!(parse_ids("1,,2").unwrap_err().to_string().contains("id 2 is empty"));
+        assert!(parse_ids("1,2,").unwrap_err().to_string().contains("id 3 is empty"));
+        assert!(parse_ids("4294967296").unwrap_err().to_string().contains("not a token id"));
+    }
+
+    #[test]
+    fn error_lines_say_each_thing_once() {
+        let io =
+            || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        // The library's I/O error is its own source.
+        let e = anyhow::Error::from(strix::Error::io("/m/config.json", io()));
+        assert_eq!(error_line(&e), "/m/config.json: No such file or directory (os error 2)");
+        // A context naming the file the cause starts with.
+        let e = e.context("writing /m/config.json");
+        assert_eq!(error_line(&e), "writing /m/config.json: No such file or directory (os error 2)");
+        // Distinct causes are all kept.
+        let e = anyhow!("inner").context("middle").context("outer");
+        assert_eq!(error_line(&e), "outer: middle: inner");
+        let e = anyhow!("two\nlines");
+        assert_eq!(error_line(&e), "two lines");
     }
 
     #[test]

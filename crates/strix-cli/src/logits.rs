@@ -36,7 +36,7 @@ pub struct LogitsArgs {
     pub out: PathBuf,
 
     /// Worker threads [default: one per logical CPU]
-    #[arg(short, long, value_name = "N")]
+    #[arg(short, long, value_name = "N", value_parser = crate::limits::threads)]
     pub threads: Option<usize>,
 
     #[command(flatten)]

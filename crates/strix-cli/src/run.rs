@@ -37,7 +37,14 @@ pub struct RunArgs {
     pub model: ModelArgs,
 
     /// Generate at most N tokens
-    #[arg(short = 'n', long, visible_alias = "n-predict", value_name = "N", default_value_t = 256)]
+    #[arg(
+        short = 'n',
+        long,
+        visible_alias = "n-predict",
+        value_name = "N",
+        default_value_t = 256,
+        value_parser = crate::limits::tokens
+    )]
     pub max_tokens: usize,
 
     /// Stop before this text (repeatable); it is not printed
@@ -50,7 +57,7 @@ pub struct RunArgs {
 
     /// Context size in tokens [default: the prompt plus --max-tokens, at least 4096, at most
     /// the model's max_position_embeddings]
-    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N", value_parser = crate::limits::tokens)]
     pub ctx: Option<usize>,
 
     /// Wrap the prompt in the model's chat template, as a user message
