@@ -405,12 +405,23 @@ fn blob_name(etag: &str) -> std::result::Result<String, String> {
 /// `text` for a message: control characters escaped, at most 80 characters, so that nothing a
 /// server or a file says can drive the terminal or flood the message.
 fn shown(text: &str) -> String {
-    const MAX: usize = 80;
-    let mut out: String = text.chars().take(MAX).flat_map(char::escape_debug).collect();
-    if text.chars().nth(MAX).is_some() {
+    format!("`{}`", escaped(text, 80))
+}
+
+/// At most `max` characters of `text`, control characters as escapes (`\u{1b}`, `\n`).
+fn escaped(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in text.chars().take(max) {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    if text.chars().nth(max).is_some() {
         out.push('…');
     }
-    format!("`{out}`")
+    out
 }
 
 /// One repo's corner of the cache. Every path below is built from the checked repo id and
@@ -794,9 +805,11 @@ fn same_origin(a: &Url, b: &Url) -> bool {
 
 /// A request that got no HTTP answer (refused connection, DNS, TLS, timeout).
 fn unreachable(endpoint: &str, e: ureq::Error) -> Fault {
-    let text = e.to_string();
-    let cut: String = text.chars().take(300).flat_map(char::escape_debug).collect();
-    Fault { message: format!("no answer from {} ({cut})", endpoint.trim_end_matches('/')), unreachable: true }
+    let cause = escaped(&e.to_string(), 300);
+    Fault {
+        message: format!("no answer from {} ({cause})", endpoint.trim_end_matches('/')),
+        unreachable: true,
+    }
 }
 
 #[cfg(test)]
@@ -855,6 +868,7 @@ mod tests {
     #[test]
     fn messages_show_hostile_text_escaped_and_short() {
         assert_eq!(shown("a\u{1b}[2Jb"), "`a\\u{1b}[2Jb`");
+        assert_eq!(shown("it's\n"), "`it's\\n`");
         let long = shown(&"x".repeat(1000));
         assert!(long.len() < 100 && long.ends_with("…`"), "{long}");
     }

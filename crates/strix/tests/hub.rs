@@ -108,8 +108,8 @@ fn normalize(path: &Path) -> PathBuf {
     out
 }
 
-/// A hub serving `repo` (weights redirected to a CDN on another port), with `bend` applied to
-/// every answer.
+/// A hub serving `repo` (weights redirected to a CDN on another port, `/blobs/{etag}`), with
+/// `bend` applied to every answer of both.
 struct Hub {
     hub: MockServer,
     cdn: MockServer,
@@ -118,8 +118,9 @@ struct Hub {
 impl Hub {
     fn start(repo: HubRepo, bend: impl Fn(&Request, Reply) -> Reply + Send + Sync + 'static) -> Hub {
         let repo = Arc::new(repo);
-        let cdn_repo = repo.clone();
-        let cdn = MockServer::start(move |r| hub_reply(&cdn_repo, None, r));
+        let bend = Arc::new(bend);
+        let (cdn_repo, cdn_bend) = (repo.clone(), bend.clone());
+        let cdn = MockServer::start(move |r| cdn_bend(r, hub_reply(&cdn_repo, None, r)));
         let cdn_url = cdn.url();
         let hub = MockServer::start(move |r| bend(r, hub_reply(&repo, Some(&cdn_url), r)));
         Hub { hub, cdn }
@@ -478,4 +479,102 @@ fn requests_go_through_the_proxy_the_options_name() {
     assert!(seen.iter().any(|r| r.path.contains("hub.invalid")), "{seen:?} ({message})");
     let bad = HubOptions { proxy: Some("gopher://x".to_string()), ..sandbox.options("http://hub.invalid") };
     expect_error(fetch_model(REPO, &bad), &["proxy"]);
+}
+
+/// A small deterministic generator for the random answers below (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+/// Random hostile answers: one header, the status or the body of one answer replaced by
+/// garbage built from path-like pieces. Whatever the outcome, no panic, nothing outside the
+/// cache, and a fetch that succeeds holds exactly the repo's bytes (an optional file the hub
+/// answered 404 for may be left out).
+#[test]
+fn random_hostile_answers_never_escape_the_cache() {
+    const CASES: usize = 96;
+    let marker = format!("pwned-{}", std::process::id());
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let pieces = [
+        "..", "/", "\\", ".", "%2e%2e", "%2F", ":", "~", "-", "_", "\"", "W/", "a", "0f", " ", "@", "?x", "#",
+    ];
+    let headers = [
+        "ETag",
+        "X-Linked-Etag",
+        "X-Repo-Commit",
+        "Content-Length",
+        "X-Linked-Size",
+        "Location",
+        "Content-Range",
+    ];
+    let files = ["config.json", "tokenizer.json", INDEX, SHARD1, "model-00003-of-00003.safetensors"];
+    let (mut ok, mut refused) = (0, 0);
+    for _ in 0..CASES {
+        let mut value: String = (0..1 + rng.below(8)).map(|_| *rng.pick(&pieces)).collect();
+        if rng.below(3) == 0 {
+            value.push_str(&marker);
+        }
+        let header = *rng.pick(&headers);
+        let file = *rng.pick(&files);
+        let method = *rng.pick(&["HEAD", "GET"]);
+        let status = *rng.pick(&[0u16, 0, 0, 200, 206, 301, 302, 307, 404, 416, 500]);
+        let cut = rng.pick(&[None, None, Some(0usize), Some(7)]).to_owned();
+        let (header_name, value2) = (header.to_string(), value.clone());
+        let sandbox = Sandbox::new();
+        let repo = sharded_repo();
+        let repo_bytes = repo.file(file).map(<[u8]>::to_vec);
+        let hub = Hub::start(repo.clone(), move |request, mut reply| {
+            // The file's own path on the hub, or its blob on the CDN.
+            let blob = format!("/blobs/{}", etag_of(file, repo_bytes.as_deref().unwrap_or_default()));
+            let hit = request.method == method
+                && (request.path.ends_with(&format!("/{file}")) || request.path == blob);
+            if hit {
+                reply.set(&header_name, &value2);
+                if status != 0 {
+                    reply.status = status;
+                }
+                reply.cut_after = cut;
+            }
+            reply
+        });
+        // A garbled Content-Length can leave the client waiting for bytes that never come.
+        let options = HubOptions { timeout: Duration::from_millis(500), ..sandbox.options(&hub.hub.url()) };
+        match fetch_model(REPO, &options) {
+            Ok(dir) => {
+                ok += 1;
+                for (name, bytes) in &repo.files {
+                    let optional =
+                        !(name == "config.json" || name.ends_with(".safetensors") || name == INDEX);
+                    match std::fs::read(dir.join(name)) {
+                        Ok(got) => assert_eq!(&got, bytes, "{name} after {header} {value:?}"),
+                        Err(_) if optional => {}
+                        Err(e) => panic!("{name} missing after {header} {value:?}: {e}"),
+                    }
+                }
+            }
+            Err(e) => {
+                refused += 1;
+                let message = e.to_string();
+                assert!(!message.chars().any(|c| c.is_control()), "{message:?}");
+            }
+        }
+        sandbox.assert_contained(&marker);
+    }
+    eprintln!("random hostile answers: {CASES} cases, {ok} fetched intact, {refused} refused");
+    assert!(refused > 0 && ok + refused == CASES);
 }

@@ -116,6 +116,8 @@ impl Drop for MockServer {
 
 fn serve_connection(stream: TcpStream, handler: &Handler, log: &Mutex<Vec<Request>>, stop: &AtomicBool) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    // Small answers in several writes would otherwise wait on delayed ACKs (40 ms each).
+    let _ = stream.set_nodelay(true);
     let mut reader = BufReader::new(stream.try_clone().expect("clone stream"));
     let mut out = stream;
     loop {
@@ -149,15 +151,16 @@ fn serve_connection(stream: TcpStream, handler: &Handler, log: &Mutex<Vec<Reques
             head.push_str(&format!("Content-Length: {}\r\n", reply.body.len()));
         }
         head.push_str("\r\n");
-        if out.write_all(head.as_bytes()).is_err() {
+        let mut answer = head.into_bytes();
+        if request.method != "HEAD" {
+            let sent = reply.cut_after.unwrap_or(reply.body.len()).min(reply.body.len());
+            answer.extend_from_slice(&reply.body[..sent]);
+        }
+        if out.write_all(&answer).and_then(|_| out.flush()).is_err() {
             return;
         }
         if request.method == "HEAD" {
             continue;
-        }
-        let sent = reply.cut_after.unwrap_or(reply.body.len()).min(reply.body.len());
-        if out.write_all(&reply.body[..sent]).and_then(|_| out.flush()).is_err() {
-            return;
         }
         if reply.stall {
             while !stop.load(Ordering::SeqCst) {
