@@ -131,7 +131,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = limits::tokens)]
     pub batch_context: usize,
 
-    /// Worker threads [default: one per logical CPU]
+    /// Worker threads, at most 4 per logical CPU [default: one per logical CPU]
     #[arg(short, long, value_name = "N", value_parser = limits::threads)]
     pub threads: Option<usize>,
 

@@ -34,7 +34,7 @@ pub struct ModelArgs {
     #[arg(short, long, value_name = "PATH")]
     pub model: Option<String>,
 
-    /// Worker threads [default: one per logical CPU]
+    /// Worker threads, at most 4 per logical CPU [default: one per logical CPU]
     #[arg(short, long, value_name = "N", value_parser = limits::threads)]
     pub threads: Option<usize>,
 
@@ -550,6 +550,47 @@ pub fn error_line(e: &anyhow::Error) -> String {
     line
 }
 
+/// All of `reader` as UTF-8 text, refusing more than `limit` bytes: `what` names the source
+/// in the message (a prompt piped from /dev/zero would otherwise grow without bound).
+pub fn read_text(reader: impl std::io::Read, limit: u64, what: &str) -> Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    reader.take(limit + 1).read_to_end(&mut bytes).with_context(|| format!("reading {what}"))?;
+    if bytes.len() as u64 > limit {
+        bail!("{what} is longer than {} MiB", limit >> 20);
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow!("{what} is not UTF-8 text (byte {})", e.utf8_error().valid_up_to()))
+}
+
+/// The lines of `reader` without their `\n`, each at most `limit` bytes (an error past that,
+/// rather than a line that grows without bound).
+pub fn bounded_lines<R: std::io::BufRead>(
+    mut reader: R,
+    limit: u64,
+) -> impl Iterator<Item = std::io::Result<String>> {
+    use std::io::{BufRead, Error, ErrorKind, Read};
+    std::iter::from_fn(move || {
+        let mut line = Vec::new();
+        match (&mut reader).take(limit + 1).read_until(b'\n', &mut line) {
+            Ok(0) => None,
+            Ok(_) => {
+                if line.last() == Some(&b'\n') {
+                    line.pop();
+                } else if line.len() as u64 > limit {
+                    let message = format!("a line of input is longer than {} MiB", limit >> 20);
+                    return Some(Err(Error::new(ErrorKind::InvalidData, message)));
+                }
+                Some(
+                    String::from_utf8(line)
+                        .map_err(|_| Error::new(ErrorKind::InvalidData, "the input is not UTF-8 text")),
+                )
+            }
+            Err(e) => Some(Err(e)),
+        }
+    })
+}
+
 /// Tokens per second, 0 when nothing was timed.
 pub fn rate(tokens: usize, seconds: f64) -> f64 {
     if seconds > 0.0 {
@@ -581,6 +622,19 @@ mod tests {
         assert!(parse_ids("1,,2").unwrap_err().to_string().contains("id 2 is empty"));
         assert!(parse_ids("1,2,").unwrap_err().to_string().contains("id 3 is empty"));
         assert!(parse_ids("4294967296").unwrap_err().to_string().contains("not a token id"));
+    }
+
+    #[test]
+    fn input_is_read_within_its_bounds() {
+        use std::io::Read;
+        assert_eq!(read_text(&b"hello"[..], 5, "the prompt").unwrap(), "hello");
+        let e = read_text(std::io::repeat(0).take(1 << 21), 1 << 20, "the prompt").unwrap_err();
+        assert_eq!(e.to_string(), "the prompt is longer than 1 MiB");
+        assert!(read_text(&b"\xff"[..], 5, "x").unwrap_err().to_string().contains("UTF-8"));
+        let lines: Vec<_> = bounded_lines(&b"ab\r\ncd\nef"[..], 4).map(Result::unwrap).collect();
+        assert_eq!(lines, ["ab\r", "cd", "ef"]);
+        let mut long = bounded_lines(std::io::BufReader::new(std::io::repeat(b'x').take(100)), 10);
+        assert!(long.next().unwrap().unwrap_err().to_string().contains("longer than"));
     }
 
     #[test]

@@ -22,6 +22,22 @@ pub const MAX_REPEATS: usize = 1000;
 /// available is checked once the device is open.
 pub const MAX_BANDWIDTH_MIB: usize = 1 << 20;
 
+/// Most bytes of a prompt read from stdin, and of one `chat` message: far more text than any
+/// context holds (a token covers at least one byte), and a bound on what `/dev/zero` or a
+/// runaway pipe can make the command hold.
+pub const MAX_PROMPT_BYTES: u64 = 16 << 20;
+
+/// Most bytes of a `perplexity --file` text (wiki.test.raw is 1.3 MB).
+pub const MAX_TEXT_FILE_BYTES: u64 = 256 << 20;
+
+/// A `--stop` string: an empty one would match before any text.
+pub fn stop_text(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("must not be empty (it would match before any text)".to_string());
+    }
+    Ok(text.to_string())
+}
+
 /// `text` as a whole number within `min..=max`, or a message saying what is wrong with it.
 /// `what` explains the upper bound.
 fn whole(text: &str, min: usize, max: usize, what: &str) -> Result<usize, String> {

@@ -35,7 +35,7 @@ pub struct LogitsArgs {
     #[arg(short, long, value_name = "FILE")]
     pub out: PathBuf,
 
-    /// Worker threads [default: one per logical CPU]
+    /// Worker threads, at most 4 per logical CPU [default: one per logical CPU]
     #[arg(short, long, value_name = "N", value_parser = crate::limits::threads)]
     pub threads: Option<usize>,
 

@@ -95,8 +95,9 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
     let tokens = match (&args.file, &base) {
         (_, Some(b)) => b.tokens.clone(),
         (Some(file), None) => {
+            let opened = std::fs::File::open(file).with_context(|| format!("reading {}", file.display()))?;
             let text =
-                std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+                common::read_text(opened, crate::limits::MAX_TEXT_FILE_BYTES, &file.display().to_string())?;
             let tokenizer = match (&args.tokenizer, &dir) {
                 (Some(path), _) => Tokenizer::from_file(path)?,
                 (None, Some(dir)) => {

@@ -1,9 +1,9 @@
 //! `strix run`: one prompt (text, a chat message, or token ids) in, one completion out —
 //! streamed to stdout, or as a single JSON object with `--json`.
 
-use std::io::{IsTerminal, Read};
+use std::io::IsTerminal;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::json;
 use strix::backend::Backend;
@@ -48,7 +48,7 @@ pub struct RunArgs {
     pub max_tokens: usize,
 
     /// Stop before this text (repeatable); it is not printed
-    #[arg(long, value_name = "TEXT")]
+    #[arg(long, value_name = "TEXT", value_parser = crate::limits::stop_text)]
     pub stop: Vec<String>,
 
     /// Keep generating past end-of-sequence tokens (until --max-tokens or the context is full)
@@ -196,13 +196,11 @@ fn prompt_text(args: &RunArgs) -> Result<String> {
     if let Some(text) = args.prompt.as_ref().or(args.prompt_flag.as_ref()) {
         return Ok(text.clone());
     }
-    let mut stdin = std::io::stdin();
+    let stdin = std::io::stdin();
     if stdin.is_terminal() {
         bail!("no prompt: give PROMPT, --prompt-ids, or pipe the prompt on stdin");
     }
-    let mut text = String::new();
-    stdin.read_to_string(&mut text).context("reading the prompt from stdin")?;
-    Ok(text)
+    common::read_text(stdin.lock(), crate::limits::MAX_PROMPT_BYTES, "the prompt on stdin")
 }
 
 /// The ids of a text prompt, through the chat template with `--chat`.

@@ -823,6 +823,32 @@ fn wrong_model_paths_get_the_right_diagnosis() {
     }
 }
 
+#[test]
+fn endless_input_is_refused_at_a_bound() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let from_zero = |args: &[&str]| {
+        let zero = std::fs::File::open("/dev/zero").expect("/dev/zero");
+        Command::new(strix_bin())
+            .args(args)
+            .env("STRIX_DEVICE", "cpu")
+            .stdin(zero)
+            .output()
+            .expect("run strix")
+    };
+    assert_clean_error(
+        &from_zero(&["run", "--model", &model, "-n", "1"]),
+        "the prompt on stdin is longer than 16 MiB",
+    );
+    assert_clean_error(&from_zero(&["chat", "--model", &model, "-n", "1"]), "longer than 16 MiB");
+    assert_clean_error(
+        &strix(&["perplexity", "--model", &model, "--file", "/dev/zero"]),
+        "longer than 256 MiB",
+    );
+    let out = strix_with_stdin(&["run", "--model", &model, "-n", "1"], Some("caf\u{e9}"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_clean_error(&strix(&["run", "--model", &model, "--stop", "", "hi"]), "--stop");
+}
+
 /// Runs `strix` with the Hugging Face variables (and proxies) of this process removed and
 /// `env` set.
 fn strix_env(args: &[&str], env: &[(&str, &str)]) -> Output {
