@@ -139,8 +139,8 @@ impl<'a> Fetcher<'a> {
                     Remote::File(file) => file,
                     Remote::Missing { .. } => {
                         return Err(self.error(format!(
-                            "{} has no {CONFIG}: not a model repository",
-                            self.options.endpoint
+                            "{} has no {CONFIG} for it: not a model repository",
+                            self.options.endpoint.trim_end_matches('/')
                         )))
                     }
                 };
@@ -294,9 +294,8 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
         .ok_or_else(|| bad("has no weight_map object".to_string()))?;
     let mut shards = Vec::new();
     for (tensor, file) in map {
-        let name = file.as_str().ok_or_else(|| {
-            bad(format!("weight_map[{}] is not a file name", serde_json::Value::from(tensor.as_str())))
-        })?;
+        let name =
+            file.as_str().ok_or_else(|| bad(format!("weight_map[{}] is not a file name", shown(tensor))))?;
         check_file_name(name)
             .and_then(|()| {
                 if name.ends_with(".safetensors") {
