@@ -805,8 +805,8 @@ fn wrong_model_paths_get_the_right_diagnosis() {
     }
     // One holding a GGUF file points at it; weights without their config are named.
     let gguf_dir = tempfile::tempdir().unwrap();
-    let gguf = fixtures_root().join("../gguf-models/causal-bf16-gdn3x.q8_0.gguf");
-    std::fs::copy(gguf, gguf_dir.path().join("tiny.q8_0.gguf")).unwrap();
+    // Only its name matters here: the directory is refused before any file is read.
+    std::fs::write(gguf_dir.path().join("tiny.q8_0.gguf"), b"GGUF").unwrap();
     let out = strix(&["run", "--model", &gguf_dir.path().display().to_string(), "hi"]);
     assert_clean_error(&out, "it holds tiny.q8_0.gguf: give --model that file");
     let weights_only = fixture_copy("causal-bf16-gdn3x", &["config.json"]);
