@@ -27,6 +27,7 @@ use strix::synthetic::{preset, SyntheticWeights, PRESETS};
 
 use crate::common;
 use crate::device::{self, path_count_delta, path_counts_line, with_backend, DeviceArgs, DeviceInfo};
+use crate::limits;
 
 /// Seed of the synthetic weights and of the prompt ids, so runs compare like with like.
 const SEED: u64 = 0x5EED;
@@ -44,21 +45,27 @@ const CUDA_BATCHES: &[usize] = &[1, 16, 64];
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SizeList(Vec<usize>);
 
-impl std::str::FromStr for SizeList {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<SizeList, String> {
+impl SizeList {
+    /// Parses the list, each entry through `entry` (which holds its bounds).
+    fn parse(s: &str, entry: fn(&str) -> Result<usize, String>) -> Result<SizeList, String> {
         if s.trim().is_empty() || s.trim().eq_ignore_ascii_case("none") {
             return Ok(SizeList(Vec::new()));
         }
         s.split(',')
-            .map(|part| match part.trim().parse::<usize>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ => Err(format!("`{}` is not a positive integer (give N,N,... or none)", part.trim())),
-            })
+            .map(|part| entry(part).map_err(|why| format!("`{}`: {why} (give N,N,... or none)", part.trim())))
             .collect::<Result<Vec<_>, _>>()
             .map(SizeList)
     }
+}
+
+/// `--prompt-lens`, `--contexts`: token counts.
+fn token_list(s: &str) -> Result<SizeList, String> {
+    SizeList::parse(s, limits::tokens)
+}
+
+/// `--batches`: batch sizes.
+fn batch_list(s: &str) -> Result<SizeList, String> {
+    SizeList::parse(s, limits::batch)
 }
 
 #[derive(Args, Debug)]
@@ -89,29 +96,29 @@ pub struct BenchArgs {
     pub quant: crate::quant_flag::QuantArgs,
 
     /// Prompt tokens to prefill (headline measurement)
-    #[arg(short = 'p', long, value_name = "N", default_value_t = 512)]
+    #[arg(short = 'p', long, value_name = "N", default_value_t = 512, value_parser = limits::tokens)]
     pub prompt_len: usize,
 
     /// Tokens to decode after the prompt, and decode steps per timed run of the sweeps
-    #[arg(short = 'n', long, value_name = "N", default_value_t = 64)]
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 64, value_parser = limits::tokens)]
     pub gen: usize,
 
     /// Timed repetitions (the median is reported)
-    #[arg(short, long, value_name = "N", default_value_t = 3)]
+    #[arg(short, long, value_name = "N", default_value_t = 3, value_parser = limits::repeats)]
     pub repeats: usize,
 
     /// Prefill speed at each of these prompt lengths [default: 512,4096 on CUDA, none on the CPU]
-    #[arg(long, value_name = "N,..")]
+    #[arg(long, value_name = "N,..", value_parser = token_list)]
     pub prompt_lens: Option<SizeList>,
 
     /// Batch-1 decode speed at each of these context lengths [default: 128,4096 on CUDA, none
     /// on the CPU]
-    #[arg(long, value_name = "N,..")]
+    #[arg(long, value_name = "N,..", value_parser = token_list)]
     pub contexts: Option<SizeList>,
 
     /// Aggregate decode speed at each of these batch sizes [default: 1,16,64 on CUDA, none on
     /// the CPU]
-    #[arg(long, value_name = "N,..")]
+    #[arg(long, value_name = "N,..", value_parser = batch_list)]
     pub batches: Option<SizeList>,
 
     /// Also time decode with sampling: batch 1 at each --contexts length as Qwen3.5's
@@ -123,16 +130,16 @@ pub struct BenchArgs {
     pub sampled: bool,
 
     /// Prompt tokens each sequence of a --batches measurement is prefilled with
-    #[arg(long, value_name = "N", default_value_t = 128)]
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = limits::tokens)]
     pub batch_context: usize,
 
-    /// Worker threads [default: one per logical CPU]
-    #[arg(short, long, value_name = "N")]
+    /// Worker threads, at most 4 per logical CPU [default: one per logical CPU]
+    #[arg(short, long, value_name = "N", value_parser = limits::threads)]
     pub threads: Option<usize>,
 
     /// Size of the buffer used to measure memory bandwidth; it should dwarf the caches
     /// (0 skips the measurement and the roofline) [default: 1024 on the CPU, 2048 on CUDA]
-    #[arg(long, value_name = "MIB")]
+    #[arg(long, value_name = "MIB", value_parser = limits::bandwidth_mib)]
     pub bandwidth_mib: Option<usize>,
 
     /// Print the device, each measurement as it completes, and the kernel-path counters
@@ -176,6 +183,35 @@ impl Plan {
             longest = longest.max(args.batch_context + decode_tail);
         }
         longest
+    }
+
+    /// The measurement whose sessions hold the most memory at once, given the bytes of one
+    /// session of a context: those bytes, and the flag that asked for it.
+    fn largest_sessions(&self, args: &BenchArgs, session_bytes: impl Fn(usize) -> usize) -> (usize, String) {
+        let decode_tail = WARM_STEPS + args.repeats * args.gen;
+        let mut largest = (session_bytes(args.prompt_len + args.gen), "--prompt-len and --gen".to_string());
+        let mut consider = |bytes: usize, what: String| {
+            if bytes > largest.0 {
+                largest = (bytes, what);
+            }
+        };
+        for &len in &self.prompt_lens {
+            consider(session_bytes(len), format!("--prompt-lens {len}"));
+        }
+        for &ctx in &self.contexts {
+            consider(session_bytes(ctx + decode_tail), format!("--contexts {ctx}"));
+        }
+        for &batch in &self.batches {
+            let each = session_bytes(args.batch_context + decode_tail);
+            consider(
+                batch.saturating_mul(each),
+                format!(
+                    "--batches {batch} ({batch} sessions of {} tokens)",
+                    args.batch_context + decode_tail
+                ),
+            );
+        }
+        largest
     }
 }
 
@@ -275,6 +311,15 @@ fn bench_with<B: DeviceInfo>(
 
     // Measured before the model is in memory, so the two never compete for it.
     let bandwidth_mib = args.bandwidth_mib.unwrap_or_else(|| backend.default_bandwidth_mib());
+    if let Some(available) = backend.available_memory() {
+        if (bandwidth_mib as u64) << 20 > available {
+            bail!(
+                "--bandwidth-mib {bandwidth_mib}: only {} MiB of {} memory is available for the probe",
+                available >> 20,
+                backend.kind()
+            );
+        }
+    }
     let bandwidth =
         if bandwidth_mib > 0 { Some(backend.measure_bandwidth(bandwidth_mib << 20)?) } else { None };
     if let Some(bw) = bandwidth {
@@ -310,6 +355,21 @@ fn bench_with<B: DeviceInfo>(
     };
     args.device.configure(&mut model)?;
     note(format!("{name} loaded on {device_name} in {:.1} s", started.elapsed().as_secs_f64()));
+    // Checked before any session is made: the sessions of the largest measurement must fit in
+    // what is left, or the run would grow until an allocation or the OOM killer stopped it.
+    if let Some(available) = model.backend().available_memory() {
+        let (need, what) = plan.largest_sessions(args, |ctx| model.session_bytes(ctx));
+        if need as u64 > available {
+            let gib = |b: f64| b / (1u64 << 30) as f64;
+            bail!(
+                "{what} needs {:.2} GiB of KV cache and DeltaNet state, more than the {:.2} GiB of {} \
+                 memory available",
+                gib(need as f64),
+                gib(available as f64),
+                model.backend().kind()
+            );
+        }
+    }
     let memory_after_load = model.backend().memory_used();
     let mut peak = PeakMemory::default();
     peak.sample(model.backend());
@@ -837,11 +897,28 @@ mod tests {
     }
 
     #[test]
-    fn size_lists_parse() {
-        assert_eq!("512, 4096".parse::<SizeList>().unwrap(), SizeList(vec![512, 4096]));
-        assert_eq!("none".parse::<SizeList>().unwrap(), SizeList(vec![]));
-        assert_eq!("".parse::<SizeList>().unwrap(), SizeList(vec![]));
-        assert!("1,0".parse::<SizeList>().is_err());
-        assert!("1,x".parse::<SizeList>().is_err());
+    fn the_largest_measurement_is_found_for_the_memory_check() {
+        let args = parse(&["--prompt-len", "8", "--gen", "2", "--repeats", "1", "--batch-context", "10"]);
+        let per_token = |ctx: usize| 100 * ctx;
+        let plan = Plan { prompt_lens: vec![50], contexts: vec![], batches: vec![] };
+        assert_eq!(plan.largest_sessions(&args, per_token), (5000, "--prompt-lens 50".to_string()));
+        // A batch multiplies its sessions: 64 x (10 + 2 warm + 2) tokens.
+        let plan = Plan { prompt_lens: vec![50], contexts: vec![20], batches: vec![1, 64] };
+        let (bytes, what) = plan.largest_sessions(&args, per_token);
+        assert_eq!(bytes, 64 * 100 * 14);
+        assert!(what.starts_with("--batches 64"), "{what}");
+    }
+
+    #[test]
+    fn size_lists_parse_within_their_bounds() {
+        assert_eq!(token_list("512, 4096").unwrap(), SizeList(vec![512, 4096]));
+        assert_eq!(token_list("none").unwrap(), SizeList(vec![]));
+        assert_eq!(token_list("").unwrap(), SizeList(vec![]));
+        assert!(token_list("1,0").unwrap_err().contains("`0`: must be at least 1"));
+        assert!(token_list("1,x").is_err());
+        assert!(token_list("-5").unwrap_err().contains("at least 1"));
+        assert!(token_list("18446744073709551615").unwrap_err().contains("at most"));
+        assert_eq!(batch_list("1,16,64").unwrap(), SizeList(vec![1, 16, 64]));
+        assert!(batch_list("100000").unwrap_err().contains("at most 1024"));
     }
 }

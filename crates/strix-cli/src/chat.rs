@@ -15,7 +15,7 @@
 //! its history (see [`new_turn_start`]); `--exact-history` re-prefills the whole conversation
 //! as the template renders it instead.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -45,16 +45,16 @@ pub struct ChatArgs {
 
     /// Answer with at most N tokens per turn [default: until the end of the turn or a full
     /// context]
-    #[arg(short = 'n', long, visible_alias = "n-predict", value_name = "N")]
+    #[arg(short = 'n', long, visible_alias = "n-predict", value_name = "N", value_parser = crate::limits::tokens)]
     pub max_tokens: Option<usize>,
 
     /// Stop an answer before this text (repeatable)
-    #[arg(long, value_name = "TEXT")]
+    #[arg(long, value_name = "TEXT", value_parser = crate::limits::stop_text)]
     pub stop: Vec<String>,
 
     /// Context size in tokens, for the whole conversation [default: 4096, at most the model's
     /// max_position_embeddings]
-    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N", value_parser = crate::limits::tokens)]
     pub ctx: Option<usize>,
 
     /// When the chat template renders earlier turns differently from how they were generated
@@ -142,7 +142,7 @@ fn chat_with<B: Backend>(
     if interactive {
         eprintln!("strix: chatting with {} (/reset to start over, /exit or Ctrl-D to quit)", dir.display());
     }
-    let mut lines = std::io::stdin().lock().lines();
+    let mut lines = common::bounded_lines(std::io::stdin().lock(), crate::limits::MAX_PROMPT_BYTES);
     let mut failed = 0usize;
     loop {
         if interactive {
@@ -165,7 +165,7 @@ fn chat_with<B: Backend>(
         }
         if let Err(e) = conversation.turn(&message) {
             failed += 1;
-            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            eprintln!("error: {}", common::error_line(&e));
         }
     }
     if failed > 0 {
@@ -183,6 +183,9 @@ fn read_message(lines: &mut impl Iterator<Item = std::io::Result<String>>) -> Re
         let line = line.strip_suffix('\r').unwrap_or(&line);
         match line.strip_suffix('\\') {
             Some(part) => {
+                if (message.len() + part.len()) as u64 > crate::limits::MAX_PROMPT_BYTES {
+                    bail!("a message on stdin is longer than {} MiB", crate::limits::MAX_PROMPT_BYTES >> 20);
+                }
                 message.push_str(part);
                 message.push('\n');
             }

@@ -58,7 +58,7 @@ pub struct DeviceArgs {
     /// Most prompt tokens pushed through the layers in one pass, a multiple of 64 (longer
     /// prompts are split into passes; llama.cpp's --ubatch-size): larger is faster on a GPU
     /// and needs more scratch memory [default: 4096 on CUDA, 512 on the CPU]
-    #[arg(long, value_name = "N", env = "STRIX_UBATCH")]
+    #[arg(long, value_name = "N", env = "STRIX_UBATCH", value_parser = crate::limits::tokens)]
     pub ubatch: Option<usize>,
 }
 
@@ -178,6 +178,10 @@ pub trait DeviceInfo: Backend {
     /// Bytes of memory the device has (`None` on the CPU, where it is not ours to report).
     fn memory_total(&self) -> Option<u64>;
 
+    /// Bytes that can still be allocated: the host's `MemAvailable` on the CPU, free device
+    /// memory on a GPU (`None` when unknown).
+    fn available_memory(&self) -> Option<u64>;
+
     /// Default size of the bandwidth probe: it must dwarf the caches (the H200's L2 is 60 MB).
     fn default_bandwidth_mib(&self) -> usize;
 
@@ -210,6 +214,10 @@ impl DeviceInfo for CpuBackend {
 
     fn memory_total(&self) -> Option<u64> {
         None
+    }
+
+    fn available_memory(&self) -> Option<u64> {
+        host_available_bytes()
     }
 
     fn default_bandwidth_mib(&self) -> usize {
@@ -245,6 +253,10 @@ impl DeviceInfo for CudaBackend {
 
     fn memory_total(&self) -> Option<u64> {
         self.memory_info().ok().map(|(_, total)| total as u64)
+    }
+
+    fn available_memory(&self) -> Option<u64> {
+        self.memory_info().ok().map(|(free, _)| free as u64)
     }
 
     fn default_bandwidth_mib(&self) -> usize {
@@ -301,6 +313,14 @@ pub fn path_counts_line(counts: &Map<String, Value>) -> String {
 fn resident_set_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The host memory that can be allocated without swapping (`MemAvailable` of /proc/meminfo).
+fn host_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }

@@ -35,8 +35,8 @@ pub struct LogitsArgs {
     #[arg(short, long, value_name = "FILE")]
     pub out: PathBuf,
 
-    /// Worker threads [default: one per logical CPU]
-    #[arg(short, long, value_name = "N")]
+    /// Worker threads, at most 4 per logical CPU [default: one per logical CPU]
+    #[arg(short, long, value_name = "N", value_parser = crate::limits::threads)]
     pub threads: Option<usize>,
 
     #[command(flatten)]

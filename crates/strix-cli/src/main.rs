@@ -6,6 +6,7 @@ mod bench_serve;
 mod chat;
 mod common;
 mod device;
+mod limits;
 mod logits;
 mod perplexity;
 mod quant_flag;
@@ -13,7 +14,7 @@ mod quantize;
 mod run;
 mod serve;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 const ABOUT: &str =
     "Run Qwen3.5 hybrid (Gated DeltaNet + attention) language models on the CPU or an NVIDIA GPU";
@@ -66,8 +67,36 @@ enum Command {
     Quantize(quantize::QuantizeArgs),
 }
 
+/// The command line, where every option that takes a value accepts one that looks like a
+/// negative number: clap would otherwise read `--seed -1` or `--max-tokens -1` as an unknown
+/// flag `-1`, and the value's own parser says what is wrong with it (or, for `--seed -1`,
+/// takes it as llama.cpp does).
+fn command() -> clap::Command {
+    Cli::command().mut_subcommands(|sub| {
+        sub.mut_args(
+            |arg| {
+                if arg.get_action().takes_values() {
+                    arg.allow_negative_numbers(true)
+                } else {
+                    arg
+                }
+            },
+        )
+    })
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = command().try_get_matches().and_then(|m| Cli::from_arg_matches(&m)).unwrap_or_else(|e| {
+        use clap::error::ErrorKind;
+        // A bad value is one line, like every other error (the flag, the value and why);
+        // help, version and usage errors print as clap prints them.
+        if matches!(e.kind(), ErrorKind::ValueValidation | ErrorKind::InvalidValue) {
+            let text = e.to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("error: invalid value"));
+            std::process::exit(e.exit_code());
+        }
+        e.exit()
+    });
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::chat(args),
@@ -79,9 +108,40 @@ fn main() {
         Command::Quantize(args) => quantize::quantize(args),
     };
     if let Err(e) = result {
-        // One line, so scripts and logs keep the whole message together.
-        let message = format!("{e:#}").replace('\n', " ");
-        eprintln!("error: {message}");
+        eprintln!("error: {}", common::error_line(&e));
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every option of every subcommand given `-1`: the value reaches the option's parser
+    /// (accepted, or refused by it), never taken for an unknown flag.
+    #[test]
+    fn negative_numbers_reach_every_option() {
+        let cmd = command();
+        for sub in cmd.get_subcommands() {
+            for arg in sub.get_arguments().filter(|a| a.get_long().is_some() && a.get_action().takes_values())
+            {
+                let flag = format!("--{}", arg.get_long().unwrap());
+                let argv = ["strix", sub.get_name(), flag.as_str(), "-1"];
+                if let Err(e) = command().try_get_matches_from(argv) {
+                    assert!(
+                        !matches!(e.kind(), clap::error::ErrorKind::UnknownArgument),
+                        "{} {flag} -1: {e}",
+                        sub.get_name()
+                    );
+                }
+            }
+        }
+        // Refused where negative makes no sense, with the flag named.
+        let e = command().try_get_matches_from(["strix", "run", "--max-tokens", "-1", "x"]).unwrap_err();
+        assert!(e.to_string().contains("--max-tokens") && e.to_string().contains("at least 1"), "{e}");
+        // Taken as llama.cpp takes it.
+        let m = command().try_get_matches_from(["strix", "run", "--seed", "-1", "x"]).unwrap();
+        let Command::Run(run) = Cli::from_arg_matches(&m).unwrap().command else { panic!("not run") };
+        assert_eq!(run.sampling.seed, Some(limits::Seed::Random));
     }
 }

@@ -39,15 +39,15 @@ pub struct PerplexityArgs {
     pub file: Option<PathBuf>,
 
     /// Tokens per window
-    #[arg(short = 'c', long, value_name = "N", default_value_t = 512)]
+    #[arg(short = 'c', long, value_name = "N", default_value_t = 512, value_parser = crate::limits::tokens)]
     pub ctx: usize,
 
     /// Tokens per forward pass within a window
-    #[arg(short, long, value_name = "N", default_value_t = 512)]
+    #[arg(short, long, value_name = "N", default_value_t = 512, value_parser = crate::limits::tokens)]
     pub batch: usize,
 
     /// Score at most N windows [default: all]
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::limits::positive)]
     pub chunks: Option<usize>,
 
     /// Compare against the base log-probabilities in FILE (written by --save-logits)
@@ -95,8 +95,9 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
     let tokens = match (&args.file, &base) {
         (_, Some(b)) => b.tokens.clone(),
         (Some(file), None) => {
+            let opened = std::fs::File::open(file).with_context(|| format!("reading {}", file.display()))?;
             let text =
-                std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+                common::read_text(opened, crate::limits::MAX_TEXT_FILE_BYTES, &file.display().to_string())?;
             let tokenizer = match (&args.tokenizer, &dir) {
                 (Some(path), _) => Tokenizer::from_file(path)?,
                 (None, Some(dir)) => {
@@ -140,7 +141,7 @@ fn ppl_with<B: Backend>(model: &Model<B>, args: &PerplexityArgs, tokens: &[u32])
     let ctx = args.ctx;
     let mut n_chunk = ppl::chunk_count(tokens.len(), ctx)?;
     if let Some(n) = args.chunks {
-        n_chunk = n_chunk.min(n.max(1));
+        n_chunk = n_chunk.min(n);
     }
     let tokens = &tokens[..n_chunk * ctx];
     eprintln!(

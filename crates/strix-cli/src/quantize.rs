@@ -51,8 +51,11 @@ pub fn parse_quant(name: &str) -> Result<GgufTypes> {
 
 pub fn quantize(args: QuantizeArgs) -> Result<()> {
     let ty = parse_quant(&args.quant)?;
-    if !args.model.is_dir() {
-        bail!("--model {}: give the Hugging Face model directory to quantize", args.model.display());
+    let shown = args.model.display().to_string();
+    match std::fs::metadata(&args.model) {
+        Ok(meta) if meta.is_dir() => common::check_model_dir(&args.model, &shown)?,
+        Ok(_) => bail!("--model {shown} is a file: give the Hugging Face model directory to quantize"),
+        Err(e) => bail!("--model {shown}: {e}"),
     }
     let config = ModelConfig::from_model_dir(&args.model)?;
     let ckpt = Checkpoint::open_dir(&args.model)?;

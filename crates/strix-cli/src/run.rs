@@ -1,9 +1,9 @@
 //! `strix run`: one prompt (text, a chat message, or token ids) in, one completion out —
 //! streamed to stdout, or as a single JSON object with `--json`.
 
-use std::io::{IsTerminal, Read};
+use std::io::IsTerminal;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::json;
 use strix::backend::Backend;
@@ -37,11 +37,18 @@ pub struct RunArgs {
     pub model: ModelArgs,
 
     /// Generate at most N tokens
-    #[arg(short = 'n', long, visible_alias = "n-predict", value_name = "N", default_value_t = 256)]
+    #[arg(
+        short = 'n',
+        long,
+        visible_alias = "n-predict",
+        value_name = "N",
+        default_value_t = 256,
+        value_parser = crate::limits::tokens
+    )]
     pub max_tokens: usize,
 
     /// Stop before this text (repeatable); it is not printed
-    #[arg(long, value_name = "TEXT")]
+    #[arg(long, value_name = "TEXT", value_parser = crate::limits::stop_text)]
     pub stop: Vec<String>,
 
     /// Keep generating past end-of-sequence tokens (until --max-tokens or the context is full)
@@ -50,7 +57,7 @@ pub struct RunArgs {
 
     /// Context size in tokens [default: the prompt plus --max-tokens, at least 4096, at most
     /// the model's max_position_embeddings]
-    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N", value_parser = crate::limits::tokens)]
     pub ctx: Option<usize>,
 
     /// Wrap the prompt in the model's chat template, as a user message
@@ -189,13 +196,11 @@ fn prompt_text(args: &RunArgs) -> Result<String> {
     if let Some(text) = args.prompt.as_ref().or(args.prompt_flag.as_ref()) {
         return Ok(text.clone());
     }
-    let mut stdin = std::io::stdin();
+    let stdin = std::io::stdin();
     if stdin.is_terminal() {
         bail!("no prompt: give PROMPT, --prompt-ids, or pipe the prompt on stdin");
     }
-    let mut text = String::new();
-    stdin.read_to_string(&mut text).context("reading the prompt from stdin")?;
-    Ok(text)
+    common::read_text(stdin.lock(), crate::limits::MAX_PROMPT_BYTES, "the prompt on stdin")
 }
 
 /// The ids of a text prompt, through the chat template with `--chat`.

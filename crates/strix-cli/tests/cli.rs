@@ -8,6 +8,9 @@
 //! directory (or `$STRIX_FIXTURES`). Without a CUDA device they check the clean error of
 //! `--device cuda` instead of running on the GPU.
 
+#[path = "../../strix/tests/mock_hub/mod.rs"]
+mod mock_hub;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -597,9 +600,9 @@ fn error_missing_model_dir() {
     assert_clean_error(&strix(&["run", "--model", &missing, "Hello"]), "no-such-model");
     assert_clean_error(
         &strix(&["logits", "--model", &missing, "--prompt-ids", "1", "--out", "x.safetensors"]),
-        "does not exist",
+        "no such file or directory",
     );
-    assert_clean_error(&strix(&["bench", "--model", &missing]), "does not exist");
+    assert_clean_error(&strix(&["bench", "--model", &missing]), "no such file or directory");
 }
 
 #[test]
@@ -659,6 +662,266 @@ fn error_bad_sampling_and_bench_parameters() {
         &strix(&["bench", "--model", &model, "--device", "cpu", "--contexts", "2000"]),
         "max_position_embeddings",
     );
+}
+
+// --- mistaken and hostile command lines ---------------------------------------------------------
+
+#[test]
+fn negative_numbers_reach_validation_and_name_the_flag() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    for (flag, value, needle) in [
+        ("--max-tokens", "-1", "at least 1"),
+        ("-n", "-5", "at least 1"),
+        ("--ctx", "-5", "at least 1"),
+        ("--top-k", "-1", "0 or more"),
+        ("--seed", "-2", "-1 (a random seed)"),
+        ("--threads", "-1", "at least 1"),
+        ("--ubatch", "-64", "at least 1"),
+    ] {
+        let out = strix(&["run", "--model", &model, "--prompt-ids", "1,2", flag, value]);
+        assert_clean_error(&out, needle);
+        assert!(stderr(&out).contains(&format!("'{value}'")), "{flag} {value}: {}", stderr(&out));
+    }
+    // --seed -1 is llama.cpp's random seed: the run goes ahead and reports the seed it drew.
+    let json =
+        strix_json(&["run", "--model", &model, "--prompt-ids", "1,2", "-n", "2", "--seed", "-1", "--json"]);
+    assert!(json["seed"].as_u64().is_some(), "{json}");
+    // Every subcommand's flags, `serve`'s too: the value reaches its parser.
+    for (args, flag) in [
+        (vec!["chat", "--model", &model, "-n", "-1"], "--max-tokens"),
+        (vec!["bench", "--model", &model, "--repeats", "-3"], "--repeats"),
+        (vec!["bench", "--model", &model, "--batches", "1,-4"], "--batches"),
+        (vec!["perplexity", "--model", &model, "--file", "x", "--ctx", "-512"], "--ctx"),
+        (vec!["logits", "--model", &model, "--prompt-ids", "1", "--out", "x", "-t", "-2"], "--threads"),
+        (vec!["serve", "--model", &model, "--max-seqs", "-1"], "--max-seqs"),
+    ] {
+        let out = strix(&args);
+        assert_clean_error(&out, flag);
+        assert!(!stderr(&out).contains("unexpected argument"), "{args:?}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn empty_prompt_ids_are_refused() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    for ids in ["1,,2", "1,2,", ",1", " , "] {
+        let out = strix(&["run", "--model", &model, "--prompt-ids", ids, "-n", "1"]);
+        assert_clean_error(&out, "--prompt-ids");
+        assert!(stderr(&out).contains("empty"), "{ids:?}: {}", stderr(&out));
+    }
+    assert_clean_error(
+        &strix(&["logits", "--model", &model, "--prompt-ids", "3,,4", "--out", "x.st"]),
+        "empty",
+    );
+}
+
+#[test]
+fn absurd_sizes_are_refused_before_the_model_is_read() {
+    // The model does not exist: an error naming the flag shows the value was checked first.
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-model").display().to_string();
+    let m = missing.as_str();
+    for (args, flag, needle) in [
+        (vec!["run", "--model", m, "--threads", "10000", "hi"], "--threads", "per logical CPU"),
+        (vec!["run", "--model", m, "--max-tokens", "18446744073709551615", "hi"], "--max-tokens", "at most"),
+        (vec!["run", "--model", m, "--ctx", "99999999999", "hi"], "--ctx", "at most"),
+        (vec!["bench", "--model", m, "--batches", "100000"], "--batches", "at most 1024"),
+        (vec!["bench", "--model", m, "--batches", "1,16,0"], "--batches", "at least 1"),
+        (vec!["bench", "--model", m, "--prompt-lens", "512,99999999999"], "--prompt-lens", "at most"),
+        (vec!["bench", "--model", m, "--contexts", "18446744073709551615"], "--contexts", "at most"),
+        (vec!["bench", "--model", m, "--prompt-len", "0"], "--prompt-len", "at least 1"),
+        (vec!["bench", "--model", m, "--gen", "100000000"], "--gen", "at most 16777216"),
+        (vec!["bench", "--model", m, "--repeats", "100000"], "--repeats", "at most 1000"),
+        (vec!["bench", "--model", m, "--batch-context", "x"], "--batch-context", "not a number"),
+        (vec!["bench", "--model", m, "--bandwidth-mib", "99999999999"], "--bandwidth-mib", "at most"),
+        (vec!["bench", "--model", m, "--threads", "0"], "--threads", "at least 1"),
+        (vec!["perplexity", "--model", m, "--file", "x", "--chunks", "0"], "--chunks", "at least 1"),
+        (vec!["perplexity", "--model", m, "--file", "x", "--batch", "1.5"], "--batch", "not a whole number"),
+    ] {
+        let out = strix(&args);
+        assert_clean_error(&out, flag);
+        assert!(stderr(&out).contains(needle), "{args:?}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("no-such-model"),
+            "{args:?} looked at the model first: {}",
+            stderr(&out)
+        );
+    }
+}
+
+#[test]
+fn os_errors_are_printed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let nowhere = |name: &str| dir.path().join("no-dir").join(name).display().to_string();
+    for args in [
+        vec![
+            "logits".to_string(),
+            "--model".into(),
+            model.clone(),
+            "--prompt-ids".into(),
+            "1".into(),
+            "--out".into(),
+            nowhere("x.st"),
+        ],
+        vec![
+            "quantize".into(),
+            "--model".into(),
+            model.clone(),
+            "--quant".into(),
+            "q8_0".into(),
+            "--out".into(),
+            nowhere("x.gguf"),
+        ],
+        vec!["perplexity".into(), "--model".into(), model.clone(), "--file".into(), nowhere("text.txt")],
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = strix(&args);
+        assert_clean_error(&out, "no-dir");
+        let err = stderr(&out);
+        assert_eq!(err.matches("os error").count(), 1, "{args:?}: {err}");
+        assert_eq!(err.matches("no-dir").count(), 1, "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn wrong_model_paths_get_the_right_diagnosis() {
+    // A directory without config.json is said to be no model directory, before any other file
+    // is looked for, by every command that takes a model.
+    let empty = tempfile::tempdir().unwrap();
+    let e = empty.path().display().to_string();
+    for args in [
+        vec!["run", "--model", &e, "hi"],
+        vec!["chat", "--model", &e],
+        vec!["logits", "--model", &e, "--prompt-ids", "1", "--out", "x.st"],
+        vec!["bench", "--model", &e],
+        vec!["perplexity", "--model", &e, "--file", "x"],
+        vec!["quantize", "--model", &e, "--quant", "q8_0", "--out", "x.gguf"],
+        vec!["serve", "--model", &e, "--port", "0"],
+    ] {
+        let out = strix(&args);
+        assert_clean_error(&out, "is not a model directory: it has no config.json");
+        assert!(!stderr(&out).contains("os error"), "{args:?}: {}", stderr(&out));
+    }
+    // One holding a GGUF file points at it; weights without their config are named.
+    let gguf_dir = tempfile::tempdir().unwrap();
+    // Only its name matters here: the directory is refused before any file is read.
+    std::fs::write(gguf_dir.path().join("tiny.q8_0.gguf"), b"GGUF").unwrap();
+    let out = strix(&["run", "--model", &gguf_dir.path().display().to_string(), "hi"]);
+    assert_clean_error(&out, "it holds tiny.q8_0.gguf: give --model that file");
+    let weights_only = fixture_copy("causal-bf16-gdn3x", &["config.json"]);
+    let out = strix(&["run", "--model", &weights_only.path().display().to_string(), "hi"]);
+    assert_clean_error(&out, "safetensors weights but not the config");
+    // A file of a model directory: its folder is the model.
+    let config = fixture("causal-bf16-gdn3x").join("config.json").display().to_string();
+    assert_clean_error(&strix(&["run", "--model", &config, "hi"]), "give the directory that holds it");
+    // A path that does not exist and is no repo id says both.
+    for path in ["./no/such/model", "/no/such/model", "no-such-model"] {
+        let out = strix(&["run", "--model", path, "hi"]);
+        assert_clean_error(&out, "no such file or directory");
+        assert!(stderr(&out).contains("repo id"), "{path}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn endless_input_is_refused_at_a_bound() {
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let from_zero = |args: &[&str]| {
+        let zero = std::fs::File::open("/dev/zero").expect("/dev/zero");
+        Command::new(strix_bin())
+            .args(args)
+            .env("STRIX_DEVICE", "cpu")
+            .stdin(zero)
+            .output()
+            .expect("run strix")
+    };
+    assert_clean_error(
+        &from_zero(&["run", "--model", &model, "-n", "1"]),
+        "the prompt on stdin is longer than 16 MiB",
+    );
+    assert_clean_error(&from_zero(&["chat", "--model", &model, "-n", "1"]), "longer than 16 MiB");
+    assert_clean_error(
+        &strix(&["perplexity", "--model", &model, "--file", "/dev/zero"]),
+        "longer than 256 MiB",
+    );
+    let out = strix_with_stdin(&["run", "--model", &model, "-n", "1"], Some("caf\u{e9}"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_clean_error(&strix(&["run", "--model", &model, "--stop", "", "hi"]), "--stop");
+}
+
+/// Runs `strix` with the Hugging Face variables (and proxies) of this process removed and
+/// `env` set.
+fn strix_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(strix_bin());
+    command.args(args).env("STRIX_DEVICE", "cpu").stdin(Stdio::null());
+    for name in [
+        "HF_ENDPOINT",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_OFFLINE",
+        "HF_HUB_DOWNLOAD_TIMEOUT",
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ] {
+        command.env_remove(name);
+    }
+    command.envs(env.iter().copied()).output().expect("run strix")
+}
+
+#[test]
+fn repo_ids_are_fetched_through_the_hub_settings() {
+    let repo = mock_hub::HubRepo::from_dir("org/tiny", &fixture("causal-bf16-sharded"));
+    let served = repo.clone();
+    let hub = mock_hub::MockServer::start(move |r| mock_hub::hub_reply(&served, None, r));
+    let home = tempfile::tempdir().unwrap();
+    let home_dir = home.path().display().to_string();
+    let endpoint = hub.url();
+    let greedy = ["--prompt-ids", "1,2,3", "-n", "4", "--temperature", "0", "--ignore-eos", "--json"];
+    fn with<'a>(model: &'a str, greedy: &[&'a str]) -> Vec<&'a str> {
+        [&["run", "--model", model][..], greedy].concat()
+    }
+
+    let local = strix_json(&with(&fixture_arg("causal-bf16-sharded"), &greedy));
+    let out = strix_env(&with("org/tiny", &greedy), &[("HF_ENDPOINT", &endpoint), ("HF_HOME", &home_dir)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let fetched: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(fetched["ids"], local["ids"]);
+    let snapshot = home.path().join("hub/models--org--tiny/snapshots").join(&repo.commit);
+    assert!(snapshot.join("model-00002-of-00003.safetensors").is_file());
+
+    // Offline and with the hub gone, the cache alone serves it.
+    drop(hub);
+    let offline = [("HF_ENDPOINT", endpoint.as_str()), ("HF_HOME", &home_dir), ("HF_HUB_OFFLINE", "1")];
+    let out = strix_env(&with("org/tiny", &greedy), &offline);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(serde_json::from_slice::<Value>(&out.stdout).unwrap()["ids"], local["ids"]);
+
+    // A repo the hub does not have, a hub that does not answer, an empty cache offline: each
+    // says what it tried and why it failed.
+    let served = repo.clone();
+    let hub = mock_hub::MockServer::start(move |r| mock_hub::hub_reply(&served, None, r));
+    let empty = tempfile::tempdir().unwrap();
+    let empty_home = empty.path().display().to_string();
+    let out =
+        strix_env(&with("org/absent", &greedy), &[("HF_ENDPOINT", &hub.url()), ("HF_HOME", &empty_home)]);
+    assert_clean_error(&out, "--model org/absent");
+    assert!(stderr(&out).contains("HF_TOKEN"), "{}", stderr(&out));
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    let out = strix_env(&with("org/tiny", &greedy), &[("HF_ENDPOINT", &closed), ("HF_HOME", &empty_home)]);
+    assert_clean_error(&out, "no answer from");
+    let out = strix_env(&with("org/tiny", &greedy), &[("HF_HOME", &empty_home), ("HF_HUB_OFFLINE", "1")]);
+    assert_clean_error(&out, "offline");
 }
 
 // --- devices ----------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ fn bad_arguments_are_one_clean_error() {
         ),
         (
             vec!["run", "--model", dir.join("config.json").to_str().unwrap(), "hi"],
-            "neither a model directory",
+            "give the directory that holds it",
         ),
     ] {
         let o = strix(&args);
