@@ -103,6 +103,40 @@ pub fn top_k(text: &str) -> Result<usize, String> {
     whole(text, 0, usize::MAX, "")
 }
 
+/// Most sequences `serve --max-seqs` decodes together, and most requests `--max-queue` holds.
+pub const MAX_SERVE_SEQS: usize = 4096;
+pub const MAX_SERVE_QUEUE: usize = 1 << 20;
+
+/// `serve --max-seqs`.
+pub fn serve_seqs(text: &str) -> Result<usize, String> {
+    whole(text, 1, MAX_SERVE_SEQS, "sequences decoded together")
+}
+
+/// `serve --max-queue` (0: no waiting beyond a full batch).
+pub fn serve_queue(text: &str) -> Result<usize, String> {
+    whole(text, 0, MAX_SERVE_QUEUE, "waiting requests")
+}
+
+/// `serve --max-body`: 1 byte to 1 GiB.
+pub fn body_bytes(text: &str) -> Result<usize, String> {
+    whole(text, 1, 1 << 30, "bytes; 1 GiB")
+}
+
+/// A `serve` timeout: 1 second to a day.
+pub fn seconds(text: &str) -> Result<u64, String> {
+    whole(text, 1, 86_400, "seconds; a day").map(|n| n as u64)
+}
+
+/// `serve --max-connections` (the open-file limit lowers it further at start).
+pub fn connections(text: &str) -> Result<usize, String> {
+    whole(text, 1, 1 << 20, "connections")
+}
+
+/// `serve --state-budget-mib`: at most 1 TiB.
+pub fn budget_mib(text: &str) -> Result<u64, String> {
+    whole(text, 1, 1 << 20, "MiB; 1 TiB").map(|n| n as u64)
+}
+
 /// A count of at least 1 with no bound of its own (`perplexity --chunks`).
 pub fn positive(text: &str) -> Result<usize, String> {
     whole(text, 1, usize::MAX, "")

@@ -8,6 +8,7 @@ use strix_server::{ConnectionLimits, ServedModel, Server, ServerConfig};
 
 use crate::common::{self, ModelArgs};
 use crate::device::{self, with_backend};
+use crate::limits;
 
 #[derive(Args, Debug)]
 #[command(after_help = "Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
@@ -37,30 +38,30 @@ pub struct ServeArgs {
 
     /// Tokens per sequence, prompt and completion together [default: 4096, at most the
     /// model's max_position_embeddings]
-    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", value_name = "N", value_parser = limits::tokens)]
     pub ctx: Option<usize>,
 
     /// Sequences decoded together at most
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = limits::serve_seqs)]
     pub max_seqs: usize,
 
     /// Requests that may wait beyond a full batch; more are refused with 429
-    #[arg(long, value_name = "N", default_value_t = 256)]
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = limits::serve_queue)]
     pub max_queue: usize,
 
     /// Memory the running sequences may reserve for KV cache and DeltaNet state, in MiB
     /// (each reserves its prompt plus max_tokens)
-    #[arg(long, value_name = "MIB", default_value_t = 4096)]
+    #[arg(long, value_name = "MIB", default_value_t = 4096, value_parser = limits::budget_mib)]
     pub state_budget_mib: u64,
 
     /// Prompt tokens prefilled per scheduler step, between decode steps (rounded up to whole
     /// passes; the pass is this rounded up to a multiple of 64 unless --ubatch sets it, so a
     /// long prompt does not hold up the running streams for a whole 4096-token pass)
-    #[arg(long, value_name = "N", default_value_t = 512)]
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = limits::tokens)]
     pub prefill_chunk: usize,
 
     /// Largest request body accepted, in bytes
-    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20, value_parser = limits::body_bytes)]
     pub max_body: usize,
 
     /// Host names served besides localhost, 127.0.0.1 and [::1], comma-separated (`*`: any).
@@ -75,30 +76,27 @@ pub struct ServeArgs {
     pub cors_origin: Vec<String>,
 
     /// Seconds a client has to send a request's line and headers, from their first byte
-    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().header_timeout.as_secs())]
+    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().header_timeout.as_secs(), value_parser = limits::seconds)]
     pub header_timeout: u64,
 
     /// Seconds a client has to send a request's body, once its headers are in
-    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().body_timeout.as_secs())]
+    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().body_timeout.as_secs(), value_parser = limits::seconds)]
     pub body_timeout: u64,
 
     /// Seconds a connection may stay open with no request (keep-alive). Requests in flight and
     /// streamed answers are never timed out
-    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().idle_timeout.as_secs())]
+    #[arg(long, value_name = "SECS", default_value_t = ConnectionLimits::default().idle_timeout.as_secs(), value_parser = limits::seconds)]
     pub idle_timeout: u64,
 
     /// Connections open at once (lowered to fit the open-file limit). Beyond it a new
     /// connection closes the oldest one without a request in flight; when every one has a
     /// request in flight it is refused with 503
-    #[arg(long, value_name = "N", default_value_t = ConnectionLimits::default().max_connections)]
+    #[arg(long, value_name = "N", default_value_t = ConnectionLimits::default().max_connections, value_parser = limits::connections)]
     pub max_connections: usize,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
     common::init_threads(args.model.threads)?;
-    if args.max_seqs == 0 {
-        bail!("--max-seqs must be at least 1");
-    }
     // The server's options are checked before the model loads, which can take minutes.
     let mut options = ServerConfig::new("", 2);
     configure(&args, &mut options);

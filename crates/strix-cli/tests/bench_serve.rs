@@ -204,6 +204,8 @@ fn fake_server() -> SocketAddr {
     addr
 }
 
+/// Answers one request and closes the connection (every answer says `Connection: close`, so a
+/// client never reuses a connection this server is about to drop).
 fn answer(mut stream: TcpStream) {
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let mut head = String::new();
@@ -228,7 +230,7 @@ fn answer(mut stream: TcpStream) {
     let reply = if head.starts_with("GET /v1/models") {
         let list = r#"{"object":"list","data":[{"id":"fake","object":"model"}]}"#;
         format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{list}",
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{list}",
             list.len()
         )
     } else {
@@ -236,7 +238,7 @@ fn answer(mut stream: TcpStream) {
         match request["model"].as_str().unwrap() {
             "overloaded" => {
                 let error = r#"{"error":{"message":"the queue is full","type":"server_error"}}"#;
-                format!("HTTP/1.1 503 Service Unavailable\r\nContent-Length: {}\r\n\r\n{error}", error.len())
+                format!("HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{error}", error.len())
             }
             "html" => {
                 "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nConnection: close\r\n\r\n<html>hello</html>"
@@ -249,7 +251,7 @@ fn answer(mut stream: TcpStream) {
             // Every other request is refused; the others stream two tokens and no usage.
             "flaky" if FLAKY.fetch_add(1, Ordering::SeqCst).is_multiple_of(2) => {
                 let error = r#"{"error":{"message":"busy","type":"server_error"}}"#;
-                format!("HTTP/1.1 429 Too Many Requests\r\nContent-Length: {}\r\n\r\n{error}", error.len())
+                format!("HTTP/1.1 429 Too Many Requests\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{error}", error.len())
             }
             "flaky" => format!("{sse}{token}{token}data: [DONE]\n\n"),
             "stall" => {

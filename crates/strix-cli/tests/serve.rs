@@ -108,8 +108,14 @@ fn serve_refuses_bad_options_up_front() {
         (["--api-key", "   "], "--api-key is empty"),
         (["--cors-origin", "app.example"], "is not an origin"),
         (["--allowed-hosts", "a.example:80"], "is not a host name"),
-        (["--idle-timeout", "0"], "--idle-timeout must be more than 0"),
-        (["--max-connections", "0"], "--max-connections must be at least 1"),
+        (["--idle-timeout", "0"], "must be at least 1"),
+        (["--max-connections", "0"], "must be at least 1"),
+        (["--max-seqs", "100000"], "must be at most 4096"),
+        (["--max-seqs", "-1"], "must be at least 1"),
+        (["--ctx", "99999999999"], "must be at most"),
+        (["--header-timeout", "1e9"], "is not a whole number"),
+        (["--max-body", "0"], "must be at least 1"),
+        (["--state-budget-mib", "-5"], "must be at least 1"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_strix"))
             .args(["serve", "--device", "cpu", "--port", "0", "--model", "/nonexistent/strix-model"])

@@ -932,7 +932,7 @@ mod tests {
         // A repetition penalty below 1 divides: a huge logit overflows to +∞.
         let mut s = sampler(SamplingParams { repetition_penalty: 0.5, ..seeded(0.0, 1) });
         let row = s.prepare(&[0], &[], None);
-        assert_eq!(sample_prepared(&mut vec![3e38, 1.0], &row), Err(NonFiniteLogits));
+        assert_eq!(sample_prepared(&mut [3e38, 1.0], &row), Err(NonFiniteLogits));
     }
 
     #[test]
