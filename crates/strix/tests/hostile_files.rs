@@ -604,3 +604,13 @@ fn strings_from_json_files_reach_messages_escaped_and_capped() {
     let e = Checkpoint::open_files(&[a, b.clone()]).err().unwrap();
     assert_mentions(&e.to_string(), &[&shown(&b), "is defined in more than one file"]);
 }
+
+/// Found by `mutated_files.rs`: an index with an empty `weight_map` opened no file, and the
+/// missing embedding was then reported naming none.
+#[test]
+fn an_index_listing_no_tensor_is_named() {
+    let dir = copy_dir(SHARDED);
+    let index = dir.path().join("model.safetensors.index.json");
+    edit_json(&index, |v| v["weight_map"] = json!({}));
+    assert_mentions(&load_err(dir.path()).to_string(), &[&shown(&index), "`weight_map` lists no tensors"]);
+}

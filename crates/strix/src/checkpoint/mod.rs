@@ -87,6 +87,9 @@ impl Checkpoint {
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| Error::checkpoint(index, "missing object `weight_map`"))?;
+        if map.is_empty() {
+            return Err(Error::checkpoint(index, "`weight_map` lists no tensors"));
+        }
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut shards: BTreeMap<String, ()> = BTreeMap::new();
         for (name, file) in map {
