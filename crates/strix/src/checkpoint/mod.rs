@@ -40,11 +40,12 @@ impl Checkpoint {
     /// present, else `model.safetensors`, else the only `*.safetensors` file.
     pub fn open_dir(dir: &Path) -> Result<Checkpoint> {
         let index = dir.join("model.safetensors.index.json");
-        if index.exists() {
+        // Present, even as a dangling link (a download cut short): the error names it.
+        if index.symlink_metadata().is_ok() {
             return Checkpoint::open_index(&index);
         }
         let single = dir.join("model.safetensors");
-        if single.exists() {
+        if single.symlink_metadata().is_ok() {
             return Checkpoint::open_files(&[single]);
         }
         let mut found: Vec<PathBuf> = std::fs::read_dir(dir)

@@ -732,7 +732,7 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
     use super::{GgufArray, GgufValue};
     use serde_json::Value;
     let path = dir.join("tokenizer.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let text = crate::files::read_text(&path, crate::files::TOKENIZER_CAP)?;
     let json: Value =
         serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
     let bad = |m: String| Error::Tokenizer(format!("{}: {m}", path.display()));
@@ -747,18 +747,19 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
     let mut types = vec![5i32; vocab_size];
     let mut place = |id: u64, tok: &str, ty: i32| -> Result<()> {
         let slot = tokens.get_mut(id as usize).ok_or_else(|| {
-            bad(format!("token `{tok}` has id {id}, past the model's vocab_size {vocab_size}"))
+            bad(format!("token `{}` has id {id}, past the model's vocab_size {vocab_size}", printable(tok)))
         })?;
         *slot = Some(tok.to_string());
         types[id as usize] = ty;
         Ok(())
     };
     for (tok, id) in model["vocab"].as_object().ok_or_else(|| bad("model.vocab is not an object".into()))? {
-        place(id.as_u64().ok_or_else(|| bad(format!("model.vocab[`{tok}`] is not an id")))?, tok, 1)?;
+        let id = id.as_u64().ok_or_else(|| bad(format!("model.vocab[`{}`] is not an id", printable(tok))))?;
+        place(id, tok, 1)?;
     }
     for t in json["added_tokens"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
         let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
-            return Err(bad(format!("added token {t} has no id or content")));
+            return Err(bad(format!("added token {} has no id or content", printable(&t.to_string()))));
         };
         place(id, content, if t["special"] == true { 3 } else { 4 })?;
     }
@@ -773,7 +774,9 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
             Value::Array(p) if p.len() == 2 => {
                 Ok(format!("{} {}", p[0].as_str().unwrap_or(""), p[1].as_str().unwrap_or("")))
             }
-            other => Err(bad(format!("merge {other} is neither \"a b\" nor [a, b]"))),
+            other => {
+                Err(bad(format!("merge {} is neither \"a b\" nor [a, b]", printable(&other.to_string()))))
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     let id_of = |tok: &str| tokens.iter().position(|t| t == tok).map(|i| i as u32);
@@ -786,8 +789,8 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
         ("tokenizer.ggml.merges".into(), GgufValue::Array(GgufArray::String(merges))),
     ];
     let cfg_path = dir.join("tokenizer_config.json");
-    if cfg_path.is_file() {
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+    if cfg_path.symlink_metadata().is_ok() {
+        let text = crate::files::read_text(&cfg_path, crate::files::JSON_CAP)?;
         let cfg: Value = serde_json::from_str(&text)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", cfg_path.display())))?;
         for (field, key) in [
