@@ -4,7 +4,8 @@
 //! Messages quote what files say (tensor names, metadata keys, JSON values), and a file may
 //! say anything: [`printable`] escapes control characters and caps the length of such a
 //! quote, and the variants that carry a path or a file's message escape them again when
-//! displayed, so nothing from a file can drive the terminal that shows the error.
+//! displayed (and so do template errors, which may quote the template), so nothing from a
+//! file can drive the terminal that shows the error.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -45,7 +46,9 @@ pub enum Error {
     #[error("tokenizer: {}", escape_controls(.0))]
     Tokenizer(String),
 
-    #[error("chat template: {0}")]
+    /// A template's syntax or rendering error; it may quote the template, which came from a
+    /// file (tokenizer_config.json, a GGUF's `tokenizer.chat_template`), so it is escaped too.
+    #[error("chat template: {}", escape_controls(.0))]
     Template(String),
 
     /// A caller asked for something the model or session cannot do (prompt longer than the

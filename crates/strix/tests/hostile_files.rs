@@ -614,3 +614,17 @@ fn an_index_listing_no_tensor_is_named() {
     edit_json(&index, |v| v["weight_map"] = json!({}));
     assert_mentions(&load_err(dir.path()).to_string(), &[&shown(&index), "`weight_map` lists no tensors"]);
 }
+
+/// A template's own error (`raise_exception`) is the template's text, from a file: shown
+/// escaped like any file's string.
+#[test]
+fn template_errors_quoting_the_template_are_escaped() {
+    let dir = copy_dir(SHARDED);
+    let template = dir.path().join("chat_template.jinja");
+    fs::write(&template, "{{ raise_exception('\x1b[2J\x1b]0;pwned\x07 roles must alternate') }}").unwrap();
+    let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+    let e = t.render(&[strix::chat::ChatMessage::user("hi")], &Default::default()).unwrap_err();
+    let Error::Template(raw) = &e else { panic!("{e:?}") };
+    assert!(raw.contains('\x1b'), "the raised message is passed on as written: {raw:?}");
+    assert_mentions(&e.to_string(), &["\\x1b[2J\\x1b]0;pwned\\x07 roles must alternate"]);
+}
