@@ -153,7 +153,7 @@ fn serve_with<B: strix::backend::Backend + 'static>(
         let tokenizer = common::load_tokenizer(dir)?
             .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer; the server needs one", dir.display()))?;
         let template = common::require_template(dir).ok();
-        let defaults = strix_server::sampling_defaults(dir.parent().unwrap_or(std::path::Path::new(".")));
+        let defaults = strix_server::sampling_defaults(dir.parent().unwrap_or(std::path::Path::new(".")))?;
         ServedModel { model, tokenizer, template, defaults }
     } else {
         ServedModel::with_model(dir, model)?

@@ -140,21 +140,28 @@ impl<B: Backend> ServedModel<B> {
             strix::Error::Tokenizer(format!("{} has no tokenizer.json; the server needs one", dir.display()))
         })?;
         let template = ChatTemplate::from_model_dir(dir)?;
-        let defaults = sampling_defaults(dir);
+        let defaults = sampling_defaults(dir)?;
         Ok(ServedModel { model, tokenizer, template, defaults })
     }
 }
 
 /// The sampling fields of `generation_config.json`, over OpenAI's defaults (temperature 1,
-/// nothing else). A checkpoint with `do_sample: false` defaults to greedy.
-pub fn sampling_defaults(dir: &Path) -> SamplingParams {
-    let mut p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
-    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
-        return p;
-    };
-    let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return p;
-    };
+/// nothing else). A checkpoint with `do_sample: false` defaults to greedy. No file means
+/// those defaults; a file that cannot be read as JSON (not a regular file, over the JSON cap,
+/// malformed) is an error naming it, so a broken checkpoint does not serve with made-up
+/// defaults.
+pub fn sampling_defaults(dir: &Path) -> strix::Result<SamplingParams> {
+    let p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    let path = dir.join("generation_config.json");
+    if path.symlink_metadata().is_err() {
+        return Ok(p);
+    }
+    let config = strix::files::read_json(&path)?;
+    Ok(defaults_from(&config, p))
+}
+
+/// [`sampling_defaults`] from the parsed file.
+fn defaults_from(config: &serde_json::Value, mut p: SamplingParams) -> SamplingParams {
     let number = |key: &str| config.get(key).and_then(serde_json::Value::as_f64);
     if let Some(t) = number("temperature") {
         p.temperature = t as f32;
@@ -363,26 +370,54 @@ impl Drop for Server {
 mod tests {
     use super::*;
 
-    fn defaults_of(json: &str) -> SamplingParams {
-        let dir = std::env::temp_dir().join(format!("strix-defaults-{}-{}", std::process::id(), json.len()));
-        std::fs::create_dir_all(&dir).unwrap();
+    fn defaults_of(json: &str) -> strix::Result<SamplingParams> {
+        let dir = tempdir();
         std::fs::write(dir.join("generation_config.json"), json).unwrap();
         let p = sampling_defaults(&dir);
         let _ = std::fs::remove_dir_all(&dir);
         p
     }
 
+    fn tempdir() -> std::path::PathBuf {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("strix-defaults-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[test]
     fn sampling_defaults_come_from_generation_config() {
-        let p = defaults_of(r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20}"#);
+        let p =
+            defaults_of(r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20}"#).unwrap();
         assert_eq!((p.temperature, p.top_p, p.top_k), (0.6, 0.95, 20));
-        assert_eq!(defaults_of(r#"{"do_sample": false, "temperature": 0.6}"#).temperature, 0.0);
-        // OpenAI's defaults when the file says nothing, or nothing sane.
-        assert_eq!(defaults_of("{}").temperature, 1.0);
+        assert_eq!(defaults_of(r#"{"do_sample": false, "temperature": 0.6}"#).unwrap().temperature, 0.0);
+        // OpenAI's defaults when the file says nothing, or nothing sane, or is absent.
+        assert_eq!(defaults_of("{}").unwrap().temperature, 1.0);
         assert_eq!(
-            defaults_of(r#"{"top_p": 7}"#),
+            defaults_of(r#"{"top_p": 7}"#).unwrap(),
             SamplingParams { temperature: 1.0, ..SamplingParams::default() }
         );
-        assert_eq!(sampling_defaults(Path::new("/nonexistent")).temperature, 1.0);
+        assert_eq!(sampling_defaults(Path::new("/nonexistent")).unwrap().temperature, 1.0);
+    }
+
+    /// A file that cannot be read as JSON is an error naming it, never a hang (a FIFO) or
+    /// silently made-up defaults.
+    #[test]
+    fn a_broken_generation_config_is_an_error_naming_it() {
+        let e = defaults_of("{not json").unwrap_err().to_string();
+        assert!(e.contains("generation_config.json"), "{e}");
+        #[cfg(unix)]
+        {
+            let dir = tempdir();
+            let fifo = dir.join("generation_config.json");
+            let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+            // SAFETY: a valid C string; mkfifo only creates the node.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            let e = sampling_defaults(&dir).unwrap_err().to_string();
+            let _ = std::fs::remove_dir_all(&dir);
+            assert!(e.contains("generation_config.json"), "{e}");
+        }
     }
 }

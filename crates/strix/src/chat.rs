@@ -171,8 +171,8 @@ impl ChatTemplate {
 
         let jinja_path = dir.join("chat_template.jinja");
         let json_path = dir.join("chat_template.json");
-        let (source, file) = if jinja_path.is_file() {
-            let source = std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?;
+        let (source, file) = if jinja_path.symlink_metadata().is_ok() {
+            let source = crate::files::read_text(&jinja_path, crate::files::TEMPLATE_CAP)?;
             (source, jinja_path)
         } else if let Some(source) = template_field(read_json(&json_path)?.as_ref(), &json_path)? {
             (source, json_path)
@@ -250,13 +250,13 @@ impl ChatTemplate {
     }
 }
 
-/// A JSON file's contents, `None` when the file does not exist.
+/// A JSON file's contents, `None` when the file does not exist (one that is there but not a
+/// regular file, or over the JSON cap, is an error).
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
-    if !path.is_file() {
+    if path.symlink_metadata().is_err() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| Error::config(path, format!("invalid JSON: {e}")))
+    crate::files::read_json(path).map(Some)
 }
 
 /// The `chat_template` field: a string, or named templates of which `default` is used.

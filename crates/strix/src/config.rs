@@ -2,14 +2,18 @@
 //!
 //! Two layouts exist: `model_type: qwen3_5` (the published multimodal checkpoints, text fields
 //! under `text_config`) and `model_type: qwen3_5_text` (flat). Every field the forward pass
-//! depends on is validated here, so the model code can trust the numbers.
+//! depends on is validated here, so the model code can trust the numbers, and a field that
+//! asks for something the model does not implement (`hidden_act: gelu`, scaled RoPE, biases)
+//! is refused rather than ignored. Files are read through [`crate::files`] (regular files
+//! under the JSON cap).
 
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
 use crate::backend::ValueHeadOrder;
-use crate::error::{Error, Result};
+use crate::error::{printable, Error, Result};
+use crate::files;
 
 /// The token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,15 +60,16 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     /// Reads `config.json` (and `generation_config.json` when present) from a model directory.
+    /// A path that is not a directory, or a directory without `config.json`, is an
+    /// [`Error::NotAModel`] naming it.
     pub fn from_model_dir(dir: &Path) -> Result<ModelConfig> {
+        check_model_dir(dir)?;
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = files::read_text(&path, files::JSON_CAP)?;
         let mut config = ModelConfig::from_json_str(&text, &path)?;
         let gen_path = dir.join("generation_config.json");
-        if gen_path.exists() {
-            let text = std::fs::read_to_string(&gen_path).map_err(|e| Error::io(&gen_path, e))?;
-            let value: Value = serde_json::from_str(&text)
-                .map_err(|e| Error::config(&gen_path, format!("invalid JSON: {e}")))?;
+        if gen_path.symlink_metadata().is_ok() {
+            let value = files::read_json(&gen_path)?;
             if let Some(eos) = value.get("eos_token_id") {
                 for id in token_ids(eos, "eos_token_id", &gen_path)? {
                     if !config.eos_token_ids.contains(&id) {
@@ -82,7 +87,16 @@ impl ModelConfig {
             serde_json::from_str(text).map_err(|e| Error::config(path, format!("invalid JSON: {e}")))?;
         let root =
             root.as_object().ok_or_else(|| Error::config(path, "expected a JSON object at the top level"))?;
-        let model_type = root.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let model_type = match root.get("model_type") {
+            None | Some(Value::Null) => "",
+            Some(Value::String(s)) => s.as_str(),
+            Some(v) => {
+                return Err(Error::config(
+                    path,
+                    format!("field `model_type` must be a string, got {}", json_shown(v)),
+                ))
+            }
+        };
         let fields = Fields { path, obj: root, scope: String::new() };
         let text = match model_type {
             "qwen3_5" => {
@@ -96,7 +110,10 @@ impl ModelConfig {
             other => {
                 return Err(Error::config(
                     path,
-                    format!("unknown model_type `{other}`: strix runs Qwen3.5 (`qwen3_5`, `qwen3_5_text`)"),
+                    format!(
+                        "unknown model_type `{}`: strix runs Qwen3.5 (`qwen3_5`, `qwen3_5_text`)",
+                        printable(other)
+                    ),
                 ))
             }
         };
@@ -181,9 +198,10 @@ impl ModelConfig {
                 self.linear_num_v_heads, self.linear_num_k_heads
             ));
         }
-        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return bad(format!(
-                "partial_rotary_factor gives a rotary dimension of {} for head_dim {}: it must be even and at most head_dim",
+                "partial_rotary_factor (rope.dimension_count in GGUF) gives a rotary dimension of {} for \
+                 head_dim {}: it must be even, positive and at most head_dim",
                 self.rotary_dim, self.head_dim
             ));
         }
@@ -222,7 +240,11 @@ impl Fields<'_> {
             Some(v) => v.as_u64().map(|v| v as usize).ok_or_else(|| {
                 Error::config(
                     self.path,
-                    format!("field `{}{name}` must be a non-negative integer, got {v}", self.scope),
+                    format!(
+                        "field `{}{name}` must be a non-negative integer, got {}",
+                        self.scope,
+                        json_shown(v)
+                    ),
                 )
             }),
             None => Err(Error::config(self.path, format!("missing field `{}{name}`", self.scope))),
@@ -240,7 +262,10 @@ impl Fields<'_> {
     fn f64_opt(&self, name: &str) -> Result<Option<f64>> {
         match self.get(name) {
             Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                Error::config(self.path, format!("field `{}{name}` must be a number, got {v}", self.scope))
+                Error::config(
+                    self.path,
+                    format!("field `{}{name}` must be a number, got {}", self.scope, json_shown(v)),
+                )
             }),
             None => Ok(None),
         }
@@ -251,13 +276,74 @@ impl Fields<'_> {
             Some(v) => v.as_bool().map(Some).ok_or_else(|| {
                 Error::config(
                     self.path,
-                    format!("field `{}{name}` must be true or false, got {v}", self.scope),
+                    format!("field `{}{name}` must be true or false, got {}", self.scope, json_shown(v)),
                 )
             }),
             None => Ok(None),
         }
     }
+
+    fn str_opt(&self, name: &str) -> Result<Option<&str>> {
+        match self.get(name) {
+            Some(v) => v.as_str().map(Some).ok_or_else(|| {
+                Error::config(
+                    self.path,
+                    format!("field `{}{name}` must be a string, got {}", self.scope, json_shown(v)),
+                )
+            }),
+            None => Ok(None),
+        }
+    }
+
+    /// An optional object field, as the fields of its own scope.
+    fn object_opt(&self, name: &str) -> Result<Option<Fields<'_>>> {
+        match self.get(name) {
+            Some(Value::Object(obj)) => {
+                Ok(Some(Fields { path: self.path, obj, scope: format!("{}{name}.", self.scope) }))
+            }
+            Some(v) => Err(Error::config(
+                self.path,
+                format!("field `{}{name}` must be an object, got {}", self.scope, json_shown(v)),
+            )),
+            None => Ok(None),
+        }
+    }
 }
+
+/// A JSON value from a file as a message quotes it: its JSON text (control characters are
+/// escaped by JSON already), capped in length.
+fn json_shown(v: &Value) -> String {
+    printable(&v.to_string())
+}
+
+/// Refuses a path that is not a model directory: not a directory at all, or one without
+/// `config.json` (so the user hears that first, not about a missing tokenizer or weights).
+pub fn check_model_dir(dir: &Path) -> Result<()> {
+    let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
+    if !meta.is_dir() {
+        // A FIFO or a device is said to be one (and never opened).
+        files::regular_file_metadata(dir)?;
+        return Err(Error::not_a_model(
+            dir,
+            "not a model directory (a model is a directory with config.json and *.safetensors \
+             weights, or a .gguf file)",
+        ));
+    }
+    let config = dir.join("config.json");
+    match config.symlink_metadata() {
+        Ok(_) => files::regular_file_metadata(&config).map(|_| ()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::not_a_model(
+            dir,
+            "not a model directory: it has no config.json (a model directory holds config.json, \
+             the *.safetensors weights and tokenizer.json)",
+        )),
+        Err(e) => Err(Error::io(config, e)),
+    }
+}
+
+/// The activations `hidden_act` may name: Qwen3.5's MLP is SwiGLU, `silu` (transformers'
+/// `swish` is the same function).
+const SUPPORTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
 
 /// A bound on `num_hidden_layers`, checked before anything is allocated per layer.
 const MAX_LAYERS: usize = 1 << 16;
@@ -279,21 +365,70 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
         None => 0,
     };
 
+    // What the forward pass implements, and nothing else: a field asking for another
+    // activation, biased projections or scaled RoPE is refused, not ignored.
+    if let Some(act) = t.str_opt("hidden_act")? {
+        if !SUPPORTED_ACTIVATIONS.contains(&act) {
+            return Err(Error::config(
+                path,
+                format!(
+                    "`{}hidden_act` is `{}`: the Qwen3.5 MLP strix implements uses `silu`",
+                    t.scope,
+                    printable(act)
+                ),
+            ));
+        }
+    }
+    if t.bool_opt("attention_bias")? == Some(true) {
+        return Err(Error::config(
+            path,
+            format!(
+                "`{}attention_bias` is true: attention projections with biases are not implemented",
+                t.scope
+            ),
+        ));
+    }
+    if t.bool_opt("attn_output_gate")? == Some(false) {
+        return Err(Error::config(
+            path,
+            format!("`{}attn_output_gate` is false: Qwen3.5's attention always has its output gate", t.scope),
+        ));
+    }
+    if let Some(scaling) = t.object_opt("rope_scaling")? {
+        let kind = match scaling.str_opt("rope_type")? {
+            Some(k) => Some(k),
+            None => scaling.str_opt("type")?,
+        };
+        if kind != Some("default") {
+            return Err(Error::config(
+                path,
+                format!(
+                    "`{}rope_scaling` asks for {} RoPE scaling: only unscaled RoPE is supported",
+                    t.scope,
+                    kind.map_or("unnamed".to_string(), |k| format!("`{}`", printable(k)))
+                ),
+            ));
+        }
+    }
+
     // rope_parameters is the current form; older configs keep rope_theta and
     // partial_rotary_factor at the top level of the text config.
-    let rope = t.get("rope_parameters").and_then(Value::as_object);
-    let rope_fields = rope.map(|obj| Fields { path, obj, scope: format!("{}rope_parameters.", t.scope) });
+    let rope_fields = t.object_opt("rope_parameters")?;
     let from_rope = |name: &str| -> Result<Option<f64>> {
         match &rope_fields {
             Some(r) => r.f64_opt(name),
             None => Ok(None),
         }
     };
-    if let Some(kind) = rope.and_then(|r| r.get("rope_type")).and_then(Value::as_str) {
+    if let Some(kind) = rope_fields.as_ref().map(|r| r.str_opt("rope_type")).transpose()?.flatten() {
         if kind != "default" {
             return Err(Error::config(
                 path,
-                format!("rope_parameters.rope_type `{kind}` is not supported (only `default`)"),
+                format!(
+                    "{}rope_parameters.rope_type `{}` is not supported (only `default`)",
+                    t.scope,
+                    printable(kind)
+                ),
             ));
         }
     }
@@ -319,12 +454,18 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
                 Some("full_attention") => Ok(LayerKind::Attention),
                 _ => Err(Error::config(
                     path,
-                    format!("layer_types[{i}] is {v}: expected \"linear_attention\" or \"full_attention\""),
+                    format!(
+                        "layer_types[{i}] is {}: expected \"linear_attention\" or \"full_attention\"",
+                        json_shown(v)
+                    ),
                 )),
             })
             .collect::<Result<Vec<_>>>()?,
         Some(other) => {
-            return Err(Error::config(path, format!("field `layer_types` must be a list, got {other}")))
+            return Err(Error::config(
+                path,
+                format!("field `layer_types` must be a list, got {}", json_shown(other)),
+            ))
         }
         None => {
             let interval = t.usize_or("full_attention_interval", 4)?;
@@ -383,7 +524,10 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
 fn token_ids(v: &Value, field: &str, path: &Path) -> Result<Vec<u32>> {
     let one = |v: &Value| {
         v.as_u64().filter(|&id| id <= u32::MAX as u64).map(|id| id as u32).ok_or_else(|| {
-            Error::config(path, format!("`{field}` must be a token id or a list of them, got {v}"))
+            Error::config(
+                path,
+                format!("`{field}` must be a token id or a list of them, got {}", json_shown(v)),
+            )
         })
     };
     match v {

@@ -11,6 +11,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod generate;
 pub mod gguf;
 pub mod hub;

@@ -30,19 +30,59 @@ impl TensorSource for Checkpoint {
     }
 }
 
-/// Whether `path` names a GGUF file rather than a model directory: a file whose name ends in
-/// `.gguf` or whose first bytes are GGUF's magic.
+/// Whether `path` names a GGUF file rather than a model directory: anything but a directory
+/// whose name ends in `.gguf` (so that a `.gguf` FIFO or git-lfs pointer reaches the GGUF
+/// loader and is refused there with its reason), or a regular file whose first bytes are
+/// GGUF's magic. Never blocks: a FIFO is not opened.
 pub fn is_gguf_path(path: &Path) -> bool {
-    if !path.is_file() {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return false;
+    };
+    if meta.is_dir() {
         return false;
     }
     if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
         return true;
     }
     let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok_and(|_| magic == crate::gguf::GGUF_MAGIC)
+    crate::files::open_regular(path)
+        .is_ok_and(|(mut f, _)| std::io::Read::read_exact(&mut f, &mut magic).is_ok())
+        && magic == crate::gguf::GGUF_MAGIC
+}
+
+/// What a path given as a model is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// A Hugging Face model directory (`config.json`, safetensors weights).
+    Directory,
+    /// A llama.cpp GGUF file.
+    Gguf,
+}
+
+/// Tells what `path` is as a model before anything is loaded, so the first error a user sees
+/// is the right one: a path that does not exist ([`Error::Io`]), a directory without
+/// `config.json` or a file that is neither GGUF nor a directory ([`Error::NotAModel`]), a
+/// special file or a git-lfs pointer in place of a GGUF file ([`Error::File`]).
+pub fn model_format(path: &Path) -> Result<ModelFormat> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_dir() {
+        crate::config::check_model_dir(path)?;
+        return Ok(ModelFormat::Directory);
+    }
+    let (file, _) = crate::files::open_regular(path)?;
+    let mut head = Vec::with_capacity(1024);
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, 1024), &mut head)
+        .map_err(|e| Error::io(path, e))?;
+    crate::files::check_not_lfs_pointer(path, &head)?;
+    if head.starts_with(&crate::gguf::GGUF_MAGIC)
+        || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return Ok(ModelFormat::Gguf);
+    }
+    Err(Error::not_a_model(
+        path,
+        "not a model: neither a model directory (config.json and *.safetensors weights) nor a GGUF file",
+    ))
 }
 
 pub struct DeltaNetWeights<B: Backend> {
@@ -120,7 +160,8 @@ pub type Progress<'a> = &'a dyn Fn(u64, u64);
 
 impl<B: Backend> Model<B> {
     /// Loads `config.json` and the safetensors weights of a model directory. `progress` follows
-    /// the read of the files (bytes done, bytes in all).
+    /// the read of the files (bytes done, bytes in all). A path that is not a model directory
+    /// is an [`Error::NotAModel`] (see [`model_format`]).
     pub fn load(dir: &Path, backend: B, progress: Option<Progress>) -> Result<Model<B>> {
         let config = ModelConfig::from_model_dir(dir)?;
         let ckpt = Checkpoint::open_dir(dir)?;

@@ -12,7 +12,8 @@
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use crate::error::{Error, Result};
+use crate::error::{printable, printable_capped, Error, Result};
+use crate::files;
 
 /// A checkpoint's tokenizer. Cloning is cheap (the vocabulary is shared), so a
 /// [`StreamDecoder`] can own a clone next to the generation loop that owns the original.
@@ -30,10 +31,11 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Reads a `tokenizer.json`. Errors name the file.
+    /// Reads a `tokenizer.json`: a regular file under [`files::TOKENIZER_CAP`], not a
+    /// git-lfs pointer. Errors name the file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = files::read_capped(path, files::TOKENIZER_CAP)?;
         Self::from_bytes(&bytes)
             .map_err(|e| Error::Tokenizer(format!("{}: {}", path.display(), tokenizer_message(e))))
     }
@@ -41,14 +43,18 @@ impl Tokenizer {
     /// Parses the contents of a `tokenizer.json`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| Error::Tokenizer(format!("invalid tokenizer.json: {e}")))?;
+            // The parser's message may quote the file (an unknown variant): capped.
+            .map_err(|e| {
+                Error::Tokenizer(format!("invalid tokenizer.json: {}", printable_capped(&e.to_string(), 400)))
+            })?;
         Ok(Tokenizer { inner: Arc::new(inner), pieces: Arc::default() })
     }
 
-    /// The tokenizer of a model directory, or `None` when it has no `tokenizer.json`.
+    /// The tokenizer of a model directory, or `None` when it has no `tokenizer.json` (one
+    /// that is there but not a regular file is an error, not `None`).
     pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<Option<Self>> {
         let path = dir.as_ref().join("tokenizer.json");
-        if !path.is_file() {
+        if path.symlink_metadata().is_err() {
             return Ok(None);
         }
         Self::from_file(&path).map(Some)
@@ -313,7 +319,8 @@ fn gguf_tokenizer_json(file: &crate::gguf::GgufFile) -> Result<serde_json::Value
     let model = file.get_str("tokenizer.ggml.model").map_err(|e| bad(e.to_string()))?;
     if model != "gpt2" {
         return Err(bad(format!(
-            "tokenizer.ggml.model is `{model}`: only byte-level BPE (`gpt2`) tokenizers are supported"
+            "tokenizer.ggml.model is `{}`: only byte-level BPE (`gpt2`) tokenizers are supported",
+            printable(model)
         )));
     }
     let pre = file.get_str("tokenizer.ggml.pre").map_err(|e| bad(e.to_string()))?;
@@ -322,7 +329,8 @@ fn gguf_tokenizer_json(file: &crate::gguf::GgufFile) -> Result<serde_json::Value
         "qwen2" => (QWEN2_PATTERN, false),
         other => {
             return Err(bad(format!(
-                "tokenizer.ggml.pre is `{other}`: strix knows the pre-tokenizers `qwen35` and `qwen2`"
+                "tokenizer.ggml.pre is `{}`: strix knows the pre-tokenizers `qwen35` and `qwen2`",
+                printable(other)
             )))
         }
     };
@@ -353,7 +361,7 @@ fn gguf_tokenizer_json(file: &crate::gguf::GgufFile) -> Result<serde_json::Value
             })),
             _ => {
                 if vocab.insert(tok.clone(), Value::from(id)).is_some() {
-                    return Err(bad(format!("tokenizer.ggml.tokens has `{tok}` twice")));
+                    return Err(bad(format!("tokenizer.ggml.tokens has `{}` twice", printable(tok))));
                 }
             }
         }
@@ -363,9 +371,10 @@ fn gguf_tokenizer_json(file: &crate::gguf::GgufFile) -> Result<serde_json::Value
         .enumerate()
         .map(|(i, m)| match m.split_once(' ') {
             Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => Ok(json!([a, b])),
-            _ => {
-                Err(bad(format!("tokenizer.ggml.merges[{i}] is `{m}`, not two tokens separated by a space")))
-            }
+            _ => Err(bad(format!(
+                "tokenizer.ggml.merges[{i}] is `{}`, not two tokens separated by a space",
+                printable(m)
+            ))),
         })
         .collect::<Result<Vec<_>>>()?;
     let byte_level = |prefix: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": prefix, "use_regex": prefix});

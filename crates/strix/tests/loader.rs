@@ -840,10 +840,14 @@ fn index_with_unlisted_extra_shard_tensors_still_loads() {
 
 #[test]
 fn missing_config_json_is_named() {
+    // Said once, of the directory, as what it is: not a model directory, for want of config.json.
     let dir = copy_fixture(VLM);
     fs::remove_file(dir.path().join("config.json")).unwrap();
-    let msg = load_err(dir.path());
-    assert_mentions(&msg, &[&shown(dir.path(), "config.json"), "No such file"]);
+    let err = load(dir.path()).err().expect("a directory without config.json loaded");
+    assert!(matches!(err, strix::Error::NotAModel { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert_mentions(&msg, &[&dir.path().display().to_string(), "not a model directory", "no config.json"]);
+    assert!(!msg.contains("os error"), "{msg}");
 }
 
 #[test]

@@ -4,16 +4,20 @@
 //! A [`Checkpoint`] maps tensor names to their bytes without copying. Only the tensors the
 //! model asks for are checked for dtype and shape, so tensors the text model never uses
 //! (`model.visual.*`, `mtp.*`, odd dtypes among them) do not stop a load.
+//!
+//! Files are opened through [`crate::files`]: regular files only, the index under the JSON
+//! cap, a git-lfs pointer in place of a shard named as such. Names read from the files
+//! (tensors, shards) are quoted through [`printable`] in messages.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors};
 
-use crate::error::{Error, Result};
+use crate::error::{printable, printable_capped, Error, Result};
+use crate::files;
 use crate::tensor::{Bytes, DType, HostTensor};
 
 struct Entry {
@@ -36,11 +40,12 @@ impl Checkpoint {
     /// present, else `model.safetensors`, else the only `*.safetensors` file.
     pub fn open_dir(dir: &Path) -> Result<Checkpoint> {
         let index = dir.join("model.safetensors.index.json");
-        if index.exists() {
+        // Present, even as a dangling link (a download cut short): the error names it.
+        if index.symlink_metadata().is_ok() {
             return Checkpoint::open_index(&index);
         }
         let single = dir.join("model.safetensors");
-        if single.exists() {
+        if single.symlink_metadata().is_ok() {
             return Checkpoint::open_files(&[single]);
         }
         let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -59,7 +64,7 @@ impl Checkpoint {
                 let names: Vec<String> = many
                     .iter()
                     .filter_map(|p| p.file_name())
-                    .map(|n| n.to_string_lossy().into_owned())
+                    .map(|n| printable(&n.to_string_lossy()))
                     .collect();
                 Err(Error::checkpoint(
                     dir,
@@ -75,19 +80,39 @@ impl Checkpoint {
 
     /// Opens the shards named by a `model.safetensors.index.json`.
     pub fn open_index(index: &Path) -> Result<Checkpoint> {
-        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::checkpoint(index, format!("invalid JSON: {e}")))?;
+        let value = files::read_json(index).map_err(|e| match e {
+            Error::Config { file, message } => Error::Checkpoint { file, message },
+            other => other,
+        })?;
         let map = value
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| Error::checkpoint(index, "missing object `weight_map`"))?;
+        if map.is_empty() {
+            return Err(Error::checkpoint(index, "`weight_map` lists no tensors"));
+        }
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut shards: BTreeMap<String, ()> = BTreeMap::new();
         for (name, file) in map {
             let file = file.as_str().ok_or_else(|| {
-                Error::checkpoint(index, format!("weight_map entry for `{name}` is not a file name"))
+                Error::checkpoint(
+                    index,
+                    format!("weight_map entry for `{}` is not a file name", printable(name)),
+                )
             })?;
+            // A shard is a file of the model directory: a name that leads elsewhere
+            // (`../x`, `/etc/x`, `a/b`) is a broken or hostile index.
+            if !is_plain_file_name(file) {
+                return Err(Error::checkpoint(
+                    index,
+                    format!(
+                        "weight_map puts tensor `{}` in `{}`, which is not the name of a file in the \
+                         model directory",
+                        printable(name),
+                        printable(file)
+                    ),
+                ));
+            }
             shards.insert(file.to_string(), ());
         }
         let paths: Vec<PathBuf> = shards.keys().map(|f| dir.join(f)).collect();
@@ -95,7 +120,10 @@ impl Checkpoint {
             if !p.exists() {
                 return Err(Error::checkpoint(
                     index,
-                    format!("shard {} listed in weight_map does not exist", p.display()),
+                    format!(
+                        "shard {} listed in weight_map does not exist",
+                        printable(&p.display().to_string())
+                    ),
                 ));
             }
         }
@@ -110,7 +138,9 @@ impl Checkpoint {
                     return Err(Error::checkpoint(
                         index,
                         format!(
-                            "weight_map says tensor `{name}` is in {file}, but that shard does not hold it"
+                            "weight_map says tensor `{}` is in {}, but that shard does not hold it",
+                            printable(name),
+                            printable(file)
                         ),
                     ))
                 }
@@ -124,10 +154,7 @@ impl Checkpoint {
         let mut files = Vec::new();
         let mut entries = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
-            let file = File::open(path).map_err(|e| Error::io(path, e))?;
-            // SAFETY: the file is opened read-only; strix never writes checkpoint files while
-            // they are mapped (modifying one under a running process is outside our contract).
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+            let map = files::map_regular(path)?;
             let (header_len, metadata) = SafeTensors::read_metadata(&map)
                 .map_err(|e| Error::checkpoint(path, describe_safetensors_error(&e, &map)))?;
             let base = 8 + header_len;
@@ -143,7 +170,7 @@ impl Checkpoint {
                 if entries.insert(name.clone(), entry).is_some() {
                     return Err(Error::checkpoint(
                         path,
-                        format!("tensor `{name}` is defined in more than one file"),
+                        format!("tensor `{}` is defined in more than one file", printable(&name)),
                     ));
                 }
             }
@@ -220,7 +247,27 @@ impl Checkpoint {
             ));
         }
         let bytes = Bytes::Mapped { map: map.clone(), range: entry.start..entry.end }.aligned(dtype.align());
-        Ok(HostTensor { name: name.to_string(), dtype, shape: entry.shape.clone(), bytes })
+        let t = HostTensor { name: name.to_string(), dtype, shape: entry.shape.clone(), bytes };
+        if shape.len() != 2 {
+            check_finite(&t).map_err(|m| Error::checkpoint(path, m))?;
+        }
+        Ok(t)
+    }
+}
+
+/// Refuses a tensor holding NaN or ±inf. Meant for the small tensors that are not matrices
+/// (norms, `A_log`, `dt_bias`, conv1d: thousands of values, read whole at load anyway); a
+/// non-finite value there poisons every logit. The matrices are not scanned: that would read
+/// every weight at load, and non-finite logits are caught where tokens are sampled.
+pub(crate) fn check_finite(t: &HostTensor) -> std::result::Result<(), String> {
+    let values = t.to_f32_vec();
+    match values.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "tensor `{}` holds {} at index {i}: a damaged checkpoint",
+            printable(&t.name),
+            values[i]
+        )),
     }
 }
 
@@ -232,9 +279,10 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, file: &[u8]) -> 
         // safetensors does not say which entry is wrong: find it.
         E::TensorInvalidInfo | E::ValidationOverflow | E::MisalignedSlice => match inconsistent_entry(file) {
             Some(name) => format!(
-                "corrupt safetensors header: the dtype and shape of tensor `{name}` do not match its data_offsets"
+                "corrupt safetensors header: the dtype and shape of tensor `{}` do not match its data_offsets",
+                printable(&name)
             ),
-            None => format!("corrupt safetensors header: {e}"),
+            None => format!("corrupt safetensors header: {}", foreign(e)),
         },
         E::InvalidHeaderLength => {
             "corrupt safetensors header: its declared length runs past the end of the file (truncated?)".into()
@@ -243,10 +291,24 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, file: &[u8]) -> 
             "truncated or padded safetensors file: the tensor data does not end where the header says".into()
         }
         E::InvalidHeader(_) | E::InvalidHeaderDeserialization(_) | E::JsonError(_) => {
-            format!("corrupt safetensors header: {e}")
+            format!("corrupt safetensors header: {}", foreign(e))
         }
-        other => format!("invalid safetensors file: {other}"),
+        other => format!("invalid safetensors file: {}", foreign(other)),
     }
+}
+
+/// The safetensors crate's message, which may quote the header (serde's "unknown variant
+/// `…`"), made printable and capped.
+fn foreign(e: &safetensors::SafeTensorError) -> String {
+    printable_capped(&e.to_string(), 400)
+}
+
+/// Whether `name` names a file directly inside a directory: one normal path component, no
+/// separator of any platform.
+fn is_plain_file_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!((parts.next(), parts.next()), (Some(Component::Normal(_)), None))
+        && !name.contains(['/', '\\', '\0'])
 }
 
 /// The first header entry whose byte range does not hold `shape` elements of `dtype`.

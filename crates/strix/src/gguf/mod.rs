@@ -9,9 +9,14 @@
 //!
 //! [`GgufFile::open`] checks everything a later access relies on before returning: counts
 //! and lengths against the bytes left, types, dimension counts, element and byte counts
-//! for overflow, row lengths against block sizes, and every tensor's byte range against
-//! the file size. A bad file is an [`Error::Checkpoint`] naming the file and the fault, never
-//! a panic; past `open`, tensor accesses cannot go out of bounds.
+//! for overflow, row lengths against block sizes, every tensor's byte range against the
+//! file size, and that the tensors' data tile the data section as llama.cpp lays it out
+//! (each tensor padded to the alignment, no overlaps, no gaps, nothing after the last): a
+//! tensor whose type or dims were changed, so that its bytes no longer match the space it
+//! was given, is refused as llama.cpp refuses it. A bad file is an [`Error::Checkpoint`]
+//! naming the file and the fault, never a panic; past `open`, tensor accesses cannot go out
+//! of bounds. Only a regular file is opened ([`crate::files`]); strings of the file (keys,
+//! tensor names, values) are quoted through [`printable`] in messages.
 
 pub mod q5_0;
 pub mod qwen35;
@@ -21,14 +26,14 @@ pub use qwen35::Qwen35Gguf;
 pub use writer::GgufWriter;
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::error::{Error, Result};
+use crate::error::{printable, Error, Result};
+use crate::files;
 use crate::quant::{self, QuantType};
 use crate::tensor::{Bytes, DType, HostTensor};
 
@@ -193,11 +198,25 @@ impl GgufValue {
         })
     }
 
-    /// "u32", "array of string"... for error messages.
+    /// "u32", "array of string (3 elements)"... for error messages.
     pub fn type_description(&self) -> String {
         match self {
-            GgufValue::Array(a) => format!("array of {}", a.element_type().name()),
+            GgufValue::Array(a) => a.type_description(),
             v => v.value_type().name().to_string(),
+        }
+    }
+
+    /// The value for an error message: a scalar as it is (a string quoted through
+    /// [`printable`]), an array by its type and length only, never its contents.
+    pub fn summary(&self) -> String {
+        use GgufValue as V;
+        match self {
+            V::String(s) => format!("the string \"{}\"", printable(s)),
+            V::Array(a) => a.type_description(),
+            V::Bool(b) => format!("bool {b}"),
+            V::F32(x) => format!("f32 {x}"),
+            V::F64(x) => format!("f64 {x}"),
+            v => format!("{} {}", v.value_type().name(), v.as_i128().unwrap_or_default()),
         }
     }
 }
@@ -244,6 +263,11 @@ impl GgufArray {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// "array of u8 (740 elements)", for error messages.
+    pub fn type_description(&self) -> String {
+        format!("array of {} ({} elements)", self.element_type().name(), self.len())
     }
 }
 
@@ -345,14 +369,10 @@ impl GgufFile {
     /// Maps `path` and validates its header, metadata and tensor table.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-        if len < 4 {
-            return Err(Error::checkpoint(path, format!("not a GGUF file: only {len} bytes long")));
+        let map = files::map_regular(path)?;
+        if map.len() < 4 {
+            return Err(Error::checkpoint(path, format!("not a GGUF file: only {} bytes long", map.len())));
         }
-        // SAFETY: the file is opened read-only; strix never writes a model file while it is
-        // mapped (modifying one under a running process is outside our contract).
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let parsed = parse(&map).map_err(|m| Error::checkpoint(path, m))?;
         let metadata_index = parsed.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
         let tensor_index = parsed.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
@@ -400,17 +420,22 @@ impl GgufFile {
     }
 
     fn required(&self, key: &str) -> Result<&GgufValue> {
-        self.metadata(key).ok_or_else(|| self.err(format!("metadata key `{key}` is missing")))
+        self.metadata(key).ok_or_else(|| self.err(format!("metadata key `{}` is missing", printable(key))))
     }
 
     fn wrong_type(&self, key: &str, want: &str, got: &GgufValue) -> Error {
-        self.err(format!("metadata key `{key}` is {}, expected {want}", got.type_description()))
+        self.wrong_type_named(key, want, &got.type_description())
+    }
+
+    fn wrong_type_named(&self, key: &str, want: &str, got: &str) -> Error {
+        self.err(format!("metadata key `{}` is {got}, expected {want}", printable(key)))
     }
 
     fn get_int<T: TryFrom<i128>>(&self, key: &str, want: &str) -> Result<T> {
         let v = self.required(key)?;
         let i = v.as_i128().ok_or_else(|| self.wrong_type(key, want, v))?;
-        T::try_from(i).map_err(|_| self.err(format!("metadata key `{key}` = {i} does not fit in {want}")))
+        T::try_from(i)
+            .map_err(|_| self.err(format!("metadata key `{}` = {i} does not fit in {want}", printable(key))))
     }
 
     /// An integer value of any integer type that fits in a u32 (converters differ in which
@@ -476,21 +501,21 @@ impl GgufFile {
     pub fn get_str_array(&self, key: &str) -> Result<&[String]> {
         match self.get_array(key)? {
             GgufArray::String(v) => Ok(v),
-            a => Err(self.wrong_type(key, "array of string", &GgufValue::Array(a.clone()))),
+            a => Err(self.wrong_type_named(key, "array of string", &a.type_description())),
         }
     }
 
     pub fn get_f32_array(&self, key: &str) -> Result<&[f32]> {
         match self.get_array(key)? {
             GgufArray::F32(v) => Ok(v),
-            a => Err(self.wrong_type(key, "array of f32", &GgufValue::Array(a.clone()))),
+            a => Err(self.wrong_type_named(key, "array of f32", &a.type_description())),
         }
     }
 
     pub fn get_i32_array(&self, key: &str) -> Result<&[i32]> {
         match self.get_array(key)? {
             GgufArray::I32(v) => Ok(v),
-            a => Err(self.wrong_type(key, "array of i32", &GgufValue::Array(a.clone()))),
+            a => Err(self.wrong_type_named(key, "array of i32", &a.type_description())),
         }
     }
 
@@ -510,9 +535,11 @@ impl GgufFile {
             GgufArray::I32(v) => conv(v, |x| x.try_into().ok()),
             GgufArray::U64(v) => conv(v, |x| x.try_into().ok()),
             GgufArray::I64(v) => conv(v, |x| x.try_into().ok()),
-            _ => return Err(self.wrong_type(key, "array of integers", &GgufValue::Array(a.clone()))),
+            _ => return Err(self.wrong_type_named(key, "array of integers", &a.type_description())),
         };
-        out.ok_or_else(|| self.err(format!("metadata key `{key}` has an element that does not fit in u32")))
+        out.ok_or_else(|| {
+            self.err(format!("metadata key `{}` has an element that does not fit in u32", printable(key)))
+        })
     }
 
     /// The tensor table in file order.
@@ -751,10 +778,12 @@ fn parse(buf: &[u8]) -> PResult<Parsed> {
             return Err(format!("metadata pair {i} has an empty key"));
         }
         if seen.insert(key.clone(), i).is_some() {
-            return Err(format!("metadata key `{key}` appears twice"));
+            return Err(format!("metadata key `{}` appears twice", printable(&key)));
         }
-        let value =
-            c.value_type().and_then(|ty| c.value(ty)).map_err(|e| format!("metadata key `{key}`: {e}"))?;
+        let value = c
+            .value_type()
+            .and_then(|ty| c.value(ty))
+            .map_err(|e| format!("metadata key `{}`: {e}", printable(&key)))?;
         metadata.push((key, value));
     }
 
@@ -777,7 +806,7 @@ fn parse(buf: &[u8]) -> PResult<Parsed> {
     for i in 0..n_tensors {
         let name = c.string().map_err(|e| format!("tensor info {i}: name: {e}"))?;
         if names.insert(name.clone(), i).is_some() {
-            return Err(format!("tensor `{name}` appears twice"));
+            return Err(format!("tensor `{}` appears twice", printable(&name)));
         }
         let info = (|| -> PResult<Raw> {
             let n_dims = c.u32()?;
@@ -810,7 +839,7 @@ fn parse(buf: &[u8]) -> PResult<Parsed> {
             }
             Ok(Raw { name: String::new(), dims, ty, offset, n_bytes })
         })()
-        .map_err(|e| format!("tensor `{name}`: {e}"))?;
+        .map_err(|e| format!("tensor `{}`: {e}", printable(&name)))?;
         raw.push(Raw { name, ..info });
     }
 
@@ -837,7 +866,7 @@ fn parse(buf: &[u8]) -> PResult<Parsed> {
                     format!(
                         "tensor `{}` ({}, dims {:?}, {} bytes at data offset {}) extends past the end of \
                          the file ({} bytes): truncated or corrupt",
-                        r.name,
+                        printable(&r.name),
                         r.ty,
                         r.dims,
                         r.n_bytes,
@@ -848,6 +877,72 @@ fn parse(buf: &[u8]) -> PResult<Parsed> {
             Ok(GgufTensorInfo { name: r.name, dims: r.dims, ty: r.ty, offset: r.offset, range })
         })
         .collect::<PResult<Vec<_>>>()?;
+    check_layout(&tensors, alignment, data_offset, buf.len())?;
 
     Ok(Parsed { version, alignment, data_offset, metadata, tensors })
+}
+
+/// Checks that the tensors' data tile the data section as every GGUF writer lays it out
+/// (llama.cpp's `gguf_init_from_file` requires it): sorted by offset, each tensor starts
+/// where the previous one's data, padded to the alignment, ends; the first at the start of
+/// the section; the file ends within the padding of the last. Tensors whose data overlap
+/// fail this, and so does a tensor whose type or dims were changed to fit fewer bytes than
+/// it was given: its byte range alone would still be in bounds, but its weights would be
+/// read from another tensor's bytes.
+fn check_layout(
+    tensors: &[GgufTensorInfo],
+    alignment: usize,
+    data_offset: usize,
+    file_len: usize,
+) -> PResult<()> {
+    let mut order: Vec<&GgufTensorInfo> = tensors.iter().filter(|t| !t.range.is_empty()).collect();
+    order.sort_by_key(|t| (t.range.start, t.range.end));
+    let describe = |t: &GgufTensorInfo| {
+        format!(
+            "tensor `{}` ({}, dims {:?}, {} bytes at data offset {})",
+            printable(&t.name),
+            t.ty,
+            t.dims,
+            t.n_bytes(),
+            t.offset
+        )
+    };
+    let mut expected = data_offset;
+    let mut previous: Option<&GgufTensorInfo> = None;
+    for t in order {
+        if t.range.start != expected {
+            return Err(match previous {
+                None => format!(
+                    "{} is the first tensor of the data section, but it starts {} bytes into it: \
+                     corrupt tensor table",
+                    describe(t),
+                    t.range.start - data_offset
+                ),
+                Some(p) if t.range.start < expected => {
+                    format!("{} overlaps {}: corrupt tensor table", describe(t), describe(p))
+                }
+                Some(p) => format!(
+                    "{} is followed by {} bytes that belong to no tensor before {}: the type or dims of \
+                     a tensor were changed, or the tensor table is corrupt",
+                    describe(p),
+                    t.range.start - expected,
+                    describe(t)
+                ),
+            });
+        }
+        // In bounds (checked above), so neither this nor the rounding overflows.
+        expected = t.range.end.next_multiple_of(alignment);
+        previous = Some(t);
+    }
+    if let Some(last) = previous {
+        if file_len > expected {
+            return Err(format!(
+                "{} is the last tensor, but {} bytes follow its data to the end of the file: the type \
+                 or dims of a tensor were changed, or the file is corrupt",
+                describe(last),
+                file_len - expected
+            ));
+        }
+    }
+    Ok(())
 }

@@ -31,7 +31,7 @@ use std::path::Path;
 
 use crate::backend::ValueHeadOrder;
 use crate::config::{LayerKind, ModelConfig};
-use crate::error::{Error, Result};
+use crate::error::{printable, Error, Result};
 use crate::model::TensorSource;
 use crate::quant::on_load::{QuantScheme, QuantizingSource};
 use crate::quant::QuantType;
@@ -159,7 +159,10 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     if arch != ARCH {
         return Err(meta_err(
             f,
-            format!("general.architecture is `{arch}`: strix runs Qwen3.5 GGUF files (`{ARCH}`)"),
+            format!(
+                "general.architecture is `{}`: strix runs Qwen3.5 GGUF files (`{ARCH}`)",
+                printable(arch)
+            ),
         ));
     }
     let key = |k: &str| format!("{ARCH}.{k}");
@@ -180,6 +183,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     if num_layers > 1 << 16 {
         return Err(meta_err(f, format!("{ARCH}.block_count is {block_count}: not a real model")));
     }
+    check_block_count(f, block_count, num_layers)?;
     let hidden_size = f.get_usize(&key("embedding_length"))?;
     let num_heads = f.get_usize(&key("attention.head_count"))?;
     let head_dim = match opt_usize("attention.key_length")? {
@@ -244,7 +248,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         if *v != super::GgufValue::String("none".into()) {
             return Err(meta_err(
                 f,
-                format!("{ARCH}.rope.scaling.type is {v:?}: only unscaled RoPE is supported"),
+                format!("{ARCH}.rope.scaling.type is {}: only unscaled RoPE is supported", v.summary()),
             ));
         }
     }
@@ -305,6 +309,50 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     };
     config.validate(f.path())?;
     Ok(config)
+}
+
+/// Checks `block_count` against the layers the tensors belong to (`blk.N.…`), as llama.cpp
+/// does when it counts the tensors it loads ("wrong number of tensors"): a tensor of a layer
+/// past `block_count` would be silently left out, and a decoder layer without tensors is a
+/// file cut short. MTP layers (`nextn_predict_layers`, the last of `block_count`) may be
+/// absent: converters drop them.
+fn check_block_count(f: &GgufFile, block_count: usize, num_layers: usize) -> Result<()> {
+    let mut present = vec![false; num_layers];
+    for t in f.tensors() {
+        let Some(layer) = t.name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).map(|(n, _)| n)
+        else {
+            continue;
+        };
+        let Some(layer) = layer.parse::<usize>().ok().filter(|_| layer.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        if layer >= block_count {
+            return Err(meta_err(
+                f,
+                format!(
+                    "tensor `{}` belongs to layer {layer}, but {ARCH}.block_count is {block_count}: wrong \
+                     number of tensors for the layer count (llama.cpp refuses such a file too)",
+                    printable(&t.name)
+                ),
+            ));
+        }
+        if let Some(p) = present.get_mut(layer) {
+            *p = true;
+        }
+    }
+    if let Some(missing) = present.iter().position(|&p| !p) {
+        let held = present.iter().filter(|&&p| p).count();
+        return Err(meta_err(
+            f,
+            format!(
+                "{ARCH}.block_count gives {num_layers} decoder layers, but the file has no tensor of layer \
+                 {missing} (`blk.{missing}.*`; tensors for {held} of them): wrong number of tensors for the \
+                 layer count"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A `qwen35` GGUF file as a [`TensorSource`] that answers to the Hugging Face names the
@@ -368,25 +416,36 @@ impl TensorSource for Qwen35Gguf {
                 info.shape()
             )));
         }
-        match transform {
+        let is_float = matches!(info.ty, QuantType::F32 | QuantType::F16 | QuantType::BF16);
+        // Vectors (norms, biases, A_log) are floats in every file llama.cpp makes and reads;
+        // a block type there is a damaged file, whatever its byte count says.
+        if shape.len() == 1 && !is_float {
+            return Err(self.err(format!(
+                "tensor `{gname}` is {}, but a 1-D tensor (`{name}`) is stored as a float (F32)",
+                info.ty
+            )));
+        }
+        let t = match transform {
             Transform::Plain if DType::from_quant_type(info.ty).is_some() => {
                 let mut t = self.file.host_tensor(&gname)?;
                 t.shape = shape.to_vec();
-                Ok(t)
+                t
             }
             Transform::Plain if q5_0::handles(info.ty) => {
                 let mut v = vec![0f32; info.n_elements()];
                 q5_0::dequantize_row_q5_0(self.file.tensor_bytes(&gname)?, &mut v)
                     .map_err(|e| self.err(format!("tensor `{gname}`: {e}")))?;
-                Ok(Self::owned_f32(&gname, shape, &v))
+                Self::owned_f32(&gname, shape, &v)
             }
-            Transform::Plain => Err(self.err(format!(
-                "tensor `{gname}` is {}, which strix cannot load (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K \
-                 and Q5_0 are supported)",
-                info.ty
-            ))),
+            Transform::Plain => {
+                return Err(self.err(format!(
+                    "tensor `{gname}` is {}, which strix cannot load (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K \
+                     and Q5_0 are supported)",
+                    info.ty
+                )))
+            }
             other => {
-                if !matches!(info.ty, QuantType::F32 | QuantType::F16 | QuantType::BF16) {
+                if !is_float {
                     return Err(self.err(format!(
                         "tensor `{gname}` is {}; llama.cpp stores it as a float (F32)",
                         info.ty
@@ -407,9 +466,13 @@ impl TensorSource for Qwen35Gguf {
                     }
                     _ => {}
                 }
-                Ok(Self::owned_f32(&gname, shape, &v))
+                Self::owned_f32(&gname, shape, &v)
             }
+        };
+        if shape.len() != 2 {
+            crate::checkpoint::check_finite(&t).map_err(|m| self.err(m))?;
         }
+        Ok(t)
     }
 }
 
@@ -669,7 +732,7 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
     use super::{GgufArray, GgufValue};
     use serde_json::Value;
     let path = dir.join("tokenizer.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let text = crate::files::read_text(&path, crate::files::TOKENIZER_CAP)?;
     let json: Value =
         serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
     let bad = |m: String| Error::Tokenizer(format!("{}: {m}", path.display()));
@@ -684,18 +747,19 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
     let mut types = vec![5i32; vocab_size];
     let mut place = |id: u64, tok: &str, ty: i32| -> Result<()> {
         let slot = tokens.get_mut(id as usize).ok_or_else(|| {
-            bad(format!("token `{tok}` has id {id}, past the model's vocab_size {vocab_size}"))
+            bad(format!("token `{}` has id {id}, past the model's vocab_size {vocab_size}", printable(tok)))
         })?;
         *slot = Some(tok.to_string());
         types[id as usize] = ty;
         Ok(())
     };
     for (tok, id) in model["vocab"].as_object().ok_or_else(|| bad("model.vocab is not an object".into()))? {
-        place(id.as_u64().ok_or_else(|| bad(format!("model.vocab[`{tok}`] is not an id")))?, tok, 1)?;
+        let id = id.as_u64().ok_or_else(|| bad(format!("model.vocab[`{}`] is not an id", printable(tok))))?;
+        place(id, tok, 1)?;
     }
     for t in json["added_tokens"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
         let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
-            return Err(bad(format!("added token {t} has no id or content")));
+            return Err(bad(format!("added token {} has no id or content", printable(&t.to_string()))));
         };
         place(id, content, if t["special"] == true { 3 } else { 4 })?;
     }
@@ -710,7 +774,9 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
             Value::Array(p) if p.len() == 2 => {
                 Ok(format!("{} {}", p[0].as_str().unwrap_or(""), p[1].as_str().unwrap_or("")))
             }
-            other => Err(bad(format!("merge {other} is neither \"a b\" nor [a, b]"))),
+            other => {
+                Err(bad(format!("merge {} is neither \"a b\" nor [a, b]", printable(&other.to_string()))))
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     let id_of = |tok: &str| tokens.iter().position(|t| t == tok).map(|i| i as u32);
@@ -723,8 +789,8 @@ pub fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, 
         ("tokenizer.ggml.merges".into(), GgufValue::Array(GgufArray::String(merges))),
     ];
     let cfg_path = dir.join("tokenizer_config.json");
-    if cfg_path.is_file() {
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+    if cfg_path.symlink_metadata().is_ok() {
+        let text = crate::files::read_text(&cfg_path, crate::files::JSON_CAP)?;
         let cfg: Value = serde_json::from_str(&text)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", cfg_path.display())))?;
         for (field, key) in [
