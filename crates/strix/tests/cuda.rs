@@ -942,12 +942,12 @@ fn kernels_load_from_the_cache_the_second_time() {
     let Some(first) = gpu() else { return };
     let c = first.path_counts();
     println!("first backend: {c}");
-    // elementwise, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
-    assert_eq!(c.modules_compiled + c.modules_cached, 7);
+    // elementwise, sample, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
+    assert_eq!(c.modules_compiled + c.modules_cached, 8);
     let second = CudaBackend::new(0).unwrap();
     let c = second.path_counts();
     println!("second backend: {c}");
-    assert_eq!((c.modules_compiled, c.modules_cached), (0, 7));
+    assert_eq!((c.modules_compiled, c.modules_cached), (0, 8));
 }
 
 // --- whole models ---------------------------------------------------------------------------
