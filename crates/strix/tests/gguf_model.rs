@@ -8,10 +8,12 @@
 //! within the bounds in [`QUANT_BOUNDS`], measured and printed.
 
 mod common;
+mod damaged;
 
 use std::path::{Path, PathBuf};
 
 use common::{argmax, cases, rel_err, Dequantized};
+use damaged::rewrite_gguf as rewrite;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::ValueHeadOrder;
 use strix::checkpoint::Checkpoint;
@@ -217,29 +219,6 @@ fn tokenizer_from_metadata_matches_tokenizer_json() {
             }
         }
     }
-}
-
-/// The same GGUF with its metadata and tensors rewritten by `edit`.
-fn rewrite(
-    src: &Path,
-    out: &Path,
-    edit_meta: impl Fn(&str, &GgufValue) -> Option<GgufValue>,
-    edit_tensor: impl Fn(&str, QuantType, Vec<u8>) -> Option<(QuantType, Vec<u8>)>,
-) {
-    let f = GgufFile::open(src).unwrap();
-    let mut w = GgufWriter::new();
-    for (k, v) in f.metadata_entries() {
-        if let Some(v) = edit_meta(k, v) {
-            w.add_metadata(k, v).unwrap();
-        }
-    }
-    for t in f.tensors() {
-        let bytes = f.tensor_bytes(&t.name).unwrap().to_vec();
-        if let Some((ty, bytes)) = edit_tensor(&t.name, t.ty, bytes) {
-            w.add_tensor(&t.name, &t.dims, ty, bytes).unwrap();
-        }
-    }
-    w.write(out).unwrap();
 }
 
 /// Writes a broken copy of a fixture at the given path.

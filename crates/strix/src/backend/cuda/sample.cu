@@ -94,6 +94,34 @@ __device__ __forceinline__ u32 order_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Sorts key[0..n), id[0..n) (n a power of two, every thread of the block joining) best first:
+// the larger key, ties to the smaller id, the host's candidate order. Padding meant to sort
+// last needs the smallest key and the largest id. Starts and ends with a barrier.
+template <typename K>
+__device__ __forceinline__ void bitonic_sort_desc(K* key, u32* id, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const int j = i ^ stride;
+                if (j > i) {
+                    const bool j_first = key[j] > key[i] || (key[j] == key[i] && id[j] < id[i]);
+                    const bool ascending = (i & size) == 0;
+                    if (j_first == ascending) {
+                        const K tk = key[i];
+                        const u32 ti = id[i];
+                        key[i] = key[j];
+                        id[i] = id[j];
+                        key[j] = tk;
+                        id[j] = ti;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Greedy: the row-wise argmax of x: [rows, cols] into idx[rows], as sampling.rs's `greedy`:
 // ties go to the lowest column, and a row that holds NaN or +inf, or nothing above -inf, gives
@@ -308,33 +336,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk(float* 
             at++;
         }
     }
-    // Bitonic sort of the k candidates, best first; padding sorts last.
+    // The k candidates sorted best first; padding sorts last.
     int n = 1;
     while (n < k) n <<= 1;
     for (int i = k + tid; i < n; i += blockDim.x) {
         ckey[i] = 0u;
         cid[i] = 0xffffffffu;
     }
-    for (int size = 2; size <= n; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            __syncthreads();
-            for (int i = tid; i < n; i += blockDim.x) {
-                const int j = i ^ stride;
-                if (j > i) {
-                    const bool j_first = ckey[j] > ckey[i] || (ckey[j] == ckey[i] && cid[j] < cid[i]);
-                    const bool ascending = (i & size) == 0;
-                    if (j_first == ascending) {
-                        const u32 tk = ckey[i], ti = cid[i];
-                        ckey[i] = ckey[j];
-                        cid[i] = cid[j];
-                        ckey[j] = tk;
-                        cid[j] = ti;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
+    bitonic_sort_desc(ckey, cid, n);
     for (int i = tid; i < k; i += blockDim.x) {
         cval[i] = l[cid[i]];
         cw[i] = (double)expf(cval[i]);
@@ -691,27 +700,8 @@ extern "C" __global__ void __launch_bounds__(1024) topp_cut(const float* logits,
         }
     }
     if (threadIdx.x == 0) first = 0x7fffffff;
-    // Bitonic sort, best first; padding sorts last.
-    for (int size = 2; size <= n2; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < n2; i += blockDim.x) {
-                const int j = i ^ stride;
-                if (j > i) {
-                    const bool j_first = key[j] > key[i] || (key[j] == key[i] && cid[j] < cid[i]);
-                    const bool ascending = (i & size) == 0;
-                    if (j_first == ascending) {
-                        const u32 tk = key[i], ti = cid[i];
-                        key[i] = key[j];
-                        cid[i] = cid[j];
-                        key[j] = tk;
-                        cid[j] = ti;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
+    // Best first; padding sorts last.
+    bitonic_sort_desc(key, cid, n2);
     // Each thread takes TOPP_CAP / 1024 consecutive sorted tokens.
     const int per = TOPP_CAP / 1024;
     const int i0 = threadIdx.x * per;
@@ -866,7 +856,7 @@ extern "C" __global__ void __launch_bounds__(256) full_logprobs(const float* log
                                                                LogprobEntry* lp) {
     pdl_enter();
     __shared__ float cv[MERGE_MAX];
-    __shared__ int ci[MERGE_MAX];
+    __shared__ u32 ci[MERGE_MAX];
     const DrawRow r = rows[blockIdx.x];
     const RowState s = state[blockIdx.x];
     if (s.status != FULL_OK || r.top_n < 0) return;
@@ -889,33 +879,13 @@ extern "C" __global__ void __launch_bounds__(256) full_logprobs(const float* log
         if (i < count) {
             const LogprobEntry e = tops[((i64)blockIdx.x * parts + i / r.top_n) * TOP_N_MAX + i % r.top_n];
             cv[i] = e.logprob;
-            ci[i] = (int)e.id;
+            ci[i] = e.id;
         } else {
             cv[i] = NEG_INF;
-            ci[i] = 0x7fffffff;
+            ci[i] = 0xffffffffu;
         }
     }
-    // Bitonic sort, best first (value descending, id ascending).
-    for (int size = 2; size <= n2; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < n2; i += blockDim.x) {
-                const int j = i ^ stride;
-                if (j > i) {
-                    const bool j_first = cv[j] > cv[i] || (cv[j] == cv[i] && ci[j] < ci[i]);
-                    const bool ascending = (i & size) == 0;
-                    if (j_first == ascending) {
-                        const float tv = cv[i];
-                        const int ti = ci[i];
-                        cv[i] = cv[j];
-                        ci[i] = ci[j];
-                        cv[j] = tv;
-                        ci[j] = ti;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
-    for (int k = threadIdx.x; k < r.top_n; k += blockDim.x) dst[1 + k] = LogprobEntry{(u32)ci[k], cv[k] - log_z};
+    // Best first (value descending, id ascending); padding sorts last.
+    bitonic_sort_desc(cv, ci, n2);
+    for (int k = threadIdx.x; k < r.top_n; k += blockDim.x) dst[1 + k] = LogprobEntry{ci[k], cv[k] - log_z};
 }
