@@ -249,11 +249,13 @@ pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
     }
 }
 
-/// A directory is a model directory when it has a `config.json`; otherwise say so (before any
-/// other file is looked for), with what it holds instead when that helps.
+/// A directory is a model directory when the library says so (`strix::config::check_model_dir`:
+/// a regular `config.json`); otherwise say so before any other file is looked for, with what
+/// the directory holds instead when that helps.
 pub fn check_model_dir(dir: &Path, arg: &str) -> Result<()> {
-    if dir.join("config.json").exists() {
-        return Ok(());
+    match strix::config::check_model_dir(dir) {
+        Err(strix::Error::NotAModel { .. }) => {}
+        other => return Ok(other?),
     }
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .map(|entries| {

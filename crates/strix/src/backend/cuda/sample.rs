@@ -365,7 +365,8 @@ impl Kernels {
         Drawn { draws, on_host: host_count }
     }
 
-    /// The full-vocabulary pipeline over `rows`; returns each row's final state.
+    /// The full-vocabulary pipeline over `rows`; returns each row's final state when a row may
+    /// have been left to the host (a top-p row), else nothing.
     fn full(
         &self,
         dev: &Device,
@@ -507,6 +508,11 @@ impl Kernels {
                     lp.ptr()
                 ],
             );
+        }
+        // Only a top-p row can be left to the host: without one, the states stay on the device
+        // (one copy and wait fewer a step).
+        if !any_topp {
+            return Vec::new();
         }
         let mut states = vec![RowState::default(); n];
         dev.copy_dtoh(&mut states, state.ptr()).unwrap_or_else(|e| panic!("{e}"));
