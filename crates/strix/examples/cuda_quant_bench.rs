@@ -1,9 +1,10 @@
 //! Bandwidth of the CUDA decode GEMVs on packed weights (Q8_0, Q4_0, Q4_K, Q6_K, and bf16 for
 //! comparison) at the Qwen3.5-9B and 0.8B shapes: measures the device's copy bandwidth (read +
 //! write), then per format and matrix (or fused projection set, one launch as the model makes
-//! it) times a decode GEMV at batch 1 (`matmul` / `matmul_many`) and batch 16 (`matmul_rows` /
-//! `matmul_many`) as the model calls it, activation quantization included, and prints µs per
-//! call, GB/s of weight bytes read and the % of the measured bandwidth.
+//! it) times a decode GEMV (`matmul_rows` / `matmul_many`, as a decode step calls it,
+//! activation quantization included) at batch 1, 16 and 64 on the dp4a GEMVs, then on the
+//! tensor-core GEMV (`tc`, the server's), and prints µs per call, GB/s of weight bytes read,
+//! the % of the measured bandwidth and the multiply-add rate (Tops = 2 · rows · cols · tokens).
 //!
 //! `cargo run --release --example cuda_quant_bench -- [--quick] [--bf16] [--variants] [--eager] [--prefill]`
 //! `cargo run --release --example cuda_quant_bench -- --decode q4_0[,q8_0,q4_k,...] [--preset qwen3.5-9b]`
@@ -110,15 +111,11 @@ fn median(mut round: impl FnMut() -> f64) -> f64 {
 /// One weight set (the matrices of one launch) per copy.
 type Sets = Vec<Vec<CudaWeight>>;
 
-/// Issues the launch of `set` for `tokens` tokens as the model does: one matrix through
-/// `matmul` (one token) or `matmul_rows`, several through `matmul_many`.
+/// Issues the launch of `set` for `tokens` tokens as a decode step does: one matrix through
+/// `matmul_rows`, several through `matmul_many`.
 fn call(g: &CudaBackend, x: &CudaBuf, tokens: usize, set: &[CudaWeight], outs: &mut [CudaBuf]) {
     if set.len() == 1 {
-        if tokens == 1 {
-            g.matmul(x, 1, &set[0], &mut outs[0]);
-        } else {
-            g.matmul_rows(x, tokens, &set[0], &mut outs[0]);
-        }
+        g.matmul_rows(x, tokens, &set[0], &mut outs[0]);
     } else {
         let ws: Vec<&CudaWeight> = set.iter().collect();
         let mut os: Vec<&mut CudaBuf> = outs.iter_mut().collect();
@@ -297,12 +294,18 @@ fn main() -> strix::Result<()> {
     println!("device-to-device copy bandwidth (read + write): {:.0} GB/s", bw / 1e9);
     println!("(µs per call, GB/s of weights, % of the copy bandwidth; graph-replayed unless marked eager)");
     println!();
-    // (label, rows a warp for `set_qgemv_rows`, tokens)
-    let mut modes: Vec<(&str, Option<usize>, usize)> = vec![("b1", None, 1)];
+    // (label, rows a warp for `set_qgemv_rows`, tokens, tensor-core GEMVs): the dp4a GEMVs
+    // (`strix run`'s choice), then the tensor-core ones (the server's) at batch 1, 16 and 64.
+    let mut modes: Vec<(&str, Option<usize>, usize, bool)> = vec![("b1", None, 1, false)];
     if variants {
-        modes.extend([("b1 r1", Some(1), 1), ("b1 r2", Some(2), 1), ("b1 r4", Some(4), 1)]);
+        modes.extend([
+            ("b1 r1", Some(1), 1, false),
+            ("b1 r2", Some(2), 1, false),
+            ("b1 r4", Some(4), 1, false),
+        ]);
     }
-    modes.push(("b16", None, 16));
+    modes.extend([("b16", None, 16, false), ("b64", None, 64, false)]);
+    modes.extend([("tc b1", None, 1, true), ("tc b16", None, 16, true), ("tc b64", None, 64, true)]);
     let formats: &[DType] = if bf16 {
         &[DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K, DType::BF16]
     } else {
@@ -328,23 +331,29 @@ fn main() -> strix::Result<()> {
                         .collect::<strix::Result<Vec<_>>>()
                 })
                 .collect::<strix::Result<_>>()?;
-            let x: Vec<f32> = (0..16 * cols)
+            let x: Vec<f32> = (0..64 * cols)
                 .map(|i| ((splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32) - 0.5)
                 .collect();
             let x = g.upload(&x);
-            let mut outs: Vec<CudaBuf> = rows.iter().map(|&r| g.zeros(16 * r)).collect();
+            let mut outs: Vec<CudaBuf> = rows.iter().map(|&r| g.zeros(64 * r)).collect();
             let reps = (2e9 / (bytes * copies) as f64).ceil().clamp(2.0, 50.0) as usize;
             let mut line = format!("{:<6} {:<44} {:>8.1} MB |", dtype.name(), name, bytes as f64 / 1e6);
-            for &(label, rpw, tokens) in &modes {
+            for &(label, rpw, tokens, tensor_cores) in &modes {
                 if dtype == DType::BF16 && rpw.is_some() {
                     continue;
                 }
                 assert!(set_qgemv_rows(rpw), "rows a warp {rpw:?} not compiled");
+                g.set_tensor_core_gemv(tensor_cores);
                 key += 1;
                 let t = time_graph(&g, key, &sets, &x, tokens, &mut outs, reps);
                 let gbs = bytes as f64 / t / 1e9;
-                line +=
-                    &format!(" {label} {:.1} us {:.0} GB/s {:.1}% |", t * 1e6, gbs, 100.0 * gbs * 1e9 / bw);
+                line += &format!(
+                    " {label} {:.1} us {:.0} GB/s {:.1}% {:.1} Tops |",
+                    t * 1e6,
+                    gbs,
+                    100.0 * gbs * 1e9 / bw,
+                    2.0 * (rows.iter().sum::<usize>() * cols * tokens) as f64 / t / 1e12
+                );
                 if name.starts_with("9B") && name != "9B gate 12288x4096" {
                     totals.push((dtype, label, bytes, t));
                 }
@@ -386,7 +395,7 @@ fn main() -> strix::Result<()> {
     // The 9B step's launches (fused gate/up, fused in_proj, down, out, lm_head): bytes of all of
     // them over the time of one call of each.
     for &dtype in formats {
-        for &(label, _, _) in &modes {
+        for &(label, _, _, _) in &modes {
             let rows: Vec<_> = totals.iter().filter(|r| r.0 == dtype && r.1 == label).collect();
             if rows.is_empty() {
                 continue;

@@ -173,6 +173,8 @@ fn packed_weights_keep_their_size_on_the_device() {
 #[test]
 fn gemv_and_decode_batch_match_reference() {
     let Some(g) = gpu() else { return };
+    // The dp4a GEMVs (the tensor-core one has its own test below).
+    g.set_tensor_core_gemv(false);
     let mut rng = Rng(2);
     for dtype in FORMATS {
         let (mut worst_exact, mut worst_int8) = (0f32, 0f32);
@@ -221,13 +223,89 @@ fn gemv_and_decode_batch_match_reference() {
     }
 }
 
+/// The packed tensor-core GEMV (`qmma_*`, int8 mma on the activations `quantize_x` makes) at
+/// decode batches of 1 to 130 (each n-tile configuration, a batch past one launch's 64 tokens),
+/// rows not a multiple of its 128-row blocks or of an m16 tile, widths of one stage up to long
+/// rows split over K: within `EXACT_TOL` of the int8-activation reference, and every token's
+/// rows bitwise what the same kernel gives the token alone. A width it does not take (not whole
+/// 256-column stages) runs on the dp4a GEMVs at every batch size.
+#[test]
+fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    g.set_tensor_core_gemv(true);
+    let mut rng = Rng(41);
+    let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let mma_runs = |g: &CudaBackend| g.path_counts().gemv_quant_mma;
+    for dtype in FORMATS {
+        let mut worst = 0f32;
+        for (rows, cols) in
+            [(1usize, 256usize), (7, 768), (33, 4096), (129, 256 * 23), (300, 1280), (5, 32768), (4500, 256)]
+        {
+            let (t, deq) = packed(&mut rng, dtype, rows, cols);
+            let w = g.weight(&t, rows, cols).unwrap();
+            let what = format!("{dtype:?} {rows}x{cols}");
+            for n in [1usize, 2, 3, 9, 17, 33, 64, 130] {
+                let x = rng.blocky(n * cols);
+                let mut out = poison(&g, n * rows);
+                let before = mma_runs(&g);
+                g.matmul_rows(&g.upload(&x), n, &w, &mut out);
+                assert_eq!(mma_runs(&g) - before, 1, "{what} batch {n}: the tensor-core GEMV ran");
+                let batched = down(&g, &out);
+                let r8 = reference(&int8_activations(&x), n, &deq, rows, cols);
+                worst =
+                    worst.max(check(&format!("{what} batch {n} vs int8-x ref"), &batched, &r8, EXACT_TOL));
+                if n == 17 {
+                    check_int8(&format!("{what} batch {n}"), &batched, &x, n, &deq, rows, cols);
+                }
+                if n == 1 || (rows * cols > 1 << 20 && n > 17) {
+                    continue;
+                }
+                for i in 0..n {
+                    let mut one = poison(&g, rows);
+                    g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, &w, &mut one);
+                    assert!(
+                        bitwise(&down(&g, &one), &batched[i * rows..(i + 1) * rows]),
+                        "{what}: batch {n} token {i} differs from the token alone"
+                    );
+                }
+            }
+        }
+        println!("{dtype:?}: worst tensor-core GEMV error vs int8-x ref {worst:.2e}");
+        // A width of whole 32-blocks but not whole stages (k-quant widths always are): the dp4a
+        // GEMVs, at every batch size.
+        if block(dtype) == 32 {
+            let cols = 96 + 256;
+            let (t, _) = packed(&mut rng, dtype, 40, cols);
+            let w = g.weight(&t, 40, cols).unwrap();
+            for n in [1usize, 5] {
+                let before = g.path_counts();
+                g.matmul_rows(&g.upload(&rng.blocky(n * cols)), n, &w, &mut poison(&g, n * 40));
+                let after = g.path_counts();
+                assert_eq!(
+                    after.gemv_quant_mma, before.gemv_quant_mma,
+                    "{dtype:?} width {cols}: not the tensor cores"
+                );
+                assert_eq!(counts_delta(before, after), if n == 1 { (1, 0, 0) } else { (0, 1, 0) });
+            }
+        }
+    }
+}
+
 /// A layer's projections of one input in one decode step (`matmul_many`): packed weights of
 /// mixed formats and a bf16 one beside them, as a Q4_K_M file has. Every output within the
 /// int8 bound of the f32 reference, each sequence's rows bitwise the same in any batch, and
 /// the fused packed path counted.
 #[test]
 fn fused_packed_projections_match_reference_and_are_batch_invariant() {
+    for tensor_cores in [false, true] {
+        fused_packed_projections_on(tensor_cores);
+    }
+}
+
+fn fused_packed_projections_on(tensor_cores: bool) {
     let Some(g) = gpu() else { return };
+    g.set_tensor_core_gemv(tensor_cores);
+    println!("tensor-core GEMVs: {tensor_cores}");
     let mut rng = Rng(11);
     let cols = 512;
     let specs = [
@@ -271,6 +349,11 @@ fn fused_packed_projections_match_reference_and_are_batch_invariant() {
         let outs = run(&x, n);
         let after = g.path_counts();
         assert!(after.gemv_quant_fused > before.gemv_quant_fused, "the fused packed GEMV ran: {after}");
+        assert_eq!(
+            after.gemv_quant_mma > before.gemv_quant_mma,
+            tensor_cores,
+            "the packed tensor-core GEMV ran: {after}"
+        );
         for (j, ((_, deq), &(dtype, rows))) in mats.iter().zip(&specs).enumerate() {
             let what = format!("fused {dtype:?} {rows}x{cols} (segment {j}) batch {n}");
             if dtype == DType::BF16 {
@@ -424,7 +507,10 @@ fn compare_model(
     }
     let counts = gpu.backend().path_counts();
     println!("{what}: {counts}");
-    assert!(counts.gemv_quant > 0 && counts.embed_quant > 0, "{what}: the packed paths did not run");
+    assert!(
+        counts.gemv_quant + counts.gemv_quant_mma > 0 && counts.embed_quant > 0,
+        "{what}: the packed paths did not run"
+    );
     if prompt.len() > QUANT_GEMV_MAX_TOKENS || path != GemmPath::Auto {
         assert!(counts.gemm_dequant > 0, "{what}: the dequantizing GEMM did not run");
     } else {
@@ -497,6 +583,8 @@ fn synthetic_model_in_every_format_matches_cpu() {
 #[test]
 fn gemv_rows_per_warp_and_long_rows_are_bitwise_batch_invariant() {
     let Some(g) = gpu() else { return };
+    // The dp4a GEMVs (the tensor-core one has its own test below).
+    g.set_tensor_core_gemv(false);
     let mut rng = Rng(21);
     let cols = 256 * 23;
     let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -571,7 +659,15 @@ fn gemv_rows_per_warp_and_long_rows_are_bitwise_batch_invariant() {
 /// values) would not.
 #[test]
 fn producer_quantized_activations_are_bitwise_and_never_stale() {
+    for tensor_cores in [false, true] {
+        producer_quantized_activations_on(tensor_cores);
+    }
+}
+
+fn producer_quantized_activations_on(tensor_cores: bool) {
     let Some(g) = gpu() else { return };
+    g.set_tensor_core_gemv(tensor_cores);
+    println!("tensor-core GEMVs: {tensor_cores}");
     let mut rng = Rng(31);
     let eps = 1e-6f32;
     let bitwise =
@@ -631,9 +727,12 @@ fn producer_quantized_activations_are_bitwise_and_never_stale() {
             assert_eq!(used_off, 0, "{what}: producer quantization read while switched off");
             // Norm -> GEMV, norm -> fused pair, norm -> one-token matmul, and in both MLPs (as a
             // decode batch and as a prompt's last token) norm -> the gate/up GEMV with the
-            // SwiGLU (every shape here fuses: `qgemv_glu`) and that GEMV -> down.
+            // SwiGLU (every shape here fuses: `qgemv_glu`) and that GEMV -> down; on the tensor
+            // cores the decode batch's MLP instead runs norm -> the fused gate/up GEMV, then
+            // the SwiGLU -> down (a batch's gate/up sums, so a token's must be those too).
             assert_eq!(used_on, 7, "{what}: GEMVs that read the producer's quantization");
-            assert_eq!(glu_ran, 2, "{what}: one-token MLPs on the fused gate/up GEMV");
+            let glu_wanted = if tensor_cores && dim % 256 == 0 { 1 } else { 2 };
+            assert_eq!(glu_ran, glu_wanted, "{what}: one-token MLPs on the fused gate/up GEMV");
             for (k, (a, b)) in on.iter().zip(&off).enumerate() {
                 assert!(bitwise(a, b), "{what}: output {k} differs from the quantize_x path");
             }
@@ -725,47 +824,56 @@ fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
         let out_proj_reads = if heads == "9B heads" { linear_layers } else { 0 };
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
             let src = Quantized { inner: &weights, dtype };
-            let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
-                let gpu = Model::from_source(c.clone(), &src, CudaBackend::new(0).unwrap(), None).unwrap();
-                gpu.backend().set_producer_quant(on);
-                let (mut a, mut a2, mut b) = (gpu.new_session(64), gpu.new_session(64), gpu.new_session(64));
-                gpu.forward(&mut a, &prompt, Logits::Last).unwrap();
-                gpu.forward(&mut a2, &prompt, Logits::Last).unwrap();
-                gpu.forward(&mut b, &other, Logits::Last).unwrap();
-                let (mut single, mut pair) = (Vec::new(), Vec::new());
-                let mut next = prompt[0];
-                for _ in 0..6 {
-                    let l1 = gpu.decode_batch(&mut [&mut a], &[next]).unwrap();
-                    let l2 = gpu.decode_batch(&mut [&mut a2, &mut b], &[next, next]).unwrap();
-                    pair.push(l2[..vocab].to_vec());
-                    next = argmax(&l1);
-                    single.push(l1);
+            for tensor_cores in [false, true] {
+                let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
+                    let gpu =
+                        Model::from_source(c.clone(), &src, CudaBackend::new(0).unwrap(), None).unwrap();
+                    gpu.backend().set_tensor_core_gemv(tensor_cores);
+                    gpu.backend().set_producer_quant(on);
+                    let (mut a, mut a2, mut b) =
+                        (gpu.new_session(64), gpu.new_session(64), gpu.new_session(64));
+                    gpu.forward(&mut a, &prompt, Logits::Last).unwrap();
+                    gpu.forward(&mut a2, &prompt, Logits::Last).unwrap();
+                    gpu.forward(&mut b, &other, Logits::Last).unwrap();
+                    let (mut single, mut pair) = (Vec::new(), Vec::new());
+                    let mut next = prompt[0];
+                    for _ in 0..6 {
+                        let l1 = gpu.decode_batch(&mut [&mut a], &[next]).unwrap();
+                        let l2 = gpu.decode_batch(&mut [&mut a2, &mut b], &[next, next]).unwrap();
+                        pair.push(l2[..vocab].to_vec());
+                        next = argmax(&l1);
+                        single.push(l1);
+                    }
+                    (single, pair, gpu.backend().path_counts())
+                };
+                let (off, off_pair, off_counts) = run(false);
+                let (on, on_pair, on_counts) = run(true);
+                let what = format!("{heads}, {dtype:?}, tensor-core GEMVs {tensor_cores}");
+                println!("{what}, producer quantization on: {on_counts}");
+                assert_eq!(on_counts.gemv_quant_mma > 0, tensor_cores, "{what}: the packed tensor-core GEMV");
+                assert_eq!(off_counts.gemv_quant_prequantized, 0, "{what}: read while off");
+                assert!(on_counts.graph_replays > 0 && on_counts.graph_captures > 0, "{what}: no graphs ran");
+                // Host ops run for the batch-1 step's eager sight and its recording, not its replays.
+                let per_step = 3 * c.num_layers + (c.num_layers - linear_layers) + 1 + out_proj_reads;
+                assert_eq!(
+                    on_counts.gemv_quant_prequantized,
+                    2 * per_step as u64,
+                    "{what}: GEMVs reading a producer's quantization"
+                );
+                for step in 0..on.len() {
+                    assert!(
+                        bitwise(&on[step], &off[step]),
+                        "{what} step {step}: batch 1 differs with producer quantization"
+                    );
+                    assert!(
+                        bitwise(&on_pair[step], &on[step]),
+                        "{what} step {step}: batch 2 differs from batch 1"
+                    );
+                    assert!(
+                        bitwise(&off_pair[step], &off[step]),
+                        "{what} step {step}: batch 2 differs (off)"
+                    );
                 }
-                (single, pair, gpu.backend().path_counts())
-            };
-            let (off, off_pair, off_counts) = run(false);
-            let (on, on_pair, on_counts) = run(true);
-            let what = format!("{heads}, {dtype:?}");
-            println!("{what}, producer quantization on: {on_counts}");
-            assert_eq!(off_counts.gemv_quant_prequantized, 0, "{what}: read while off");
-            assert!(on_counts.graph_replays > 0 && on_counts.graph_captures > 0, "{what}: no graphs ran");
-            // Host ops run for the batch-1 step's eager sight and its recording, not its replays.
-            let per_step = 3 * c.num_layers + (c.num_layers - linear_layers) + 1 + out_proj_reads;
-            assert_eq!(
-                on_counts.gemv_quant_prequantized,
-                2 * per_step as u64,
-                "{what}: GEMVs reading a producer's quantization"
-            );
-            for step in 0..on.len() {
-                assert!(
-                    bitwise(&on[step], &off[step]),
-                    "{what} step {step}: batch 1 differs with producer quantization"
-                );
-                assert!(
-                    bitwise(&on_pair[step], &on[step]),
-                    "{what} step {step}: batch 2 differs from batch 1"
-                );
-                assert!(bitwise(&off_pair[step], &off[step]), "{what} step {step}: batch 2 differs (off)");
             }
         }
     }

@@ -479,14 +479,11 @@ MMA_ALIGNED(1, 4, 1, 4)
 // the row count (gs_nsplit in matmul.rs), and the ranges' partial sums are added in range
 // order 0, 1, ..., nsplit-1 by the block that finishes its row block last. NT, the warp layout
 // and the ring depth decide only which warp computes what and when.
-#define GS_BM 128
 #define GS_BK 64
 #define GS_THREADS 128
 // Bytes of one weight row / one token's x within a stage.
 #define GS_WROW (GS_BK * 2)
 #define GS_XROW (GS_BK * 4)
-// Floats of one partial-sum slot: GS_BM rows x 64 tokens.
-#define GS_SLOT (GS_BM * 64)
 
 template <int NT>
 struct GsStage {
@@ -627,58 +624,6 @@ __device__ __forceinline__ GsUnit gs_unit(const GsSegs& segs) {
     const int local = u - first;
     return GsUnit{reinterpret_cast<const bf16_t*>(w), reinterpret_cast<float*>(o), rows, local / nsplit,
                   local % nsplit, nsplit, pslot0 + local};
-}
-
-// The end of a streamed block: its NA accumulators per thread (`at(k)`: accumulator k's row
-// within the block and token) into `out`; with a K split, into the unit's partial slot (slots
-// pslot - split .. belong to its row block), and the last of the row block's blocks to arrive,
-// by `counters[pslot - split]`, adds the slots up in range order and writes `out`.
-template <int NA, class At>
-__device__ __forceinline__ void gs_finish(const float (&acc)[NA], At at, const GsUnit& u, int tokens,
-                                          float* partials, unsigned* counters) {
-    __shared__ int last;
-    const int row0 = u.mblock * GS_BM;
-    if (u.nsplit == 1) {
-#pragma unroll
-        for (int k = 0; k < NA; k++) {
-            const int2 p = at(k);
-            if (row0 + p.x < u.rows && p.y < tokens) u.out[(i64)p.y * u.rows + row0 + p.x] = acc[k];
-        }
-        return;
-    }
-    float* mine = partials + (i64)u.pslot * GS_SLOT;
-#pragma unroll
-    for (int k = 0; k < NA; k++) {
-        const int2 p = at(k);
-        mine[p.y * GS_BM + p.x] = acc[k];
-    }
-    // Release the partials before counting in; the last block acquires everyone's.
-    __threadfence();
-    __syncthreads();
-    unsigned* counter = counters + (u.pslot - u.split);
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned)(u.nsplit - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // Range by range (this block's own read back too, so its accumulators are free), every
-    // output's load of a range issued together.
-    const float* first = partials + (i64)(u.pslot - u.split) * GS_SLOT;
-    float sum[NA];
-    for (int q = 0; q < u.nsplit; q++) {
-#pragma unroll
-        for (int k = 0; k < NA; k++) {
-            const int2 p = at(k);
-            const float v = __ldcg(first + (i64)q * GS_SLOT + p.y * GS_BM + p.x);
-            sum[k] = q == 0 ? v : sum[k] + v;
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < NA; k++) {
-        const int2 p = at(k);
-        if (row0 + p.x < u.rows && p.y < tokens) u.out[(i64)p.y * u.rows + row0 + p.x] = sum[k];
-    }
-    // Ready for the next launch that splits this row block (kernels on the stream run in order).
-    if (threadIdx.x == 0) *counter = 0u;
 }
 
 // One block: unit `u` (rows u.mblock * GS_BM .., K range u.split of u.nsplit), tokens 0 ..

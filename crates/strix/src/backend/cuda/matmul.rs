@@ -175,7 +175,7 @@ struct Streamed {
 const GS_CONFIGS: [(usize, usize, usize); 4] = [(1, 4, 6), (2, 4, 5), (4, 2, 4), (8, 2, 3)];
 
 /// `GS_BM`, `GS_BK`, `GS_THREADS` and `GS_SLOT` of the kernels.
-const GS_BM: usize = 128;
+pub(super) const GS_BM: usize = 128;
 const GS_BK: usize = 64;
 const GS_THREADS: u32 = 128;
 const GS_SLOT: usize = GS_BM * 64;
@@ -279,6 +279,15 @@ impl Streamed {
             slots,
         }))
     }
+}
+
+/// The K-split workspace of the streamed GEMVs ([`Kernels::split_workspace`]): `slots`
+/// partial-sum slots of [`GS_SLOT`] floats (128 rows × 64 tokens) and one `u32` counter each.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SplitWorkspace {
+    pub partials: u64,
+    pub counters: u64,
+    pub slots: usize,
 }
 
 /// `GsSegs` of `matmul.cu`, passed by value.
@@ -582,6 +591,18 @@ impl Kernels {
                 );
             }
         }
+    }
+
+    /// The streamed kernels' K-split workspace (partial-sum slots of `GS_SLOT` floats and their
+    /// arrival counters), which the packed tensor-core GEMV (`quant.rs`) shares: launches on
+    /// the one stream run in order and leave every counter at zero. `None` where the streamed
+    /// kernels did not load.
+    pub fn split_workspace(&self) -> Option<SplitWorkspace> {
+        self.gs.as_ref().map(|gs| SplitWorkspace {
+            partials: gs.partials.ptr(),
+            counters: gs.counters.ptr(),
+            slots: gs.slots,
+        })
     }
 
     /// Whether the GEMVs run on the tensor cores (`STRIX_CUDA_GEMV=simt` turns them off).

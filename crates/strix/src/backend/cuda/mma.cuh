@@ -61,3 +61,64 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// ---- K-split reduction of the streamed decode GEMVs (matmul.cu's gemv_gs/gemv_wg, quant.cu's
+// qmma) ----
+// A block owns GS_BM weight rows, up to 64 tokens and one of `nsplit` contiguous K ranges of
+// its row block; a partial-sum slot holds one block's sums.
+#define GS_BM 128
+// Floats of one partial-sum slot: GS_BM rows x 64 tokens.
+#define GS_SLOT (GS_BM * 64)
+
+// The end of a streamed block (`Unit`: its output `out` of `rows` rows, row block `mblock`, K
+// range `split` of `nsplit`, partial slot `pslot`): its NA accumulators per thread (`at(k)`: accumulator k's row
+// within the block and token) into `out`; with a K split, into the unit's partial slot (slots
+// pslot - split .. belong to its row block), and the last of the row block's blocks to arrive,
+// by `counters[pslot - split]`, adds the slots up in range order and writes `out`.
+template <int NA, class At, class Unit>
+__device__ __forceinline__ void gs_finish(const float (&acc)[NA], At at, const Unit& u, int tokens,
+                                          float* partials, unsigned* counters) {
+    __shared__ int last;
+    const int row0 = u.mblock * GS_BM;
+    if (u.nsplit == 1) {
+#pragma unroll
+        for (int k = 0; k < NA; k++) {
+            const int2 p = at(k);
+            if (row0 + p.x < u.rows && p.y < tokens) u.out[(i64)p.y * u.rows + row0 + p.x] = acc[k];
+        }
+        return;
+    }
+    float* mine = partials + (i64)u.pslot * GS_SLOT;
+#pragma unroll
+    for (int k = 0; k < NA; k++) {
+        const int2 p = at(k);
+        mine[p.y * GS_BM + p.x] = acc[k];
+    }
+    // Release the partials before counting in; the last block acquires everyone's.
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = counters + (u.pslot - u.split);
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned)(u.nsplit - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Range by range (this block's own read back too, so its accumulators are free), every
+    // output's load of a range issued together.
+    const float* first = partials + (i64)(u.pslot - u.split) * GS_SLOT;
+    float sum[NA];
+    for (int q = 0; q < u.nsplit; q++) {
+#pragma unroll
+        for (int k = 0; k < NA; k++) {
+            const int2 p = at(k);
+            const float v = __ldcg(first + (i64)q * GS_SLOT + p.y * GS_BM + p.x);
+            sum[k] = q == 0 ? v : sum[k] + v;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NA; k++) {
+        const int2 p = at(k);
+        if (row0 + p.x < u.rows && p.y < tokens) u.out[(i64)p.y * u.rows + row0 + p.x] = sum[k];
+    }
+    // Ready for the next launch that splits this row block (kernels on the stream run in order).
+    if (threadIdx.x == 0) *counter = 0u;
+}

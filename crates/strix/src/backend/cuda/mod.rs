@@ -126,6 +126,8 @@ pub struct PathCounts {
     pub gemv_quant: u64,
     /// Several-token matmuls (decode batches, short prompts) on the batched packed GEMV.
     pub gemv_quant_rows: u64,
+    /// Decode-batch matmul launches (any batch size) on the packed tensor-core GEMV (`qmma_*`).
+    pub gemv_quant_mma: u64,
     /// Decode-batch projections of one input on packed weights in fused GEMV launches
     /// (activations quantized once).
     pub gemv_quant_fused: u64,
@@ -144,7 +146,7 @@ pub struct PathCounts {
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 33] {
+    pub fn named(&self) -> [(&'static str, u64); 34] {
         [
             ("gemv", self.gemv),
             ("gemv_mma", self.gemv_mma),
@@ -173,6 +175,7 @@ impl PathCounts {
             ("modules_cached", self.modules_cached),
             ("gemv_quant", self.gemv_quant),
             ("gemv_quant_rows", self.gemv_quant_rows),
+            ("gemv_quant_mma", self.gemv_quant_mma),
             ("gemv_quant_fused", self.gemv_quant_fused),
             ("gemv_quant_prequantized", self.gemv_quant_prequantized),
             ("gemm_dequant", self.gemm_dequant),
@@ -191,7 +194,7 @@ impl std::fmt::Display for PathCounts {
              gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
-             packed gemv {} rows {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} host {}",
+             packed gemv {} rows {} tensor-core {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} host {}",
             self.gemv,
             self.gemv_fused,
             self.gemv_glu,
@@ -219,6 +222,7 @@ impl std::fmt::Display for PathCounts {
             self.modules_cached,
             self.gemv_quant,
             self.gemv_quant_rows,
+            self.gemv_quant_mma,
             self.gemv_quant_fused,
             self.gemv_quant_prequantized,
             self.gemm_dequant,
@@ -258,6 +262,7 @@ struct Counters {
     modules_cached: AtomicU64,
     gemv_quant: AtomicU64,
     gemv_quant_rows: AtomicU64,
+    gemv_quant_mma: AtomicU64,
     gemv_quant_fused: AtomicU64,
     gemv_quant_prequantized: AtomicU64,
     gemm_dequant: AtomicU64,
@@ -506,6 +511,7 @@ impl CudaBackend {
             modules_cached: g(&c.modules_cached),
             gemv_quant: g(&c.gemv_quant),
             gemv_quant_rows: g(&c.gemv_quant_rows),
+            gemv_quant_mma: g(&c.gemv_quant_mma),
             gemv_quant_fused: g(&c.gemv_quant_fused),
             gemv_quant_prequantized: g(&c.gemv_quant_prequantized),
             gemm_dequant: g(&c.gemm_dequant),
@@ -557,6 +563,14 @@ impl CudaBackend {
         pre
     }
 
+    /// The K-split workspace for the packed tensor-core GEMV when the GEMVs run on the tensor
+    /// cores ([`CudaBackend::set_tensor_core_gemv`]): then every packed decode matmul it takes
+    /// runs on it at every batch size, one token included (quant.rs); `None` keeps the dp4a
+    /// GEMVs.
+    fn packed_tensor_cores(&self) -> Option<matmul::SplitWorkspace> {
+        self.mm.uses_mma().then(|| self.mm.split_workspace()).flatten()
+    }
+
     /// Zeroes the op counters (the module counters describe construction and stay).
     pub fn reset_path_counts(&self) {
         let c = &self.counters;
@@ -586,6 +600,7 @@ impl CudaBackend {
             &c.graph_failures,
             &c.gemv_quant,
             &c.gemv_quant_rows,
+            &c.gemv_quant_mma,
             &c.gemv_quant_fused,
             &c.gemv_quant_prequantized,
             &c.gemm_dequant,
@@ -852,6 +867,7 @@ impl Backend for CudaBackend {
             match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out, pre) {
                 quant::QRan::Gemv => return bump(&self.counters.gemv_quant),
                 quant::QRan::GemvRows => return bump(&self.counters.gemv_quant_rows),
+                quant::QRan::TensorCores => return bump(&self.counters.gemv_quant_mma),
                 quant::QRan::Dequant(ran) => {
                     bump(&self.counters.gemm_dequant);
                     ran
@@ -1043,9 +1059,21 @@ impl Backend for CudaBackend {
         let pre = self.prequantized(x, tokens, cols, fused);
         self.dev.bind();
         if fused {
-            self.q.matmul_many_rows(&self.dev, x, tokens, &packed_w, &mut packed_o, pre);
+            let tensor_cores = self.packed_tensor_cores();
+            self.q.matmul_many_rows(
+                &self.dev,
+                x,
+                tokens,
+                &packed_w,
+                &mut packed_o,
+                pre,
+                tensor_cores.as_ref(),
+            );
             bump(&self.counters.batch_rows);
             bump(&self.counters.gemv_quant_fused);
+            if tensor_cores.is_some() && self.q.mma_takes(packed_w[0]) {
+                bump(&self.counters.gemv_quant_mma);
+            }
         } else {
             crate::backend::matmul_each(self, x, tokens, &packed_w, &mut packed_o, decode_batch);
         }
@@ -1085,8 +1113,11 @@ impl Backend for CudaBackend {
         }
         // One token on packed weights: gate, up, the SwiGLU and its quantization for the down
         // projection's GEMV in one launch, where the pair fuses and producers quantize.
+        // (Not where the tensor-core GEMV takes the pair: a batch's gate/up sums are that
+        // kernel's, so one token's must be too.)
         let n = gate.rows();
-        if tokens == 1 && self.q.can_glu(gate, up) {
+        let tensor_cores = decode_batch && self.packed_tensor_cores().is_some() && self.q.mma_takes(gate);
+        if tokens == 1 && !tensor_cores && self.q.can_glu(gate, up) {
             if let Some(side) = self.q.producer_side(&self.dev, act, n) {
                 // First in the op: allocating the side buffer queues nothing on the device.
                 let pre = self.prequantized(x, tokens, gate.cols(), true);
@@ -1156,8 +1187,21 @@ impl Backend for CudaBackend {
         let pre = self.prequantized(x, tokens, w.cols(), w.dtype().is_quantized());
         self.dev.bind();
         if w.dtype().is_quantized() {
-            self.q.matmul_rows(&self.dev, x, tokens, w, out, pre);
-            bump(if tokens == 1 { &self.counters.gemv_quant } else { &self.counters.gemv_quant_rows });
+            bump(
+                match self.q.matmul_rows(
+                    &self.dev,
+                    x,
+                    tokens,
+                    w,
+                    out,
+                    pre,
+                    self.packed_tensor_cores().as_ref(),
+                ) {
+                    quant::QRan::TensorCores => &self.counters.gemv_quant_mma,
+                    _ if tokens == 1 => &self.counters.gemv_quant,
+                    _ => &self.counters.gemv_quant_rows,
+                },
+            );
         } else {
             self.mm.matmul_rows(&self.dev, x, tokens, w, out);
             if self.mm.uses_mma() && tokens > 0 && w.rows() > 0 && w.cols() > 0 {

@@ -593,6 +593,554 @@ QGEMV_ALL(q4_k, Q4_KF, 4, 2, 3, 1, 2, 2, 1)
 QGEMV_ALL(q6_k, Q6_KF, 2, 2, 2, 1, 1, 2, 1)
 
 // ---------------------------------------------------------------------------------------
+// Tensor-core GEMV on packed weights (qmma_*): decode batches of 1 to 64 tokens on int8
+// mma.sync, for widths that are whole stages of QM_BK = 256 columns (one k-quant super-block).
+//
+// A block of 4 warps owns GS_BM = 128 weight rows, up to 64 tokens (NT n-tiles of 8) and a
+// contiguous range of K. Per stage, the 128 rows' packed quants and their scales, and the
+// stage's activations as quantize_x left them (int8, an f32 scale per 32, i32 sums per 16),
+// are copied into a ring of shared-memory slots by cp.async, the next stages' bytes in flight
+// while the mmas of this one run. Warp w multiplies rows 32w .. 32w + 32 (two m16 tiles) by
+// every token: ldmatrix fetches packed quant words straight into the mma's fragment layout
+// (GGML's nibble order puts the four weights one lane's register needs in one 32-bit word),
+// they are unpacked to signed int8 in registers (Q4_0 - 8 and Q6_K - 32 folded into the
+// bytes; Q4_K's min through the activations' sums), and meet the activations in
+// mma.sync m16n8k32 — one quantization group of 32 columns per mma, an exact integer sum —
+// or, for Q6_K, whose scales change every 16 columns, two m16n8k16. Each group's integer sums
+// are scaled into the f32 accumulators right after its mma.
+//
+// Batch invariance: a token's outputs come from its own activations and a sequence of
+// operations fixed by the shape: per (row, token) the 32-column groups in increasing order,
+// acc = fma(scale, float(isum), acc) with the format's scale (qm_* below); K split into
+// nsplit ranges of whole stages (qm_nsplit in quant.rs, from the shape alone), the ranges'
+// sums added in range order by gs_finish. NT, the ring depth and the warp layout do not enter.
+// The sums are not the dp4a GEMV's (whose lanes interleave the blocks), so the backend runs
+// one kind or the other for every batch size of a matrix (quant.rs, `Kernels::uses_mma`).
+
+#define QM_BK 256
+#define QM_THREADS 128
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x2(u32 (&r)[2], const void* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
+// c = a * b (int8 in, exact int32 sums out). Fragments (PTX ISA, m16n8k32 / m16n8k16 .s8), with
+// g = lane / 4, t = lane % 4: A a0 = (row g, cols 4t..4t+3), a1 = (row g+8, the same), a2 / a3
+// = the same rows at cols 16 + 4t.. (k32 only); B b0 = (k 4t..4t+3, token g), b1 = (k 16 + 4t..,
+// token g) (k32 only); C c0, c1 = (row g, tokens 2t, 2t+1), c2, c3 = (row g+8, the same).
+__device__ __forceinline__ void mma_s8_k32(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+__device__ __forceinline__ void mma_s8_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
+// Bytewise v - k for bytes 0..127 minus k <= 128 without borrows between bytes: the top bit
+// of each byte set first, so no byte goes below zero, then flipped back.
+__device__ __forceinline__ u32 sub_bytes(u32 v, u32 k) { return ((v | 0x80808080u) - k) ^ 0x80808080u; }
+
+// float(v), exactly, for |v| < 2^22 (every integer sum of one mma here), without the
+// conversion unit, whose quarter rate on sm_90 bounds the scaling after each mma: v added to
+// 1.5 * 2^23 in the float's bits, then 1.5 * 2^23 taken off.
+__device__ __forceinline__ float small_int_to_float(int v) {
+    return __fsub_rn(__int_as_float(v + 0x4B400000), 12582912.0f);
+}
+
+// 32-column groups of a stage unrolled at once (G), and Q6_K's halves of 128 (HALVES) and runs
+// in a half (RUNS): all of them for one n-tile, fewer where the accumulators take more
+// registers, which keeps the kernels from spilling.
+template <int NT>
+struct QmUnroll {
+    static constexpr int G = NT >= 2 ? 2 : 8;
+    static constexpr int HALVES = NT >= 2 ? 1 : 2;
+    static constexpr int RUNS = NT >= 8 ? 2 : 4;
+};
+
+// Byte offset of 16-byte chunk c of row r in a tile of CPR chunks a row, swizzled so that the
+// 8 rows an ldmatrix phase reads (same c) land on distinct banks.
+template <int CPR>
+__device__ __forceinline__ int qm_at(int r, int c) {
+    const int sw = CPR >= 8 ? (r & 7) : ((r >> 1) & 3);
+    return r * CPR * 16 + ((c ^ sw) << 4);
+}
+
+// Per format: QB quant bytes of a row per stage in PLANES planes, whether the activations'
+// sums are needed (XSUMS), and where a row's stage starts in the device layout (quant.cu's
+// header). Every format has 16 bytes of scales per row per stage at ws + row * cols / 16 +
+// 16 * kt (Q8_0 / Q4_0: eight f16; Q4_K: the super-block's d, dmin and 6-bit scales; Q6_K:
+// the four units' i8 scales), and Q6_K an f16 d per row per stage after those.
+struct Q8_0M {
+    static constexpr int QB = 256, PLANES = 1, XSUMS = 0;
+    static __device__ __forceinline__ i64 qrow(int cols) { return cols; }
+};
+struct Q4_0M {
+    static constexpr int QB = 128, PLANES = 1, XSUMS = 0;
+    static __device__ __forceinline__ i64 qrow(int cols) { return cols >> 1; }
+};
+struct Q4_KM {
+    static constexpr int QB = 128, PLANES = 1, XSUMS = 1;
+    static __device__ __forceinline__ i64 qrow(int cols) { return cols >> 1; }
+};
+struct Q6_KM {
+    static constexpr int QB = 192, PLANES = 3, XSUMS = 0;
+    static __device__ __forceinline__ i64 qrow(int cols) { return 3 * (i64)(cols >> 2); }
+};
+
+// One ring slot: weight quants (PLANES tiles of GS_BM rows), weight scales (16 B a row), x
+// quants (256 B a token), x scales (32 B a token), x sums (64 B a token, Q4_K). The launcher
+// computes the same size (qm_smem_bytes in quant.rs).
+template <class F, int NT>
+struct QmStage {
+    static constexpr int CPR = F::QB / F::PLANES / 16;
+    static constexpr int PLANE = GS_BM * CPR * 16;
+    static constexpr int WS = GS_BM * F::QB;
+    static constexpr int XQ = WS + GS_BM * 16;
+    static constexpr int XD = XQ + NT * 8 * QM_BK;
+    static constexpr int XS = XD + NT * 8 * 32;
+    static constexpr int BYTES = XS + (F::XSUMS ? NT * 8 * 64 : 0);
+};
+
+// The weights of stage kt of rows row0 .. row0 + GS_BM into `slot` (zeros past the matrix).
+template <class F, int NT>
+__device__ __forceinline__ void qm_load_w(unsigned char* slot, const u8* wq, const u8* ws, int row0, int rows,
+                                          int cols, int kt) {
+    using S = QmStage<F, NT>;
+    constexpr int CHUNKS = GS_BM * S::CPR * F::PLANES;
+    static_assert(CHUNKS % QM_THREADS == 0, "whole chunks a thread");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / QM_THREADS; i++) {
+        const int k = threadIdx.x + i * QM_THREADS;
+        const int p = k / (GS_BM * S::CPR), r = (k / S::CPR) % GS_BM, c = k % S::CPR;
+        const bool in = row0 + r < rows;
+        const u8* src = wq + (in ? (i64)(row0 + r) * F::qrow(cols) + (i64)p * (cols >> 2) * (F::PLANES > 1) +
+                                       (i64)kt * S::CPR * 16 + 16 * c
+                                 : 0);
+        cp_async16_zfill(slot + p * S::PLANE + qm_at<S::CPR>(r, c), src, in);
+    }
+    // Scales: 16 bytes a row.
+    const int r = threadIdx.x;
+    const bool in = row0 + r < rows;
+    cp_async16_zfill(slot + S::WS + 16 * r, ws + (in ? (i64)(row0 + r) * (cols >> 4) + 16 * kt : 0), in);
+}
+
+// The activations of stage kt for tokens 0 .. NT * 8 (zeros past the batch).
+template <class F, int NT>
+__device__ __forceinline__ void qm_load_x(unsigned char* slot, const i8* xq, const float* xd, const int* xs,
+                                          int tokens, int cols, int kt) {
+    using S = QmStage<F, NT>;
+    constexpr int PER_TOKEN = 16 + 2 + (F::XSUMS ? 4 : 0);
+    for (int k = threadIdx.x; k < NT * 8 * PER_TOKEN; k += QM_THREADS) {
+        const int tok = k / PER_TOKEN, c = k % PER_TOKEN;
+        const bool in = tok < tokens;
+        const i64 t = in ? tok : 0;
+        if (c < 16) {
+            cp_async16_zfill(slot + S::XQ + qm_at<16>(tok, c), xq + t * cols + (i64)kt * QM_BK + 16 * c, in);
+        } else if (c < 18) {
+            cp_async16_zfill(slot + S::XD + 32 * tok + 16 * (c - 16), xd + t * (cols >> 5) + 8 * kt + 4 * (c - 16),
+                             in);
+        } else {
+            cp_async16_zfill(slot + S::XS + 64 * tok + 16 * (c - 18), xs + t * (cols >> 4) + 16 * kt + 4 * (c - 18),
+                             in);
+        }
+    }
+}
+
+// The B fragments (b0, b1) of 32-column group G for every n-tile.
+template <int NT>
+__device__ __forceinline__ void qm_xfrag(const unsigned char* xt, int G, int lane, u32 (&b)[NT][2]) {
+    const int m = lane >> 3, i = lane & 7;
+    if (NT == 1) {
+        u32 r[2];
+        ldsm_x2(r, xt + qm_at<16>(i, 2 * G + (m & 1)));
+        b[0][0] = r[0];
+        b[0][1] = r[1];
+    } else {
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+            u32 r[4];
+            ldsm_x4(r, xt + qm_at<16>(8 * (j + (m >> 1)) + i, 2 * G + (m & 1)));
+            b[j][0] = r[0];
+            b[j][1] = r[1];
+            b[j + 1][0] = r[2];
+            b[j + 1][1] = r[3];
+        }
+    }
+}
+
+// Raw quant words of rows R0 + g, R0 + 8 + g at chunks c0 (r[0], r[1]) and c1 (r[2], r[3]).
+template <int CPR>
+__device__ __forceinline__ void qm_wfrag(const unsigned char* plane, int R0, int c0, int c1, int lane, u32 (&r)[4]) {
+    const int m = lane >> 3, i = lane & 7;
+    ldsm_x4(r, plane + qm_at<CPR>(R0 + i + 8 * (m & 1), m < 2 ? c0 : c1));
+}
+
+// The tokens' x scales (and Q4_K sums) of group G for n-tile j: tokens 8j + 2t, 8j + 2t + 1.
+template <class F, int NT>
+__device__ __forceinline__ float2 qm_xd(const unsigned char* slot, int j, int t, int G) {
+    using S = QmStage<F, NT>;
+    const float* d = reinterpret_cast<const float*>(slot + S::XD);
+    const int tok = 8 * j + 2 * t;
+    return make_float2(d[8 * tok + G], d[8 * (tok + 1) + G]);
+}
+
+// One stage's mmas for warp `warp`: acc[m-tile][n-tile][c].
+template <class F, int NT>
+struct QmCompute;
+
+template <int NT>
+struct QmCompute<Q8_0M, NT> {
+    static __device__ __forceinline__ void run(const unsigned char* slot, float (&acc)[2][NT][4], int warp, int lane,
+                                               u16, u16, u16, u16) {
+        using S = QmStage<Q8_0M, NT>;
+        const int g = lane >> 2, t = lane & 3;
+        v4u sc[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                sc[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+#pragma unroll QmUnroll<NT>::G
+        for (int G = 0; G < 8; G++) {
+            u32 b[NT][2];
+            qm_xfrag<NT>(slot + S::XQ, G, lane, b);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                u32 a[4];
+                qm_wfrag<S::CPR>(slot, 32 * warp + 16 * mt, 2 * G, 2 * G + 1, lane, a);
+                float wd[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) wd[h] = f16_to_f32((u16)(word(sc[mt][h], G >> 1) >> (16 * (G & 1))));
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    int c[4];
+                    mma_s8_k32(c, a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+                    const float2 xd = qm_xd<Q8_0M, NT>(slot, j, t, G);
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        acc[mt][j][e] =
+                            __fmaf_rn(__fmul_rn(wd[e >> 1], (e & 1) ? xd.y : xd.x), small_int_to_float(c[e]), acc[mt][j][e]);
+                }
+            }
+        }
+    }
+};
+
+template <int NT>
+struct QmCompute<Q4_0M, NT> {
+    static __device__ __forceinline__ void run(const unsigned char* slot, float (&acc)[2][NT][4], int warp, int lane,
+                                               u16, u16, u16, u16) {
+        using S = QmStage<Q4_0M, NT>;
+        const int g = lane >> 2, t = lane & 3;
+        v4u sc[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                sc[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+#pragma unroll QmUnroll<NT>::G / 2
+        for (int G2 = 0; G2 < 8; G2 += 2) {
+            u32 raw[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) qm_wfrag<S::CPR>(slot, 32 * warp + 16 * mt, G2, G2 + 1, lane, raw[mt]);
+#pragma unroll
+            for (int G = G2; G < G2 + 2; G++) {
+                u32 b[NT][2];
+                qm_xfrag<NT>(slot + S::XQ, G, lane, b);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    const u32 w0 = raw[mt][2 * (G - G2)], w1 = raw[mt][2 * (G - G2) + 1];
+                    const u32 a0 = sub_bytes(w0 & 0x0f0f0f0fu, 0x08080808u), a1 = sub_bytes(w1 & 0x0f0f0f0fu, 0x08080808u);
+                    const u32 a2 = sub_bytes((w0 >> 4) & 0x0f0f0f0fu, 0x08080808u);
+                    const u32 a3 = sub_bytes((w1 >> 4) & 0x0f0f0f0fu, 0x08080808u);
+                    float wd[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) wd[h] = f16_to_f32((u16)(word(sc[mt][h], G >> 1) >> (16 * (G & 1))));
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        int c[4];
+                        mma_s8_k32(c, a0, a1, a2, a3, b[j][0], b[j][1]);
+                        const float2 xd = qm_xd<Q4_0M, NT>(slot, j, t, G);
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            acc[mt][j][e] =
+                                __fmaf_rn(__fmul_rn(wd[e >> 1], (e & 1) ? xd.y : xd.x), small_int_to_float(c[e]), acc[mt][j][e]);
+                    }
+                }
+            }
+        }
+    }
+};
+
+template <int NT>
+struct QmCompute<Q4_KM, NT> {
+    static __device__ __forceinline__ void run(const unsigned char* slot, float (&acc)[2][NT][4], int warp, int lane,
+                                               u16, u16, u16, u16) {
+        using S = QmStage<Q4_KM, NT>;
+        const int g = lane >> 2, t = lane & 3;
+        const int* xsum = reinterpret_cast<const int*>(slot + S::XS);
+        v4u meta[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                meta[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+#pragma unroll QmUnroll<NT>::G / 2
+        for (int p = 0; p < 4; p++) {
+            // Sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of chunks 2p, 2p + 1.
+            u32 raw[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) qm_wfrag<S::CPR>(slot, 32 * warp + 16 * mt, 2 * p, 2 * p + 1, lane, raw[mt]);
+            float dsc[2][2][2], dm[2][2][2];  // [m-tile][row half][sub-block of the pair]
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const v4u& m = meta[mt][h];
+                    const float d = f16_to_f32((u16)(m.x & 0xffff)), dmin = f16_to_f32((u16)(m.x >> 16));
+                    int sc1, mn1, sc2, mn2;
+                    q4k_scale_min2(p, m.y, m.z, m.w, sc1, mn1, sc2, mn2);
+                    dsc[mt][h][0] = __fmul_rn(d, (float)sc1);
+                    dm[mt][h][0] = __fmul_rn(dmin, (float)mn1);
+                    dsc[mt][h][1] = __fmul_rn(d, (float)sc2);
+                    dm[mt][h][1] = __fmul_rn(dmin, (float)mn2);
+                }
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                const int G = 2 * p + s;
+                u32 b[NT][2];
+                qm_xfrag<NT>(slot + S::XQ, G, lane, b);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    u32 a[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) a[k] = (raw[mt][k] >> (4 * s)) & 0x0f0f0f0fu;
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        int c[4];
+                        mma_s8_k32(c, a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+                        const float2 xd = qm_xd<Q4_KM, NT>(slot, j, t, G);
+                        const int tok = 8 * j + 2 * t;
+                        const float xs0 = (float)(xsum[16 * tok + 2 * G] + xsum[16 * tok + 2 * G + 1]);
+                        const float xs1 = (float)(xsum[16 * (tok + 1) + 2 * G] + xsum[16 * (tok + 1) + 2 * G + 1]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int h = e >> 1;
+                            const float v = __fmaf_rn(dsc[mt][h][s], small_int_to_float(c[e]),
+                                                      -__fmul_rn(dm[mt][h][s], (e & 1) ? xs1 : xs0));
+                            acc[mt][j][e] = __fmaf_rn((e & 1) ? xd.y : xd.x, v, acc[mt][j][e]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+};
+
+// The 6-bit quants of run k (columns +32k of the unit) of packed words l0 / l1 / h, minus 32.
+__device__ __forceinline__ u32 q6_run(u32 l0, u32 l1, u32 h, int k) {
+    u32 q;
+    switch (k) {
+    case 0: q = (l0 & 0x0f0f0f0fu) | ((h << 4) & 0x30303030u); break;
+    case 1: q = (l1 & 0x0f0f0f0fu) | ((h << 2) & 0x30303030u); break;
+    case 2: q = ((l0 >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u); break;
+    default: q = ((l1 >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u); break;
+    }
+    return sub_bytes(q, 0x20202020u);
+}
+
+template <int NT>
+struct QmCompute<Q6_KM, NT> {
+    // d: the stage's f16 d of rows g, g + 8 of m-tile 0 and of m-tile 1.
+    static __device__ __forceinline__ void run(const unsigned char* slot, float (&acc)[2][NT][4], int warp, int lane,
+                                               u16 d00, u16 d01, u16 d10, u16 d11) {
+        using S = QmStage<Q6_KM, NT>;
+        const int g = lane >> 2, t = lane & 3;
+        const float d[2][2] = {{f16_to_f32(d00), f16_to_f32(d01)}, {f16_to_f32(d10), f16_to_f32(d11)}};
+        v4u sc[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                sc[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+#pragma unroll QmUnroll<NT>::HALVES
+        for (int n = 0; n < 2; n++) {
+            // Units (n, 0) and (n, 1): chunks 2n, 2n + 1 of each plane.
+            u32 l0[2][4], l1[2][4], hb[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                qm_wfrag<S::CPR>(slot, 32 * warp + 16 * mt, 2 * n, 2 * n + 1, lane, l0[mt]);
+                qm_wfrag<S::CPR>(slot + S::PLANE, 32 * warp + 16 * mt, 2 * n, 2 * n + 1, lane, l1[mt]);
+                qm_wfrag<S::CPR>(slot + 2 * S::PLANE, 32 * warp + 16 * mt, 2 * n, 2 * n + 1, lane, hb[mt]);
+            }
+#pragma unroll QmUnroll<NT>::RUNS
+            for (int k = 0; k < 4; k++) {
+                const int G = 4 * n + k;
+                u32 b[NT][2];
+                qm_xfrag<NT>(slot + S::XQ, G, lane, b);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    u32 a[4];  // (row g, unit j0), (row g + 8, j0), (row g, j1), (row g + 8, j1)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) a[q] = q6_run(l0[mt][q], l1[mt][q], hb[mt][q], k);
+                    // d times the scales of runs (n, 0, k) and (n, 1, k) of rows g and g + 8.
+                    float s0[2], s1[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        s0[h] = __fmul_rn(d[mt][h], (float)(int)(i8)((word(sc[mt][h], 2 * n) >> (8 * k)) & 0xff));
+                        s1[h] = __fmul_rn(d[mt][h], (float)(int)(i8)((word(sc[mt][h], 2 * n + 1) >> (8 * k)) & 0xff));
+                    }
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        int c0[4], c1[4];
+                        mma_s8_k16(c0, a[0], a[1], b[j][0]);
+                        mma_s8_k16(c1, a[2], a[3], b[j][1]);
+                        const float2 xd = qm_xd<Q6_KM, NT>(slot, j, t, G);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int h = e >> 1;
+                            const float v = __fmaf_rn(s1[h], small_int_to_float(c1[e]),
+                                                      __fmul_rn(s0[h], small_int_to_float(c0[e])));
+                            acc[mt][j][e] = __fmaf_rn((e & 1) ? xd.y : xd.x, v, acc[mt][j][e]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+};
+
+// Up to QG_MAX_SEGS packed weights of one format that read the same activations, in one
+// launch: segment j owns the units [unit_end[j-1], unit_end[j]) along x, a unit being (row
+// block, K range), K ranges fastest; its split is the one its matrix gets alone, and its
+// partial slots start at pslot0[j].
+struct QmSegs {
+    unsigned long long wq[QG_MAX_SEGS];
+    unsigned long long ws[QG_MAX_SEGS];
+    unsigned long long out[QG_MAX_SEGS];
+    int rows[QG_MAX_SEGS];
+    int unit_end[QG_MAX_SEGS];
+    int nsplit[QG_MAX_SEGS];
+    int pslot0[QG_MAX_SEGS];
+};
+
+struct QmUnit {
+    const u8* wq;
+    const u8* ws;
+    float* out;
+    int rows, mblock, split, nsplit, pslot;
+};
+__device__ __forceinline__ QmUnit qm_unit(const QmSegs& segs) {
+    const int u = blockIdx.x;
+    unsigned long long wq = segs.wq[0], ws = segs.ws[0], o = segs.out[0];
+    int rows = segs.rows[0], nsplit = segs.nsplit[0], pslot0 = segs.pslot0[0], first = 0;
+#pragma unroll
+    for (int j = 1; j < QG_MAX_SEGS; j++) {
+        if (u >= segs.unit_end[j - 1]) {
+            wq = segs.wq[j], ws = segs.ws[j], o = segs.out[j], rows = segs.rows[j], nsplit = segs.nsplit[j];
+            pslot0 = segs.pslot0[j], first = segs.unit_end[j - 1];
+        }
+    }
+    const int local = u - first;
+    return QmUnit{reinterpret_cast<const u8*>(wq), reinterpret_cast<const u8*>(ws), reinterpret_cast<float*>(o),
+                  rows, local / nsplit, local % nsplit, nsplit, pslot0 + local};
+}
+
+// Q6_K's f16 d of `row` (clamped into the matrix) for stage kt; 0 for the other formats.
+template <class F>
+__device__ __forceinline__ u16 qm_d(const QmUnit& u, int row, int cols, int kt) {
+    if (F::PLANES == 1) return 0;
+    const u8* d = u.ws + (i64)u.rows * (cols >> 4);
+    return ldg16(d + 2 * ((i64)imin(row, u.rows - 1) * (cols >> 8) + kt));
+}
+
+template <class F, int NT, int STAGES>
+__device__ __forceinline__ void qm_body(const QmUnit& u, const i8* xq, const float* xd, const int* xs, int cols,
+                                        int tokens, float* partials, unsigned* counters) {
+    using S = QmStage<F, NT>;
+    extern __shared__ __align__(128) unsigned char qm_smem[];
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = u.mblock * GS_BM;
+    const int nk = cols / QM_BK;
+    const int kb = (int)((i64)nk * u.split / u.nsplit);
+    const int n = (int)((i64)nk * (u.split + 1) / u.nsplit) - kb;
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+    // Weights never depend on the previous kernel: the first stages' go out before the wait.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        if (s < n) qm_load_w<F, NT>(qm_smem + s * S::BYTES, u.wq, u.ws, row0, u.rows, cols, kb + s);
+    const int r0 = row0 + 32 * warp + g;
+    u16 dn[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) dn[q] = qm_d<F>(u, r0 + 8 * q, cols, kb);
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < n) qm_load_x<F, NT>(qm_smem + s * S::BYTES, xq, xd, xs, tokens, cols, kb + s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        cp_async_wait<STAGES - 2>();
+        // Stage i has landed for every thread, and every warp is done with stage i - 1's slot.
+        __syncthreads();
+        const int next = i + STAGES - 1;
+        if (next < n) {
+            unsigned char* slot = qm_smem + (next % STAGES) * S::BYTES;
+            qm_load_w<F, NT>(slot, u.wq, u.ws, row0, u.rows, cols, kb + next);
+            qm_load_x<F, NT>(slot, xq, xd, xs, tokens, cols, kb + next);
+        }
+        cp_async_commit();
+        const u16 d0 = dn[0], d1 = dn[1], d2 = dn[2], d3 = dn[3];
+        if (i + 1 < n)
+#pragma unroll
+            for (int q = 0; q < 4; q++) dn[q] = qm_d<F>(u, r0 + 8 * q, cols, kb + i + 1);
+        // dn[q]: rows r0 + 8q, i.e. (m-tile q / 2, half q % 2).
+        QmCompute<F, NT>::run(qm_smem + (i % STAGES) * S::BYTES, acc, warp, lane, d0, d1, d2, d3);
+    }
+    cp_async_wait<0>();
+    const auto at = [&](int k) {
+        const int mt = k / (NT * 4), j = (k / 4) % NT, e = k % 4;
+        return make_int2(32 * warp + 16 * mt + g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
+    };
+    gs_finish(reinterpret_cast<const float(&)[2 * NT * 4]>(acc), at, u, tokens, partials, counters);
+}
+
+// grid (units), block QM_THREADS, dynamic shared memory STAGES * QmStage<F, NT>::BYTES; the
+// activations and the outputs start at the launch's first token, `tokens` <= NT * 8.
+#define QMMA(NAME, F, NT, STAGES)                                                                            \
+    extern "C" __global__ void __launch_bounds__(QM_THREADS, 2)                                              \
+        qmma_##NAME##_n##NT(QmSegs segs, const i8* xq, const float* xd, const int* xs, int cols, int tokens, \
+                            float* partials, unsigned* counters) {                                           \
+        qm_body<F, NT, STAGES>(qm_unit(segs), xq, xd, xs, cols, tokens, partials, counters);                 \
+    }
+// (format, n-tiles, ring depth): the launcher's table (QM_STAGES in quant.rs).
+#define QMMA_ALL(NAME, F, S1, S2, S4, S8)                                                                    \
+    QMMA(NAME, F, 1, S1)                                                                                     \
+    QMMA(NAME, F, 2, S2)                                                                                     \
+    QMMA(NAME, F, 4, S4)                                                                                     \
+    QMMA(NAME, F, 8, S8)
+QMMA_ALL(q8_0, Q8_0M, 3, 2, 2, 2)
+QMMA_ALL(q4_0, Q4_0M, 5, 4, 4, 3)
+QMMA_ALL(q4_k, Q4_KM, 5, 4, 3, 2)
+QMMA_ALL(q6_k, Q6_KM, 3, 3, 3, 2)
+
+// ---------------------------------------------------------------------------------------
 // Dequantization: the exact f32 weights (bit-identical to the CPU's dequantize_row), as bf16
 // (rounded to nearest even) for a tensor-core GEMM, or as f32 for the embedding gather.
 
