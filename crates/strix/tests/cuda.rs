@@ -2153,14 +2153,28 @@ fn same_draws(
     assert!(wrong.is_empty(), "{what}: device draws differ from the host's");
 }
 
+/// The logit bias of test row `r`: up to three tokens of a `vocab`-token row (one raised, one
+/// all but banned, one moved a little), each once.
+fn test_bias(vocab: usize, r: usize) -> Vec<(u32, f32)> {
+    let mut bias: Vec<(u32, f32)> = Vec::new();
+    for (id, b) in
+        [(7 % vocab, 3.0f32), ((r * 7919) % vocab, -100.0), (vocab / 2, if r % 8 == 1 { 50.0 } else { -2.5 })]
+    {
+        if bias.iter().all(|e| e.0 != id as u32) {
+            bias.push((id as u32, b));
+        }
+    }
+    bias
+}
+
 /// Prepared draws finished next to the logits (`sample_rows`) make what the host's
 /// `sample_prepared` makes of the same logits, many rows in one launch, through every route of
 /// `backend/cuda/sample.rs`: greedy rows (penalties or not, top-k 1), top-k of 2 to 1024 (the
 /// one-block kernel), temperature alone, top-p, min-p and top-k at or above the vocabulary
 /// (the full-vocabulary pipeline), a top-k above 1024 (the host), top-p over heavily tied
-/// logits that overflow the pipeline's bucket (left to the host); every penalty;
-/// log-probabilities on a third of the rows of each kind; and rows holding NaN, +∞ or nothing
-/// above −∞ (refused on both sides). Over a 4,000-token and the real 248,320-token vocabulary.
+/// logits that overflow the pipeline's bucket (left to the host); every penalty; a logit bias on
+/// a quarter of the rows; log-probabilities on a third of the rows of each kind; and rows
+/// holding NaN, +∞ or nothing above −∞ (refused on both sides). Over a 4,000-token and the real 248,320-token vocabulary.
 /// Both paths are counted. A row drawn alone gives what it gave in the batch.
 #[test]
 fn prepared_draws_on_the_device_match_the_host() {
@@ -2220,6 +2234,7 @@ fn prepared_draws_on_the_device_match_the_host() {
                 presence_penalty: if r % 4 == 2 { 0.7 } else { 0.0 },
                 frequency_penalty: if r % 5 == 3 { 0.4 } else { 0.0 },
                 seed: Some(r as u64),
+                logit_bias: if r % 4 == 1 { test_bias(vocab, r) } else { Vec::new() },
             };
             host_rows += (kind == 9) as u64;
             let logprobs = (r % 3 == 0).then_some([0usize, 1, 5, 20][(r / 3) % 4]);
@@ -2247,6 +2262,80 @@ fn prepared_draws_on_the_device_match_the_host() {
         assert_eq!(after.sample_device - before.sample_device, n as u64 - host_rows, "{after}");
         // Batch invariance: each row alone (its logits uploaded afresh: draws modify them).
         for r in (0..n).step_by(if vocab > 10_000 { 3 } else { 23 }) {
+            let alone =
+                g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
+            assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");
+        }
+    }
+}
+
+/// A logit bias is applied on the device before everything else, exactly as the host applies
+/// it, in a batch where only some rows have one (rows without pay nothing and are untouched):
+/// greedy rows whose bias lifts a weak token above the argmax or bans the argmax (the device's
+/// pick is the biased argmax), draws forced by +100 or steered by smaller biases through each
+/// route (temperature alone, top-k 40, a top-k of 3000, top-p, min-p), biases on penalised
+/// tokens (bias first, then the penalty), log-probabilities of the biased distribution. Over
+/// 4,000 and 248,320 tokens.
+#[test]
+fn logit_bias_on_the_device_matches_the_host() {
+    use strix::sampling::{sample_prepared, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(41);
+    for vocab in [4000usize, 248_320] {
+        let rows = 24;
+        let logits: Vec<f32> = rng.vec(rows * vocab, 6.0);
+        let argmax_of = |r: usize| strix::sampling::argmax(&logits[r * vocab..(r + 1) * vocab]);
+        let weak = |r: usize| ((r * 131 + 17) % vocab) as u32;
+        let mut prepared = Vec::new();
+        let mut forced = Vec::new(); // (row, the token the bias must give)
+        for r in 0..rows {
+            let greedy = r % 4 < 2;
+            let mut params = SamplingParams {
+                temperature: if greedy { 0.0 } else { 0.8 },
+                top_k: [0, 40, 3000, 0, 0, 0][r % 6],
+                top_p: if r % 6 == 3 { 0.8 } else { 1.0 },
+                min_p: if r % 6 == 4 { 0.05 } else { 0.0 },
+                repetition_penalty: if r % 5 == 2 { 1.3 } else { 1.0 },
+                presence_penalty: if r % 5 == 3 { 0.5 } else { 0.0 },
+                seed: Some(100 + r as u64),
+                ..SamplingParams::default()
+            };
+            // Rows 3, 7, 11, ... carry no bias, between rows that do.
+            params.logit_bias = match r % 4 {
+                0 => vec![(weak(r), 20.0)],
+                1 => vec![(argmax_of(r), -100.0), (weak(r), -1.0)],
+                2 => vec![(weak(r), 100.0), (argmax_of(r), 0.5)],
+                _ => Vec::new(),
+            };
+            if r % 4 == 0 || r % 4 == 2 {
+                forced.push((r, weak(r)));
+            }
+            // The history (penalised tokens) includes the biased ones.
+            let history = [weak(r), argmax_of(r), 5, 5];
+            let mut sampler = strix::sampling::Sampler::new(params).unwrap();
+            prepared.push(sampler.prepare(&history[..2], &history[2..], (r % 3 == 0).then_some(5)));
+        }
+        let want: Vec<_> = (0..rows)
+            .map(|r| sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &prepared[r]))
+            .collect();
+        let picks: Vec<_> = prepared.iter().enumerate().collect();
+        let before = g.path_counts();
+        let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
+        let after = g.path_counts();
+        same_draws(&format!("logit bias, vocab {vocab}"), &got, &want, &prepared);
+        for &(r, token) in &forced {
+            assert_eq!(got[r].as_ref().unwrap().token, token, "vocab {vocab} row {r}: the bias should win");
+        }
+        for r in (1..rows).step_by(4) {
+            assert_ne!(got[r].as_ref().unwrap().token, argmax_of(r), "vocab {vocab} row {r}: banned");
+        }
+        // A top-k above 1024 below the vocabulary is drawn on the host, its bias there too.
+        let host_rows =
+            prepared.iter().filter(|p| p.uniform.is_some() && p.params.top_k > 1024).count() as u64;
+        assert_eq!(after.sample_host - before.sample_host, host_rows, "{after}");
+        assert_eq!(after.sample_device - before.sample_device, rows as u64 - host_rows, "{after}");
+        // Unbiased rows give what they give alone, with no biased row beside them.
+        for r in (3..rows).step_by(4) {
             let alone =
                 g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
             assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");

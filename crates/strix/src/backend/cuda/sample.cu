@@ -192,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(128) argmax_finish(const float* par
 // ---------------------------------------------------------------------------------------------
 // Prepared draws. Every row the device takes is described by a DrawRow (DrawRow in sample.rs).
 // The launcher runs, on the stream:
-//  1. draw_penalise: each listed token's penalties (separate roundings: no FMA, as the host);
+//  1. draw_adjust: each listed token's logit bias, then its penalties (separate roundings: no
+//     FMA, as the host), only for rows that have either;
 //  2. sample_topk: rows with a top-k of 2..SAMPLE_MAX_K below the vocabulary, one block each,
 //     the host's candidates and order exactly (their logits are left normalised in place);
 //  3. the full-vocabulary pipeline (full_*), several blocks a row: greedy rows, rows with no
@@ -209,14 +210,24 @@ struct DrawRow {
     int top_n;       // log-probabilities: alternatives to report; -1: none
     float temperature;  // 1 for greedy rows and for rows sample_topk normalised already
     float top_p, min_p_ln, rep, presence, frequency;
+    int bias_at;     // first (token, bias bits) pair of this row in `bias`
+    int bias_count;
 };
 
-// Block `blockIdx.x`: the penalties of rows[blockIdx.x], in place. grid rows, block 256.
-extern "C" __global__ void __launch_bounds__(256) draw_penalise(float* logits, int vocab, const DrawRow* rows,
-                                                               const u32* penalties) {
+// Block `blockIdx.x`: the logit bias, then the penalties, of rows[blockIdx.x], in place (the
+// host's order: sampling.rs's sample_prepared). Each list names a token at most once
+// (Sampler::prepare and SamplingParams::validate see to it), so its threads never meet; a
+// token in both lists gets its bias before its penalty. grid rows, block 256.
+extern "C" __global__ void __launch_bounds__(256) draw_adjust(float* logits, int vocab, const DrawRow* rows,
+                                                             const u32* penalties, const u32* bias) {
     pdl_enter();
     const DrawRow r = rows[blockIdx.x];
     float* l = logits + r.row * vocab;
+    for (int e = threadIdx.x; e < r.bias_count; e += blockDim.x) {
+        const u32 t = bias[2 * (r.bias_at + e)];
+        if (t < (u32)vocab) l[t] = __fadd_rn(l[t], __uint_as_float(bias[2 * (r.bias_at + e) + 1]));
+    }
+    if (r.bias_count > 0 && r.pen_count > 0) __syncthreads();
     for (int e = threadIdx.x; e < r.pen_count; e += blockDim.x) {
         const u32 t = penalties[2 * (r.pen_at + e)], flags = penalties[2 * (r.pen_at + e) + 1];
         if (t < (u32)vocab) {
@@ -408,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk(float* 
 // can disagree.
 //
 // Rows the pipeline cannot finish exactly as the host does are flagged FULL_HOST and drawn on
-// the host from the (penalised) logits: top-p over at most SORT_BELOW candidates (the host
+// the host from the (biased, penalised) logits: top-p over at most SORT_BELOW candidates (the host
 // sorts them and walks them sorted), and a crossing bucket of more than TOPP_CAP tokens.
 #define FULL_THREADS 256
 #define FULL_GREEDY 0

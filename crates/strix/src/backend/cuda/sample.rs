@@ -3,6 +3,8 @@
 //! argmax, and prepared draws (`sampling.rs`'s `sample_prepared`, the host's algorithm step
 //! for step) with their log-probabilities:
 //!
+//! - first, rows with a logit bias or penalties get them (`draw_adjust`: only the few listed
+//!   `(id, bias)` and `(id, flags)` pairs are uploaded; rows with neither are not touched);
 //! - rows with a top-k of 2..=[`PREPARED_TOP_K_MAX`] below the vocabulary go to `sample_topk`,
 //!   one block a row, which sorts the top-k and walks them as the host does;
 //! - greedy rows and rows with no top-k (or one not below the vocabulary: temperature alone,
@@ -68,6 +70,8 @@ struct DrawRow {
     rep: f32,
     presence: f32,
     frequency: f32,
+    bias_at: i32,
+    bias_count: i32,
 }
 
 /// `PartStat` of `sample.cu`.
@@ -138,7 +142,7 @@ fn mass_bits(vocab: usize) -> u32 {
 pub(super) struct Kernels {
     argmax_partial: CudaFunction,
     argmax_finish: CudaFunction,
-    draw_penalise: CudaFunction,
+    draw_adjust: CudaFunction,
     sample_topk: CudaFunction,
     full_max: CudaFunction,
     full_combine: CudaFunction,
@@ -167,7 +171,7 @@ impl Kernels {
         Ok(Kernels {
             argmax_partial: f("argmax_partial")?,
             argmax_finish: f("argmax_finish")?,
-            draw_penalise: f("draw_penalise")?,
+            draw_adjust: f("draw_adjust")?,
             sample_topk: f("sample_topk")?,
             full_max: f("full_max")?,
             full_combine: f("full_combine")?,
@@ -255,33 +259,44 @@ impl Kernels {
                 rep: q.repetition_penalty,
                 presence: q.presence_penalty,
                 frequency: q.frequency_penalty,
+                bias_at: 0,
+                bias_count: 0,
             }
         };
 
         let ids = dev.upload_u32(&vec![NO_TOKEN; picks.len().max(1)]).unwrap_or_else(|e| panic!("{e}")).0;
 
-        // 1. Penalties, for every row the device draws.
-        let mut penalised = Vec::new();
-        let mut penalties: Vec<u32> = Vec::new();
+        // 1. Logit bias and penalties, for the rows the device draws that have either: only
+        // their (id, bias) and (id, flags) pairs cross to the device.
+        let mut adjusted = Vec::new();
+        let (mut penalties, mut bias): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         for (slot, &(_, p)) in picks.iter().enumerate() {
-            if routes[slot] != Route::Host && !p.penalties.is_empty() {
-                let mut r = row_of(slot, FULL_DRAW);
-                r.pen_at = (penalties.len() / 2) as i64;
-                r.pen_count = p.penalties.len() as i32;
-                penalties.extend(p.penalties.iter().flat_map(|&(t, f)| [t, f]));
-                penalised.push(r);
+            if routes[slot] == Route::Host || (p.penalties.is_empty() && p.params.logit_bias.is_empty()) {
+                continue;
             }
+            let mut r = row_of(slot, FULL_DRAW);
+            r.pen_at = (penalties.len() / 2) as i64;
+            r.pen_count = p.penalties.len() as i32;
+            penalties.extend(p.penalties.iter().flat_map(|&(t, f)| [t, f]));
+            r.bias_at = (bias.len() / 2) as i32;
+            r.bias_count = p.params.logit_bias.len() as i32;
+            bias.extend(p.params.logit_bias.iter().flat_map(|&(t, b)| [t, b.to_bits()]));
+            adjusted.push(r);
         }
-        if !penalised.is_empty() {
-            let (_rows, rows_ptr) = dev.upload_words(&penalised).unwrap_or_else(|e| panic!("{e}"));
+        if !adjusted.is_empty() {
+            let (_rows, rows_ptr) = dev.upload_words(&adjusted).unwrap_or_else(|e| panic!("{e}"));
+            // An empty list still needs a valid pointer.
+            penalties.extend([0, 0]);
+            bias.extend([0, 0]);
             let (_pen, pen_ptr) = dev.upload_u32(&penalties).unwrap_or_else(|e| panic!("{e}"));
+            let (_bias, bias_ptr) = dev.upload_u32(&bias).unwrap_or_else(|e| panic!("{e}"));
             dev.launch(
-                "draw_penalise",
-                &self.draw_penalise,
-                (penalised.len() as u32, 1, 1),
+                "draw_adjust",
+                &self.draw_adjust,
+                (adjusted.len() as u32, 1, 1),
                 (256, 1, 1),
                 0,
-                kernel_args![logits.ptr(), vocab as i32, rows_ptr, pen_ptr],
+                kernel_args![logits.ptr(), vocab as i32, rows_ptr, pen_ptr, bias_ptr],
             );
         }
 
@@ -342,10 +357,11 @@ impl Kernels {
                 host_count += 1;
                 let mut values = vec![0f32; vocab];
                 dev.download_f32(&mut values, logits.at(row * vocab)).unwrap_or_else(|e| panic!("{e}"));
-                // Penalties applied on the device already stay applied.
+                // The bias and penalties applied on the device already stay applied.
                 let mut host = p.clone();
                 if routes[slot] != Route::Host {
                     host.penalties.clear();
+                    host.params.logit_bias.clear();
                 }
                 draws.push(sample_prepared(&mut values, &host));
                 continue;
@@ -526,7 +542,7 @@ mod tests {
 
     #[test]
     fn structs_match_the_kernels() {
-        assert_eq!(std::mem::size_of::<DrawRow>(), 72);
+        assert_eq!(std::mem::size_of::<DrawRow>(), 80);
         assert_eq!(std::mem::size_of::<PartStat>(), 32);
         assert_eq!(std::mem::size_of::<RowState>(), 64);
         assert_eq!(std::mem::size_of::<LogprobEntry>(), 8);
