@@ -2171,11 +2171,13 @@ fn test_bias(vocab: usize, r: usize) -> Vec<(u32, f32)> {
 /// `sample_prepared` makes of the same logits, many rows in one launch, through every route of
 /// `backend/cuda/sample.rs`: greedy rows (penalties or not, top-k 1), top-k of 2 to 1024 (the
 /// one-block kernel), temperature alone, top-p, min-p and top-k at or above the vocabulary
-/// (the full-vocabulary pipeline), a top-k above 1024 (the host), top-p over heavily tied
-/// logits that overflow the pipeline's bucket (left to the host); every penalty; a logit bias on
-/// a quarter of the rows; log-probabilities on a third of the rows of each kind; and rows
-/// holding NaN, +∞ or nothing above −∞ (refused on both sides). Over a 4,000-token and the real 248,320-token vocabulary.
-/// Both paths are counted. A row drawn alone gives what it gave in the batch.
+/// (the full-vocabulary pipeline), top-k above 1024 below the vocabulary, with and without
+/// top-p and min-p (the pipeline's radix selects, in sorted order), top-p over heavily tied
+/// logits that overflow the pipeline's bucket (left to the host); every penalty; a logit bias
+/// on a quarter of the rows; log-probabilities on a third of the rows of each kind; and rows
+/// holding NaN, +∞ or nothing above −∞ (refused on both sides). Over a 4,000-token and the
+/// real 248,320-token vocabulary. Every path is counted. A row drawn alone gives what it gave
+/// in the batch.
 #[test]
 fn prepared_draws_on_the_device_match_the_host() {
     use strix::sampling::{sample_prepared, SamplingParams};
@@ -2185,11 +2187,12 @@ fn prepared_draws_on_the_device_match_the_host() {
         let rows = if vocab > 10_000 { 60 } else { 300 };
         let mut logits = Vec::with_capacity((rows + 1) * vocab);
         let mut prepared = Vec::new();
-        let mut host_rows = 0u64;
+        let (mut host_rows, mut sorted_rows) = (0u64, 0u64);
         for r in 0..rows {
             let u = |rng: &mut Rng| rng.vec(1, 1.0)[0].abs().min(1.0);
             // 0, 1 greedy; 2..4 top-k of at most 1024; 5 temperature alone; 6 top-p; 7 top-p and
-            // min-p; 8 top-k not below the vocabulary, min-p; 9 top-k above 1024 (host).
+            // min-p; 8 top-k not below the vocabulary, min-p; 9 top-k above 1024 below the
+            // vocabulary (sorted), top-p on half of them, min-p on a third.
             let kind = r % 10;
             let ties = r % 7 == 3 && !matches!(kind, 6 | 7);
             let mut row: Vec<f32> = if ties {
@@ -2217,15 +2220,19 @@ fn prepared_draws_on_the_device_match_the_host() {
                     0 | 1 => (r % 20 == 11) as usize,
                     2..=4 => [2, 5, 20, 40, 333, 1024][r % 6],
                     8 => vocab + (r % 2) * 5,
-                    9 => 1500,
+                    9 if vocab > 10_000 => [1025, 5000, 100_000, vocab - 1][(r / 10) % 4],
+                    9 => [1025, 1500, vocab - 1][(r / 10) % 3],
                     _ => 0,
                 },
-                top_p: if matches!(kind, 6 | 7) || (kind == 3 && r % 2 == 1) {
+                top_p: if matches!(kind, 6 | 7)
+                    || (kind == 3 && r % 2 == 1)
+                    || (kind == 9 && (r / 10) % 3 != 0)
+                {
                     0.5 + 0.49 * u(&mut rng)
                 } else {
                     1.0
                 },
-                min_p: if matches!(kind, 7 | 8) || (kind == 4 && r % 2 == 0) {
+                min_p: if matches!(kind, 7 | 8) || (kind == 4 && r % 2 == 0) || (kind == 9 && r % 3 == 0) {
                     0.1 * u(&mut rng)
                 } else {
                     0.0
@@ -2236,7 +2243,7 @@ fn prepared_draws_on_the_device_match_the_host() {
                 seed: Some(r as u64),
                 logit_bias: if r % 4 == 1 { test_bias(vocab, r) } else { Vec::new() },
             };
-            host_rows += (kind == 9) as u64;
+            sorted_rows += (kind == 9) as u64;
             let logprobs = (r % 3 == 0).then_some([0usize, 1, 5, 20][(r / 3) % 4]);
             prepared.push(test_draw(params, logprobs, vocab, r));
         }
@@ -2260,6 +2267,7 @@ fn prepared_draws_on_the_device_match_the_host() {
         same_draws(&format!("vocab {vocab}"), &got, &want, &prepared);
         assert_eq!(after.sample_host - before.sample_host, host_rows, "{after}");
         assert_eq!(after.sample_device - before.sample_device, n as u64 - host_rows, "{after}");
+        assert_eq!(after.sample_sorted - before.sample_sorted, sorted_rows, "{after}");
         // Batch invariance: each row alone (its logits uploaded afresh: draws modify them).
         for r in (0..n).step_by(if vocab > 10_000 { 3 } else { 23 }) {
             let alone =
@@ -2273,9 +2281,9 @@ fn prepared_draws_on_the_device_match_the_host() {
 /// it, in a batch where only some rows have one (rows without pay nothing and are untouched):
 /// greedy rows whose bias lifts a weak token above the argmax or bans the argmax (the device's
 /// pick is the biased argmax), draws forced by +100 or steered by smaller biases through each
-/// route (temperature alone, top-k 40, a top-k of 3000, top-p, min-p), biases on penalised
-/// tokens (bias first, then the penalty), log-probabilities of the biased distribution. Over
-/// 4,000 and 248,320 tokens.
+/// route (temperature alone, top-k 40, a top-k of 3000 in sorted order, top-p, min-p), biases
+/// on penalised tokens (bias first, then the penalty), log-probabilities of the biased
+/// distribution. Over 4,000 and 248,320 tokens; nothing is left to the host.
 #[test]
 fn logit_bias_on_the_device_matches_the_host() {
     use strix::sampling::{sample_prepared, SamplingParams};
@@ -2329,11 +2337,8 @@ fn logit_bias_on_the_device_matches_the_host() {
         for r in (1..rows).step_by(4) {
             assert_ne!(got[r].as_ref().unwrap().token, argmax_of(r), "vocab {vocab} row {r}: banned");
         }
-        // A top-k above 1024 below the vocabulary is drawn on the host, its bias there too.
-        let host_rows =
-            prepared.iter().filter(|p| p.uniform.is_some() && p.params.top_k > 1024).count() as u64;
-        assert_eq!(after.sample_host - before.sample_host, host_rows, "{after}");
-        assert_eq!(after.sample_device - before.sample_device, rows as u64 - host_rows, "{after}");
+        assert_eq!(after.sample_host, before.sample_host, "{after}");
+        assert_eq!(after.sample_device - before.sample_device, rows as u64, "{after}");
         // Unbiased rows give what they give alone, with no biased row beside them.
         for r in (3..rows).step_by(4) {
             let alone =
@@ -2379,6 +2384,15 @@ fn device_draws_follow_the_samplers_distribution() {
             ..SamplingParams::default()
         },
         SamplingParams { temperature: 1.0, top_k: 12, top_p: 0.95, ..SamplingParams::default() },
+        // A top-k above 1024, drawn in sorted order by the pipeline's radix selects.
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 2000,
+            top_p: 0.9,
+            min_p: 0.01,
+            ..SamplingParams::default()
+        },
+        SamplingParams { temperature: 0.9, top_k: 1025, ..SamplingParams::default() },
     ];
     for (case, params) in settings.iter().enumerate() {
         let expected = reference_distribution(&logits, params, &history[..2], &history[2..]);
