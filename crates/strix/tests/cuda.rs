@@ -2297,7 +2297,8 @@ fn logit_bias_on_the_device_matches_the_host() {
         let mut prepared = Vec::new();
         let mut forced = Vec::new(); // (row, the token the bias must give)
         for r in 0..rows {
-            let greedy = r % 4 < 2;
+            // Every (bias, route) pair below comes greedy (rows 0..4, 8..12, 16..20) and drawn.
+            let greedy = (r / 4) % 2 == 0;
             let mut params = SamplingParams {
                 temperature: if greedy { 0.0 } else { 0.8 },
                 top_k: [0, 40, 3000, 0, 0, 0][r % 6],
@@ -2315,7 +2316,8 @@ fn logit_bias_on_the_device_matches_the_host() {
                 2 => vec![(weak(r), 100.0), (argmax_of(r), 0.5)],
                 _ => Vec::new(),
             };
-            if r % 4 == 0 || r % 4 == 2 {
+            // +20 wins the argmax; +100 wins any draw.
+            if (r % 4 == 0 && greedy) || r % 4 == 2 {
                 forced.push((r, weak(r)));
             }
             // The history (penalised tokens) includes the biased ones.
@@ -2341,6 +2343,76 @@ fn logit_bias_on_the_device_matches_the_host() {
         assert_eq!(after.sample_device - before.sample_device, rows as u64, "{after}");
         // Unbiased rows give what they give alone, with no biased row beside them.
         for r in (3..rows).step_by(4) {
+            let alone =
+                g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
+            assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");
+        }
+    }
+}
+
+/// Every setting at tiny and odd vocabularies, around the kernels' block, part and bucket sizes
+/// (1, 2, 3, 31, 257, 1025, 2049, 4097 tokens): greedy (with and without penalties),
+/// temperature alone, top-k of 2, 5, the vocabulary less one, 1025 and past the vocabulary,
+/// top-p (sorted on the device up to 2048 tokens, bucketed above), min-p, every penalty, a
+/// logit bias, log-probabilities asking for more alternatives than the vocabulary has, and
+/// tied logits; device and host agree, nothing is left to the host, a row drawn alone gives
+/// what it gave in the batch.
+#[test]
+fn device_draws_at_tiny_and_odd_vocabularies_match_the_host() {
+    use strix::sampling::{sample_prepared, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(43);
+    for vocab in [1usize, 2, 3, 31, 257, 1025, 2049, 4097] {
+        let settings: Vec<SamplingParams> = {
+            let t = |temperature: f32| SamplingParams { temperature, ..SamplingParams::default() };
+            let mut s = vec![
+                t(0.0),
+                SamplingParams { repetition_penalty: 1.4, presence_penalty: 0.3, ..t(0.0) },
+                t(0.9),
+                SamplingParams { top_k: 2, ..t(0.7) },
+                SamplingParams { top_k: 5, top_p: 0.9, ..t(1.1) },
+                SamplingParams { top_k: vocab.saturating_sub(1), ..t(1.0) },
+                SamplingParams { top_k: 1025, min_p: 0.02, ..t(1.0) },
+                SamplingParams { top_k: vocab + 3, ..t(0.6) },
+                SamplingParams { top_p: 0.7, ..t(1.0) },
+                SamplingParams { top_p: 0.95, min_p: 0.1, ..t(1.3) },
+                SamplingParams { min_p: 0.2, ..t(0.8) },
+                SamplingParams {
+                    repetition_penalty: 1.5,
+                    frequency_penalty: 0.4,
+                    presence_penalty: -0.2,
+                    ..t(1.0)
+                },
+                SamplingParams { logit_bias: test_bias(vocab, 3), top_p: 0.8, ..t(1.0) },
+                SamplingParams { logit_bias: test_bias(vocab, 1), ..t(0.0) },
+            ];
+            s.iter_mut().enumerate().for_each(|(i, p)| p.seed = Some(i as u64));
+            s
+        };
+        let mut logits = Vec::new();
+        let mut prepared = Vec::new();
+        for (i, params) in settings.iter().enumerate() {
+            for tied in [false, true] {
+                let r = prepared.len();
+                let row = rng.vec(vocab, 5.0);
+                logits.extend(row.iter().map(|&v| if tied { v.round() } else { v }));
+                let logprobs = [None, Some(0), Some(3), Some(20)][(r + i) % 4];
+                prepared.push(test_draw(params.clone(), logprobs, vocab, r));
+            }
+        }
+        let n = prepared.len();
+        let want: Vec<_> = (0..n)
+            .map(|r| sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &prepared[r]))
+            .collect();
+        let picks: Vec<_> = prepared.iter().enumerate().collect();
+        let before = g.path_counts();
+        let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
+        let after = g.path_counts();
+        same_draws(&format!("vocab {vocab}"), &got, &want, &prepared);
+        assert!(got.iter().all(Result::is_ok), "vocab {vocab}: every row is finite");
+        assert_eq!(after.sample_host, before.sample_host, "vocab {vocab}: {after}");
+        assert_eq!(after.sample_device - before.sample_device, n as u64, "vocab {vocab}: {after}");
+        for r in (0..n).step_by(5) {
             let alone =
                 g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
             assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");

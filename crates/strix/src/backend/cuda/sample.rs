@@ -417,7 +417,8 @@ impl Kernels {
             }
             let logprobs = p.logprobs.map(|n| {
                 let e = &entries[slot * (1 + TOP_N_MAX)..(slot + 1) * (1 + TOP_N_MAX)];
-                let top = e[1..=n.min(TOP_N_MAX)].iter().map(|t| (t.id, t.logprob)).collect();
+                // A vocabulary smaller than n has only that many alternatives, as on the host.
+                let top = e[1..=n.min(TOP_N_MAX).min(vocab)].iter().map(|t| (t.id, t.logprob)).collect();
                 TokenLogprobs { token, logprob: e[0].logprob, top }
             });
             draws.push(Ok(Draw { token, logprobs }));
