@@ -149,7 +149,8 @@ pub fn logit_bias(text: &str) -> Result<(u32, f32), String> {
     let (id, bias) = text.split_once('=').ok_or_else(shape)?;
     let id = id.trim().parse::<u32>().map_err(|_| shape())?;
     let bias = bias.trim().parse::<f32>().map_err(|_| shape())?;
-    if !(bias.abs() <= strix::sampling::LOGIT_BIAS_MAX) {
+    let max = strix::sampling::LOGIT_BIAS_MAX;
+    if !(-max..=max).contains(&bias) {
         return Err(format!("the bias of token {id} must be in [-100, 100], not {bias}"));
     }
     Ok((id, bias))

@@ -141,7 +141,9 @@ impl SamplingParams {
         if !p.frequency_penalty.is_finite() {
             return Err(bad("frequency_penalty", "a finite number", p.frequency_penalty));
         }
-        if let Some(&(id, bias)) = p.logit_bias.iter().find(|(_, b)| !(b.abs() <= LOGIT_BIAS_MAX)) {
+        if let Some(&(id, bias)) =
+            p.logit_bias.iter().find(|(_, b)| !(-LOGIT_BIAS_MAX..=LOGIT_BIAS_MAX).contains(b))
+        {
             return Err(Error::input(format!(
                 "sampling parameter logit_bias must map token ids to biases in [-{LOGIT_BIAS_MAX}, \
                  {LOGIT_BIAS_MAX}], got {bias} for token {id}"
