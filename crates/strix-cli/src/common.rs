@@ -94,6 +94,11 @@ pub struct SamplingArgs {
     /// when none is given [default: random]
     #[arg(short, long, value_name = "N", value_parser = limits::seed)]
     pub seed: Option<Seed>,
+
+    /// Add BIAS (-100 to 100) to token ID's logit before anything else; repeat for more tokens
+    /// (-100 all but bans a token, 100 all but forces it)
+    #[arg(long, value_name = "ID=BIAS", value_parser = limits::logit_bias, allow_hyphen_values = true)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl SamplingArgs {
@@ -112,6 +117,7 @@ impl SamplingArgs {
                 Some(Seed::Fixed(seed)) => seed,
                 None | Some(Seed::Random) => random_seed(),
             }),
+            logit_bias: self.logit_bias.clone(),
         };
         params.validate()?;
         Ok(params)

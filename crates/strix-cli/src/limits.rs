@@ -142,6 +142,20 @@ pub fn positive(text: &str) -> Result<usize, String> {
     whole(text, 1, usize::MAX, "")
 }
 
+/// A `--logit-bias` entry, `ID=BIAS`: a token id and the bias added to its logit, in [-100, 100]
+/// (OpenAI's range); the vocabulary is checked once the model is loaded.
+pub fn logit_bias(text: &str) -> Result<(u32, f32), String> {
+    let shape = || format!("`{text}` is not ID=BIAS (a token id, a bias in [-100, 100]), e.g. 1234=-100");
+    let (id, bias) = text.split_once('=').ok_or_else(shape)?;
+    let id = id.trim().parse::<u32>().map_err(|_| shape())?;
+    let bias = bias.trim().parse::<f32>().map_err(|_| shape())?;
+    let max = strix::sampling::LOGIT_BIAS_MAX;
+    if !(-max..=max).contains(&bias) {
+        return Err(format!("the bias of token {id} must be in [-100, 100], not {bias}"));
+    }
+    Ok((id, bias))
+}
+
 /// A `--seed` value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Seed {
@@ -167,6 +181,18 @@ pub fn seed(text: &str) -> Result<Seed, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logit_bias_entries_are_an_id_and_a_bounded_bias() {
+        assert_eq!(logit_bias("1234=-100"), Ok((1234, -100.0)));
+        assert_eq!(logit_bias(" 7 = 2.5 "), Ok((7, 2.5)));
+        for bad in ["1234", "=5", "x=1", "-1=1", "1=x", "1=", "4294967296=1"] {
+            assert!(logit_bias(bad).unwrap_err().contains("is not ID=BIAS"), "{bad}");
+        }
+        for bad in ["1=100.5", "1=-101", "1=NaN", "1=inf"] {
+            assert!(logit_bias(bad).unwrap_err().contains("must be in [-100, 100]"), "{bad}");
+        }
+    }
 
     #[test]
     fn counts_are_bounded_with_messages_that_say_why() {

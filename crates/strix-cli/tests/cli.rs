@@ -244,6 +244,33 @@ fn generation_stops_at_an_end_of_sequence_token() {
     assert_eq!(ids_of(&json["ids"]), golden.greedy);
 }
 
+/// `--logit-bias ID=BIAS` steers `run`: +100 forces a token at every step, -100 on the first
+/// greedy token changes the continuation; an id outside the vocabulary or a malformed entry is
+/// a clean error.
+#[test]
+fn logit_bias_steers_run() {
+    let (_, golden) = goldens("causal-bf16-gdn3x").remove(0);
+    let model = fixture_arg("causal-bf16-gdn3x");
+    let ids = join_ids(&golden.ids);
+    let run = |extra: &[&str]| {
+        let args =
+            ["run", "--model", &model, "--prompt-ids", &ids, "-n", "4", "--temperature", "0", "--json"];
+        strix_json(&[&args[..], extra].concat())
+    };
+    assert_eq!(ids_of(&run(&[])["ids"]), golden.greedy[..4]);
+    let forced = (golden.greedy[0] + 1).to_string();
+    let json = run(&["--logit-bias", &format!("{forced}=100"), "--ignore-eos"]);
+    assert!(ids_of(&json["ids"]).iter().all(|id| id.to_string() == forced), "{json}");
+    let banned = format!("{}=-100", golden.greedy[0]);
+    let json = run(&["--logit-bias", &banned, "--logit-bias", "0=0.5", "--ignore-eos"]);
+    assert_ne!(ids_of(&json["ids"])[0], golden.greedy[0], "{json}");
+    let out =
+        strix(&["run", "--model", &model, "--prompt-ids", &ids, "-n", "2", "--logit-bias", "99999999=1"]);
+    assert_clean_error(&out, "logit_bias names token 99999999, outside the vocabulary");
+    let out = strix(&["run", "--model", &model, "--prompt-ids", &ids, "--logit-bias", "5=200"]);
+    assert!(!out.status.success() && stderr(&out).contains("must be in [-100, 100]"), "{}", stderr(&out));
+}
+
 fn tokenizer(name: &str) -> Tokenizer {
     Tokenizer::from_model_dir(fixture(name)).unwrap().unwrap()
 }

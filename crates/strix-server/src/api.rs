@@ -344,6 +344,9 @@ fn submit(
     submitted: Instant,
 ) -> Result<UnboundedReceiver<Event>, ApiError> {
     let context = state.engine.context;
+    if let Err(e) = gen.sampling.validate_vocab(state.engine.vocab_size) {
+        return Err(ApiError::invalid_param("logit_bias", e.to_string()));
+    }
     if prompt.is_empty() {
         return Err(ApiError::invalid_param(prompt_param, "the prompt is empty (0 tokens)"));
     }

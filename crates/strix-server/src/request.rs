@@ -9,15 +9,15 @@
 //! What the server does not do, it refuses rather than ignores: a field outside the lists of
 //! what each endpoint reads ([`CHAT_FIELDS`], [`COMPLETION_FIELDS`], [`COMMON_FIELDS`]) is a 400
 //! naming it, as OpenAI answers ("Unrecognized request argument supplied"), and so is a known
-//! field in a form the server cannot honour (`response_format` other than text, a non-empty
-//! `logit_bias`, image or audio content parts, `tool_choice` forcing a call...). A few
+//! field in a form the server cannot honour (`response_format` other than text, image or
+//! audio content parts, `tool_choice` forcing a call...). A few
 //! informational fields clients send are accepted and have no effect (`user`, `metadata`,
 //! `store`, `service_tier`). Nothing here panics on any input: the property tests in
 //! `tests/fuzz.rs` feed it random bytes and random JSON.
 
 use serde_json::{Map, Value};
 use strix::chat::{ChatMessage, ChatOptions};
-use strix::sampling::SamplingParams;
+use strix::sampling::{SamplingParams, LOGIT_BIAS_MAX};
 
 use crate::error::ApiError;
 
@@ -30,9 +30,11 @@ pub const MAX_STOP_STRINGS: usize = 16;
 pub const MAX_STOP_BYTES: usize = 256;
 /// Most `top_logprobs` (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most `logit_bias` entries (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
 
-/// Fields both endpoints read (`logit_bias` only as `{}`, which asks for nothing); `user`,
-/// `metadata`, `store` and `service_tier` are informational (accepted, without effect).
+/// Fields both endpoints read; `user`, `metadata`, `store` and `service_tier` are
+/// informational (accepted, without effect).
 pub const COMMON_FIELDS: [&str; 22] = [
     "model",
     "max_tokens",
@@ -385,16 +387,8 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
         Some(n) => (Some(n), "max_completion_tokens"),
         None => (f.positive("max_tokens")?, "max_tokens"),
     };
-    match f.get("logit_bias") {
-        None => {}
-        Some(Value::Object(bias)) if bias.is_empty() => {}
-        Some(Value::Object(_)) => {
-            return Err(ApiError::invalid_param("logit_bias", "`logit_bias` is not supported yet"))
-        }
-        Some(_) => return Err(type_error("logit_bias", "an object")),
-    }
-
     let mut s = defaults.clone();
+    s.logit_bias = logit_bias(f.get("logit_bias"))?;
     if let Some(t) = f.number("temperature")? {
         if !(t.is_finite() && t >= 0.0) {
             return Err(ApiError::invalid_param("temperature", "`temperature` must be >= 0"));
@@ -540,6 +534,50 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
         include_usage,
         ignore_eos,
     })
+}
+
+/// `logit_bias`: an object from token ids (decimal strings, as JSON keys must be strings) to
+/// biases in [-100, 100], at most [`MAX_LOGIT_BIAS`] of them. Ids are written the one way
+/// (no sign, no leading zero), so no token can be named twice. Whether the ids are in the
+/// vocabulary is checked where the model is known (`api.rs`).
+fn logit_bias(value: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bias = match value {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(bias)) => bias,
+        Some(_) => return Err(type_error("logit_bias", "an object mapping token ids to biases")),
+    };
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("`logit_bias` may hold at most {MAX_LOGIT_BIAS} tokens, not {}", bias.len()),
+        ));
+    }
+    let max = f64::from(LOGIT_BIAS_MAX);
+    bias.iter()
+        .map(|(key, value)| {
+            let id = key.parse::<u32>().ok().filter(|id| id.to_string() == *key).ok_or_else(|| {
+                ApiError::invalid_param(
+                    "logit_bias",
+                    format!(
+                        "`logit_bias` keys must be token ids (non-negative integers without sign or leading \
+                         zeros), got \"{}\"",
+                        key.chars().take(32).collect::<String>().escape_debug()
+                    ),
+                )
+            })?;
+            match value.as_f64() {
+                Some(b) if (-max..=max).contains(&b) => Ok((id, b as f32)),
+                Some(b) => Err(ApiError::invalid_param(
+                    "logit_bias",
+                    format!("`logit_bias` values must be in [-{max}, {max}], got {b} for token {id}"),
+                )),
+                None => Err(ApiError::invalid_param(
+                    "logit_bias",
+                    format!("`logit_bias` values must be numbers, and token {id}'s is not"),
+                )),
+            }
+        })
+        .collect()
 }
 
 /// OpenAI's answer to a field it does not know, with a hint for the usual ones.
@@ -794,8 +832,6 @@ mod tests {
         let cases = [
             (with(r#""response_format": {"type": "json_object"}"#), "response_format"),
             (with(r#""response_format": {"type": "json_schema", "json_schema": {}}"#), "response_format"),
-            (with(r#""logit_bias": {"50256": -100}"#), "logit_bias"),
-            (with(r#""logit_bias": [1]"#), "logit_bias"),
             (with(r#""functions": [{"name": "f"}]"#), "functions"),
             (with(r#""function_call": "auto""#), "function_call"),
             (with(r#""tool_choice": "required""#), "tool_choice"),
@@ -803,7 +839,6 @@ mod tests {
             (with(r#""parallel_tool_calls": false"#), "parallel_tool_calls"),
             (with(r#""modalities": ["text", "audio"]"#), "modalities"),
             (with(r#""audio": {"voice": "alloy"}"#), "audio"),
-            (r#"{"prompt": "x", "logit_bias": {"1": 1}}"#.to_owned(), "logit_bias"),
         ];
         for (body, expected) in &cases {
             let e =
@@ -849,6 +884,72 @@ mod tests {
             "messages[0].function_call"
         );
         chat(&part(r#"{"type": "text", "text": "b"}"#)).unwrap();
+    }
+
+    #[test]
+    fn logit_bias_decodes_into_the_sampling_parameters() {
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": "x"}],
+                "logit_bias": {"50256": -100, "0": 100, "7": 2.5, "12": -0.0}}"#,
+        )
+        .unwrap();
+        let mut bias = r.gen.sampling.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(0, 100.0), (7, 2.5), (12, 0.0), (50256, -100.0)]);
+        let r = completion(r#"{"prompt": "x", "logit_bias": {"3": 1}}"#).unwrap();
+        assert_eq!(r.gen.sampling.logit_bias, vec![(3, 1.0)]);
+        // Empty and null ask for nothing.
+        assert!(completion(r#"{"prompt": "x", "logit_bias": {}}"#)
+            .unwrap()
+            .gen
+            .sampling
+            .logit_bias
+            .is_empty());
+        assert!(completion(r#"{"prompt": "x", "logit_bias": null}"#)
+            .unwrap()
+            .gen
+            .sampling
+            .logit_bias
+            .is_empty());
+        // At most 300 entries.
+        let many = |n: usize| {
+            let bias: serde_json::Map<String, Value> =
+                (0..n).map(|i| (i.to_string(), Value::from(1))).collect();
+            completion(&serde_json::json!({"prompt": "x", "logit_bias": bias}).to_string())
+        };
+        assert_eq!(many(MAX_LOGIT_BIAS).unwrap().gen.sampling.logit_bias.len(), MAX_LOGIT_BIAS);
+        let e = many(MAX_LOGIT_BIAS + 1).unwrap_err();
+        assert!(e.message.contains("at most 300"), "{e}");
+        assert_eq!(param(e), "logit_bias");
+    }
+
+    #[test]
+    fn malformed_logit_bias_is_a_400_naming_it() {
+        for bias in [
+            r#"[1]"#,
+            r#""5: 1""#,
+            r#"5"#,
+            r#"{"a": 1}"#,
+            r#"{"-1": 1}"#,
+            r#"{"+1": 1}"#,
+            r#"{"01": 1}"#,
+            r#"{" 1": 1}"#,
+            r#"{"1.0": 1}"#,
+            r#"{"4294967296": 1}"#,
+            r#"{"1": "1"}"#,
+            r#"{"1": null}"#,
+            r#"{"1": [1]}"#,
+            r#"{"1": true}"#,
+            r#"{"1": 100.01}"#,
+            r#"{"1": -101}"#,
+            r#"{"1": 1e300}"#,
+        ] {
+            let body =
+                format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], "logit_bias": {bias}}}"#);
+            assert_eq!(param(chat(&body).unwrap_err()), "logit_bias", "{bias}");
+            let body = format!(r#"{{"prompt": "x", "logit_bias": {bias}}}"#);
+            assert_eq!(param(completion(&body).unwrap_err()), "logit_bias", "{bias}");
+        }
     }
 
     #[test]

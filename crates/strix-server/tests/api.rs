@@ -132,6 +132,71 @@ fn greedy_output_matches_the_library() {
     assert_eq!(r["usage"]["completion_tokens"].as_u64().unwrap() as usize, expected.ids.len());
 }
 
+/// `logit_bias` changes what the server generates exactly as it changes the library's
+/// `generate`: greedy with a banned token, greedy with a forced one, and a seeded draw.
+#[test]
+fn logit_bias_steers_the_output_like_the_library() {
+    let server = start(|_| {});
+    let served = served();
+    let prompt = served.tokenizer.encode("Once upon a time", false).unwrap();
+    let library = |sampling: strix::sampling::SamplingParams| {
+        let mut session = served.model.new_session(1024);
+        let params = strix::generate::GenerateParams {
+            max_tokens: 12,
+            sampling,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        strix::generate::generate(
+            &served.model,
+            &mut session,
+            &prompt,
+            Some(&served.tokenizer),
+            &params,
+            |_| {},
+        )
+        .unwrap()
+    };
+    let greedy = strix::sampling::SamplingParams::greedy();
+    let plain = library(greedy.clone());
+    let first = plain.ids[0];
+    let forced = (first + 1) % served.model.config.vocab_size as u32;
+    let sampled = strix::sampling::SamplingParams { temperature: 1.0, seed: Some(9), ..greedy.clone() };
+    let cases = [
+        (greedy.clone(), vec![(first, -100.0f32)]),
+        (greedy.clone(), vec![(forced, 100.0), (first, 3.0)]),
+        (sampled.clone(), vec![(first, -100.0), (forced, 2.0)]),
+    ];
+    for (sampling, bias) in cases {
+        let expected =
+            library(strix::sampling::SamplingParams { logit_bias: bias.clone(), ..sampling.clone() });
+        if sampling.temperature == 0.0 {
+            assert_ne!(expected.ids, plain.ids, "{bias:?} changed nothing");
+        }
+        if bias[0].1 == 100.0 {
+            assert!(expected.ids.iter().all(|&t| t == forced), "{:?}", expected.ids);
+        }
+        let map: serde_json::Map<String, Value> =
+            bias.iter().map(|&(id, b)| (id.to_string(), Value::from(b))).collect();
+        let r = post(
+            server.addr(),
+            "/v1/completions",
+            &json!({"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": true,
+                    "temperature": sampling.temperature, "seed": sampling.seed, "logit_bias": map}),
+        )
+        .json();
+        assert_eq!(r["choices"][0]["text"].as_str().unwrap(), expected.text, "{bias:?}");
+        assert_eq!(r["usage"]["completion_tokens"], 12);
+    }
+    // An id past the vocabulary names the field.
+    let vocab = served.model.config.vocab_size;
+    let mut body = json!({"prompt": "x", "max_tokens": 2, "logit_bias": {}});
+    body["logit_bias"][vocab.to_string()] = json!(1);
+    let e = post(server.addr(), "/v1/completions", &body).error(400);
+    assert_eq!(e["param"], "logit_bias");
+    assert!(e["message"].as_str().unwrap().contains("outside the vocabulary"), "{e}");
+}
+
 #[test]
 fn stop_strings_end_the_text_before_them() {
     let server = start(|_| {});
@@ -433,7 +498,8 @@ fn what_the_server_does_not_do_is_refused_by_name() {
     let chat = "/v1/chat/completions";
     let cases = [
         (json!({"messages": user("x"), "response_format": {"type": "json_object"}}), "response_format"),
-        (json!({"messages": user("x"), "logit_bias": {"1": 10}}), "logit_bias"),
+        (json!({"messages": user("x"), "logit_bias": {"1": 10, "4000000000": 10}}), "logit_bias"),
+        (json!({"messages": user("x"), "logit_bias": {"1": 101}}), "logit_bias"),
         (json!({"messages": user("x"), "functions": [{"name": "f"}]}), "functions"),
         (json!({"messages": user("x"), "some_new_option": true}), "some_new_option"),
         (

@@ -98,6 +98,7 @@ pub fn generate<B: Backend>(
     mut on_text: impl FnMut(&str),
 ) -> Result<Generated> {
     let mut sampler = Sampler::new(params.sampling.clone())?;
+    params.sampling.validate_vocab(model.config.vocab_size)?;
     let mut decoder = tokenizer.map(|t| t.stream_decoder(true));
     let mut stops = StopMatcher::new(params.stop.clone());
     let mut history = session.tokens().to_vec();
@@ -110,7 +111,7 @@ pub fn generate<B: Backend>(
 
     // Only the token comes back from the backend after the first: greedy decoding as an
     // argmax, any other draw finished next to the logits (`Model::decode_batch_prepared`).
-    let plain_greedy = params.sampling.is_greedy() && !params.sampling.penalises();
+    let plain_greedy = params.sampling.is_greedy() && !params.sampling.adjusts_logits();
     let mut picked: Option<u32> = None;
     let mut ids = Vec::new();
     let mut text = String::new();

@@ -4,13 +4,17 @@
 //!
 //! [`Sampler::sample`] applies, in this order (the order of llama.cpp and vLLM):
 //!
+//! 0. **logit bias** (OpenAI's `logit_bias`): each listed token's bias is added to its logit,
+//!    before anything else, so the penalties, the greedy argmax, the filters and the reported
+//!    log-probabilities all see the biased logits (vLLM and OpenAI apply it first too); a bias
+//!    of −100 all but bans a token, +100 all but forces it;
 //! 1. **penalties**: repetition penalty (CTRL / Hugging Face style) over every distinct token of
 //!    the prompt and the generated text, then frequency and presence penalties (OpenAI style)
 //!    over the generated text only: vLLM does the same, so that a prompt that quotes a document
 //!    does not make the model avoid that document's words;
 //! 2. **temperature**: logits are divided by it, after subtracting the largest so that a tiny
-//!    temperature cannot overflow (0 means greedy: the argmax of the penalised logits, ties
-//!    going to the lowest id, and nothing below applies);
+//!    temperature cannot overflow (0 means greedy: the argmax of the biased, penalised logits,
+//!    ties going to the lowest id, and nothing below applies);
 //! 3. **top-k**: keep the `k` most likely tokens;
 //! 4. **top-p** (nucleus): keep the smallest set of the most likely tokens whose probability,
 //!    renormalised over what top-k kept, reaches `p`;
@@ -28,7 +32,8 @@
 //! token id (and the few log-probabilities asked for) cross to the host
 //! ([`crate::backend::Backend::sample_rows`]). The host does the bookkeeping:
 //! [`Sampler::prepare`] turns the history into a list of penalised tokens and takes the step's
-//! random number, giving a [`PreparedSample`]; [`sample_prepared`] is the rest of
+//! random number, giving a [`PreparedSample`] (which carries the parameters, the logit bias's
+//! few `(id, bias)` pairs among them); [`sample_prepared`] is the rest of
 //! [`Sampler::sample`] on it, and picks the same token as `sample` would from the same logits
 //! and state. Every setting can be prepared; the CUDA backend finishes every row on the device
 //! but those its kernels cannot hold (see `backend/cuda/sample.rs`).
@@ -62,7 +67,7 @@ use crate::error::{Error, Result};
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
-    /// 0 means greedy: the argmax of the penalised logits, ties going to the lowest id.
+    /// 0 means greedy: the argmax of the biased, penalised logits, ties going to the lowest id.
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 turns it off.
     pub top_k: usize,
@@ -81,7 +86,15 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// The same seed gives the same tokens for the same logits; `None` seeds from the OS.
     pub seed: Option<u64>,
+    /// `(token id, bias)` pairs: the bias is added to the token's logit before anything else
+    /// (see the module documentation). Each id at most once, each bias in
+    /// [−[`LOGIT_BIAS_MAX`], [`LOGIT_BIAS_MAX`]]; ids outside the vocabulary are ignored by the
+    /// sampler ([`SamplingParams::validate_vocab`] refuses them).
+    pub logit_bias: Vec<(u32, f32)>,
 }
+
+/// The largest bias [`SamplingParams::logit_bias`] may add or subtract (OpenAI's range).
+pub const LOGIT_BIAS_MAX: f32 = 100.0;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -94,6 +107,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -127,7 +141,34 @@ impl SamplingParams {
         if !p.frequency_penalty.is_finite() {
             return Err(bad("frequency_penalty", "a finite number", p.frequency_penalty));
         }
+        if let Some(&(id, bias)) =
+            p.logit_bias.iter().find(|(_, b)| !(-LOGIT_BIAS_MAX..=LOGIT_BIAS_MAX).contains(b))
+        {
+            return Err(Error::input(format!(
+                "sampling parameter logit_bias must map token ids to biases in [-{LOGIT_BIAS_MAX}, \
+                 {LOGIT_BIAS_MAX}], got {bias} for token {id}"
+            )));
+        }
+        let mut ids: Vec<u32> = p.logit_bias.iter().map(|b| b.0).collect();
+        ids.sort_unstable();
+        if let Some(twice) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::input(format!(
+                "sampling parameter logit_bias names token {} more than once",
+                twice[0]
+            )));
+        }
         Ok(())
+    }
+
+    /// Refuses a [`SamplingParams::logit_bias`] naming a token outside a vocabulary of `vocab`
+    /// ids (the sampler would ignore it, which would hide a client's mistake).
+    pub fn validate_vocab(&self, vocab: usize) -> Result<()> {
+        match self.logit_bias.iter().find(|&&(id, _)| id as usize >= vocab) {
+            Some(&(id, _)) => Err(Error::input(format!(
+                "sampling parameter logit_bias names token {id}, outside the vocabulary ({vocab} ids)"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Whether the token is always the argmax of the penalised logits: temperature 0, or
@@ -139,6 +180,12 @@ impl SamplingParams {
     /// Whether any repetition, presence or frequency penalty is on.
     pub fn penalises(&self) -> bool {
         self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Whether the logits are changed before the draw (a bias or a penalty): when not, a greedy
+    /// token is the plain argmax of the model's logits.
+    pub fn adjusts_logits(&self) -> bool {
+        self.penalises() || !self.logit_bias.is_empty()
     }
 }
 
@@ -206,12 +253,13 @@ impl Sampler {
         self.seed
     }
 
-    /// Picks the next token. `logits` is modified in place (penalties, temperature, NaN made
-    /// −∞). `prompt` and `generated` are the token history: the repetition penalty uses both,
-    /// the presence and frequency penalties only `generated`; ids outside the vocabulary are
-    /// ignored. NaN logits count as −∞; a row that is all −∞ or NaN, or empty, gives token 0.
+    /// Picks the next token. `logits` is modified in place (bias, penalties, temperature, NaN
+    /// made −∞). `prompt` and `generated` are the token history: the repetition penalty uses
+    /// both, the presence and frequency penalties only `generated`; ids outside the vocabulary
+    /// (in the history or the bias) are ignored. NaN logits count as −∞; a row that is all −∞ or NaN, or empty, gives token 0.
     /// [`sample_prepared`] instead refuses rows that are not [`usable`].
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) -> u32 {
+        apply_bias(logits, &self.params.logit_bias);
         self.apply_penalties(logits, prompt, generated);
         let uniform = self.take_uniform();
         finish_draw(&self.params, logits, uniform, None, &mut self.candidates, &mut self.scratch).token
@@ -227,6 +275,7 @@ impl Sampler {
         generated: &[u32],
         top_n: usize,
     ) -> (u32, TokenLogprobs) {
+        apply_bias(logits, &self.params.logit_bias);
         self.apply_penalties(logits, prompt, generated);
         let uniform = self.take_uniform();
         let draw =
@@ -240,9 +289,10 @@ impl Sampler {
     }
 
     /// The next token's draw, prepared for [`sample_prepared`] (or a backend's
-    /// [`crate::backend::Backend::sample_rows`]): the penalties of the history (as `sample`
-    /// would apply them), the random number `sample` would take (none when greedy), and
-    /// whether to report log-probabilities with `logprobs` alternatives.
+    /// [`crate::backend::Backend::sample_rows`]): the parameters (the logit bias among them),
+    /// the penalties of the history (as `sample` would apply them), the random number `sample`
+    /// would take (none when greedy), and whether to report log-probabilities with `logprobs`
+    /// alternatives.
     pub fn prepare(&mut self, prompt: &[u32], generated: &[u32], logprobs: Option<usize>) -> PreparedSample {
         let p = &self.params;
         let mut penalties = Vec::new();
@@ -375,7 +425,7 @@ fn draw(cands: &[(u32, f32)], u: f64) -> u32 {
 }
 
 /// The largest top-k the CUDA backend draws with its exact one-block kernel (candidates
-/// sorted in shared memory); larger ones go through its full-vocabulary kernels or the host.
+/// sorted in shared memory); larger ones go through its full-vocabulary kernels.
 pub const PREPARED_TOP_K_MAX: usize = 1024;
 
 /// In [`PreparedSample::penalties`]: the token is in the history and the repetition penalty
@@ -386,6 +436,7 @@ pub const PENALTY_REPEATED: u32 = 1 << 31;
 /// logits by [`sample_prepared`] or a backend's [`crate::backend::Backend::sample_rows`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct PreparedSample {
+    /// The sequence's parameters; their [`SamplingParams::logit_bias`] is applied first.
     pub params: SamplingParams,
     /// The draw's uniform in [0, 1); `None` for greedy decoding.
     pub uniform: Option<f64>,
@@ -423,6 +474,16 @@ pub fn usable(logits: &[f32]) -> bool {
     any
 }
 
+/// Adds each `(id, bias)` to its logit (one f32 addition, which the CUDA kernel mirrors); ids
+/// outside `logits` are ignored.
+fn apply_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(t, b) in bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+}
+
 /// One penalised logit: the repetition penalty (flag), then presence and frequency (count), as
 /// [`Sampler::sample`] applies them. Kept to separate roundings (no fused multiply-add), which
 /// the CUDA kernel mirrors.
@@ -441,10 +502,11 @@ pub fn penalise(l: f32, flags: u32, p: &SamplingParams) -> f32 {
 
 /// The draw [`Sampler::sample`] (or [`Sampler::sample_with_logprobs`]) makes, from a row
 /// prepared by [`Sampler::prepare`] (the backends' host fallback, and the reference for their
-/// own kernels), or `Err` when the penalised row is not [`usable`]. `logits` is modified in
-/// place; penalties naming ids outside it are ignored.
+/// own kernels), or `Err` when the biased and penalised row is not [`usable`]. `logits` is
+/// modified in place; a bias or penalty naming an id outside it is ignored.
 pub fn sample_prepared(logits: &mut [f32], prepared: &PreparedSample) -> Result<Draw, NonFiniteLogits> {
     let p = &prepared.params;
+    apply_bias(logits, &p.logit_bias);
     for &(t, flags) in &prepared.penalties {
         if let Some(l) = logits.get_mut(t as usize) {
             *l = penalise(*l, flags, p);
@@ -886,6 +948,13 @@ mod tests {
                 presence_penalty: if case % 7 < 3 { uniform() - 0.5 } else { 0.0 },
                 frequency_penalty: if case % 6 < 2 { uniform() } else { 0.0 },
                 seed: Some(case),
+                // A bias on a third of the cases: ids inside the vocabulary (some in the
+                // history, so bias and penalties meet) and one outside, which is ignored.
+                logit_bias: if case % 3 == 2 {
+                    vec![(5, 2.5), (17, -100.0), (vocab as u32 + 3, 7.0), ((case * 37 % 3000) as u32, 4.0)]
+                } else {
+                    Vec::new()
+                },
             };
             let logprobs = (case % 3 == 1).then_some(case as usize % 6);
             let (mut host, mut prep) = (sampler(params.clone()), sampler(params.clone()));
@@ -1286,9 +1355,82 @@ mod tests {
             presence_penalty: -2.0,
             frequency_penalty: 2.0,
             seed: Some(1),
+            logit_bias: vec![(3, -100.0), (9, 100.0), (1 << 30, 0.5)],
         };
         assert!(fine.validate().is_ok());
         assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    #[test]
+    fn logit_bias_is_refused_out_of_range_twice_or_outside_the_vocabulary() {
+        let with = |logit_bias: Vec<(u32, f32)>| SamplingParams { logit_bias, ..SamplingParams::default() };
+        for bias in [vec![(1, 100.5)], vec![(1, -101.0)], vec![(2, f32::NAN)], vec![(2, f32::INFINITY)]] {
+            let err = with(bias.clone()).validate().unwrap_err();
+            assert!(err.to_string().contains("logit_bias"), "{bias:?}: {err}");
+            assert!(Sampler::new(with(bias)).is_err());
+        }
+        let err = with(vec![(4, 1.0), (2, 1.0), (4, -1.0)]).validate().unwrap_err();
+        assert!(err.to_string().contains("logit_bias names token 4 more than once"), "{err}");
+        let inside = with(vec![(0, 1.0), (9, -1.0)]);
+        assert!(inside.validate().is_ok() && inside.validate_vocab(10).is_ok());
+        let err = inside.validate_vocab(9).unwrap_err();
+        assert!(
+            err.to_string().contains("logit_bias names token 9, outside the vocabulary (9 ids)"),
+            "{err}"
+        );
+        assert!(with(Vec::new()).validate_vocab(0).is_ok());
+        assert!(inside.adjusts_logits() && !SamplingParams::greedy().adjusts_logits());
+    }
+
+    /// The bias is added before everything else: it moves the greedy argmax, forces or bans a
+    /// token under a temperature, is what the penalties see, and shows in the log-probabilities.
+    #[test]
+    fn logit_bias_applies_first_and_everywhere() {
+        let logits = [1.0f32, 2.0, 3.0, 0.5];
+        let greedy = |logit_bias| SamplingParams { logit_bias, ..SamplingParams::greedy() };
+        let mut s = sampler(greedy(vec![(0, 2.5)]));
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 0);
+        let mut s = sampler(greedy(vec![(2, -100.0)]));
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 1);
+        // An id outside the row is ignored.
+        let mut s = sampler(greedy(vec![(40, 100.0)]));
+        assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 2);
+
+        // +100 forces a token and -100 bans one, whatever the draw.
+        let forced = SamplingParams { logit_bias: vec![(3, 100.0)], ..seeded(1.0, 5) };
+        let banned = SamplingParams { logit_bias: vec![(2, -100.0)], ..seeded(1.5, 6) };
+        let (mut f, mut b) = (sampler(forced), sampler(banned));
+        let mut seen = [0u32; 4];
+        for _ in 0..2000 {
+            assert_eq!(f.sample(&mut logits.clone(), &[], &[]), 3);
+            seen[b.sample(&mut logits.clone(), &[], &[]) as usize] += 1;
+        }
+        assert_eq!(seen[2], 0, "{seen:?}");
+        assert!(seen[0] > 0 && seen[1] > 0 && seen[3] > 0, "{seen:?}");
+
+        // Bias before the repetition penalty: 1 - 3 = -2, then * 2 = -4 (the other order gives
+        // 1 / 2 - 3 = -2.5); a greedy draw without log-probabilities leaves that in the row.
+        let both = SamplingParams { logit_bias: vec![(0, -3.0)], repetition_penalty: 2.0, ..seeded(0.0, 1) };
+        let mut row = logits;
+        sampler(both.clone()).sample(&mut row, &[0], &[]);
+        assert_eq!(row, [-4.0, 2.0, 3.0, 0.5]);
+        // A bias that lifts a negative logit above 0 makes the penalty divide: (-1 + 3) / 2.
+        let lift = SamplingParams { logit_bias: vec![(0, 3.0)], repetition_penalty: 2.0, ..seeded(0.0, 1) };
+        let mut row = [-1.0f32, 0.0];
+        sampler(lift).sample(&mut row, &[0], &[]);
+        assert_eq!(row, [1.0, 0.0]);
+        // The prepared path agrees.
+        let mut row = logits;
+        let prepared = sampler(both).prepare(&[0], &[], None);
+        assert_eq!(sample_prepared(&mut row, &prepared).unwrap().token, 2);
+        assert_eq!(row, [-4.0, 2.0, 3.0, 0.5]);
+
+        // Log-probabilities are those of the biased distribution.
+        let mut s = sampler(greedy(vec![(3, 4.0)]));
+        let (t, lp) = s.sample_with_logprobs(&mut logits.clone(), &[], &[], 1);
+        let z: f32 = [1.0f32, 2.0, 3.0, 4.5].iter().map(|l| l.exp()).sum();
+        assert_eq!((t, lp.top[0].0), (3, 3));
+        assert!((lp.logprob - (4.5 - z.ln())).abs() < 1e-6, "{lp:?}");
     }
 
     #[test]
@@ -1297,6 +1439,9 @@ mod tests {
         assert_eq!(p, SamplingParams { temperature: 0.6, top_k: 20, ..SamplingParams::default() });
         let json = serde_json::to_string(&p).unwrap();
         assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), p);
+        let biased = SamplingParams { logit_bias: vec![(7, -1.5), (2, 100.0)], ..p };
+        let json = serde_json::to_string(&biased).unwrap();
+        assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), biased);
     }
 
     #[test]

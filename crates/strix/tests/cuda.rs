@@ -2153,15 +2153,31 @@ fn same_draws(
     assert!(wrong.is_empty(), "{what}: device draws differ from the host's");
 }
 
+/// The logit bias of test row `r`: up to three tokens of a `vocab`-token row (one raised, one
+/// all but banned, one moved a little), each once.
+fn test_bias(vocab: usize, r: usize) -> Vec<(u32, f32)> {
+    let mut bias: Vec<(u32, f32)> = Vec::new();
+    for (id, b) in
+        [(7 % vocab, 3.0f32), ((r * 7919) % vocab, -100.0), (vocab / 2, if r % 8 == 1 { 50.0 } else { -2.5 })]
+    {
+        if bias.iter().all(|e| e.0 != id as u32) {
+            bias.push((id as u32, b));
+        }
+    }
+    bias
+}
+
 /// Prepared draws finished next to the logits (`sample_rows`) make what the host's
 /// `sample_prepared` makes of the same logits, many rows in one launch, through every route of
 /// `backend/cuda/sample.rs`: greedy rows (penalties or not, top-k 1), top-k of 2 to 1024 (the
 /// one-block kernel), temperature alone, top-p, min-p and top-k at or above the vocabulary
-/// (the full-vocabulary pipeline), a top-k above 1024 (the host), top-p over heavily tied
-/// logits that overflow the pipeline's bucket (left to the host); every penalty;
-/// log-probabilities on a third of the rows of each kind; and rows holding NaN, +∞ or nothing
-/// above −∞ (refused on both sides). Over a 4,000-token and the real 248,320-token vocabulary.
-/// Both paths are counted. A row drawn alone gives what it gave in the batch.
+/// (the full-vocabulary pipeline), top-k above 1024 below the vocabulary, with and without
+/// top-p and min-p (the pipeline's radix selects, in sorted order), top-p over heavily tied
+/// logits that overflow the pipeline's bucket (left to the host); every penalty; a logit bias
+/// on a quarter of the rows; log-probabilities on a third of the rows of each kind; and rows
+/// holding NaN, +∞ or nothing above −∞ (refused on both sides). Over a 4,000-token and the
+/// real 248,320-token vocabulary. Every path is counted. A row drawn alone gives what it gave
+/// in the batch.
 #[test]
 fn prepared_draws_on_the_device_match_the_host() {
     use strix::sampling::{sample_prepared, SamplingParams};
@@ -2171,11 +2187,12 @@ fn prepared_draws_on_the_device_match_the_host() {
         let rows = if vocab > 10_000 { 60 } else { 300 };
         let mut logits = Vec::with_capacity((rows + 1) * vocab);
         let mut prepared = Vec::new();
-        let mut host_rows = 0u64;
+        let (mut host_rows, mut sorted_rows) = (0u64, 0u64);
         for r in 0..rows {
             let u = |rng: &mut Rng| rng.vec(1, 1.0)[0].abs().min(1.0);
             // 0, 1 greedy; 2..4 top-k of at most 1024; 5 temperature alone; 6 top-p; 7 top-p and
-            // min-p; 8 top-k not below the vocabulary, min-p; 9 top-k above 1024 (host).
+            // min-p; 8 top-k not below the vocabulary, min-p; 9 top-k above 1024 below the
+            // vocabulary (sorted), top-p on half of them, min-p on a third.
             let kind = r % 10;
             let ties = r % 7 == 3 && !matches!(kind, 6 | 7);
             let mut row: Vec<f32> = if ties {
@@ -2203,15 +2220,19 @@ fn prepared_draws_on_the_device_match_the_host() {
                     0 | 1 => (r % 20 == 11) as usize,
                     2..=4 => [2, 5, 20, 40, 333, 1024][r % 6],
                     8 => vocab + (r % 2) * 5,
-                    9 => 1500,
+                    9 if vocab > 10_000 => [1025, 5000, 100_000, vocab - 1][(r / 10) % 4],
+                    9 => [1025, 1500, vocab - 1][(r / 10) % 3],
                     _ => 0,
                 },
-                top_p: if matches!(kind, 6 | 7) || (kind == 3 && r % 2 == 1) {
+                top_p: if matches!(kind, 6 | 7)
+                    || (kind == 3 && r % 2 == 1)
+                    || (kind == 9 && (r / 10) % 3 != 0)
+                {
                     0.5 + 0.49 * u(&mut rng)
                 } else {
                     1.0
                 },
-                min_p: if matches!(kind, 7 | 8) || (kind == 4 && r % 2 == 0) {
+                min_p: if matches!(kind, 7 | 8) || (kind == 4 && r % 2 == 0) || (kind == 9 && r % 3 == 0) {
                     0.1 * u(&mut rng)
                 } else {
                     0.0
@@ -2220,8 +2241,9 @@ fn prepared_draws_on_the_device_match_the_host() {
                 presence_penalty: if r % 4 == 2 { 0.7 } else { 0.0 },
                 frequency_penalty: if r % 5 == 3 { 0.4 } else { 0.0 },
                 seed: Some(r as u64),
+                logit_bias: if r % 4 == 1 { test_bias(vocab, r) } else { Vec::new() },
             };
-            host_rows += (kind == 9) as u64;
+            sorted_rows += (kind == 9) as u64;
             let logprobs = (r % 3 == 0).then_some([0usize, 1, 5, 20][(r / 3) % 4]);
             prepared.push(test_draw(params, logprobs, vocab, r));
         }
@@ -2245,8 +2267,152 @@ fn prepared_draws_on_the_device_match_the_host() {
         same_draws(&format!("vocab {vocab}"), &got, &want, &prepared);
         assert_eq!(after.sample_host - before.sample_host, host_rows, "{after}");
         assert_eq!(after.sample_device - before.sample_device, n as u64 - host_rows, "{after}");
+        assert_eq!(after.sample_sorted - before.sample_sorted, sorted_rows, "{after}");
         // Batch invariance: each row alone (its logits uploaded afresh: draws modify them).
         for r in (0..n).step_by(if vocab > 10_000 { 3 } else { 23 }) {
+            let alone =
+                g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
+            assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");
+        }
+    }
+}
+
+/// A logit bias is applied on the device before everything else, exactly as the host applies
+/// it, in a batch where only some rows have one (rows without pay nothing and are untouched):
+/// greedy rows whose bias lifts a weak token above the argmax or bans the argmax (the device's
+/// pick is the biased argmax), draws forced by +100 or steered by smaller biases through each
+/// route (temperature alone, top-k 40, a top-k of 3000 in sorted order, top-p, min-p), biases
+/// on penalised tokens (bias first, then the penalty), log-probabilities of the biased
+/// distribution. Over 4,000 and 248,320 tokens; nothing is left to the host.
+#[test]
+fn logit_bias_on_the_device_matches_the_host() {
+    use strix::sampling::{sample_prepared, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(41);
+    for vocab in [4000usize, 248_320] {
+        let rows = 24;
+        let logits: Vec<f32> = rng.vec(rows * vocab, 6.0);
+        let argmax_of = |r: usize| strix::sampling::argmax(&logits[r * vocab..(r + 1) * vocab]);
+        let weak = |r: usize| ((r * 131 + 17) % vocab) as u32;
+        let mut prepared = Vec::new();
+        let mut forced = Vec::new(); // (row, the token the bias must give)
+        for r in 0..rows {
+            // Every (bias, route) pair below comes greedy (rows 0..4, 8..12, 16..20) and drawn.
+            let greedy = (r / 4) % 2 == 0;
+            let mut params = SamplingParams {
+                temperature: if greedy { 0.0 } else { 0.8 },
+                top_k: [0, 40, 3000, 0, 0, 0][r % 6],
+                top_p: if r % 6 == 3 { 0.8 } else { 1.0 },
+                min_p: if r % 6 == 4 { 0.05 } else { 0.0 },
+                repetition_penalty: if r % 5 == 2 { 1.3 } else { 1.0 },
+                presence_penalty: if r % 5 == 3 { 0.5 } else { 0.0 },
+                seed: Some(100 + r as u64),
+                ..SamplingParams::default()
+            };
+            // Rows 3, 7, 11, ... carry no bias, between rows that do.
+            params.logit_bias = match r % 4 {
+                0 => vec![(weak(r), 20.0)],
+                1 => vec![(argmax_of(r), -100.0), (weak(r), -1.0)],
+                2 => vec![(weak(r), 100.0), (argmax_of(r), 0.5)],
+                _ => Vec::new(),
+            };
+            // +20 wins the argmax; +100 wins any draw.
+            if (r % 4 == 0 && greedy) || r % 4 == 2 {
+                forced.push((r, weak(r)));
+            }
+            // The history (penalised tokens) includes the biased ones.
+            let history = [weak(r), argmax_of(r), 5, 5];
+            let mut sampler = strix::sampling::Sampler::new(params).unwrap();
+            prepared.push(sampler.prepare(&history[..2], &history[2..], (r % 3 == 0).then_some(5)));
+        }
+        let want: Vec<_> = (0..rows)
+            .map(|r| sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &prepared[r]))
+            .collect();
+        let picks: Vec<_> = prepared.iter().enumerate().collect();
+        let before = g.path_counts();
+        let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
+        let after = g.path_counts();
+        same_draws(&format!("logit bias, vocab {vocab}"), &got, &want, &prepared);
+        for &(r, token) in &forced {
+            assert_eq!(got[r].as_ref().unwrap().token, token, "vocab {vocab} row {r}: the bias should win");
+        }
+        for r in (1..rows).step_by(4) {
+            assert_ne!(got[r].as_ref().unwrap().token, argmax_of(r), "vocab {vocab} row {r}: banned");
+        }
+        assert_eq!(after.sample_host, before.sample_host, "{after}");
+        assert_eq!(after.sample_device - before.sample_device, rows as u64, "{after}");
+        // Unbiased rows give what they give alone, with no biased row beside them.
+        for r in (3..rows).step_by(4) {
+            let alone =
+                g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
+            assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");
+        }
+    }
+}
+
+/// Every setting at tiny and odd vocabularies, around the kernels' block, part and bucket sizes
+/// (1, 2, 3, 31, 257, 1025, 2049, 4097 tokens): greedy (with and without penalties),
+/// temperature alone, top-k of 2, 5, the vocabulary less one, 1025 and past the vocabulary,
+/// top-p (sorted on the device up to 2048 tokens, bucketed above), min-p, every penalty, a
+/// logit bias, log-probabilities asking for more alternatives than the vocabulary has, and
+/// tied logits; device and host agree, nothing is left to the host, a row drawn alone gives
+/// what it gave in the batch.
+#[test]
+fn device_draws_at_tiny_and_odd_vocabularies_match_the_host() {
+    use strix::sampling::{sample_prepared, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(43);
+    for vocab in [1usize, 2, 3, 31, 257, 1025, 2049, 4097] {
+        let settings: Vec<SamplingParams> = {
+            let t = |temperature: f32| SamplingParams { temperature, ..SamplingParams::default() };
+            let mut s = vec![
+                t(0.0),
+                SamplingParams { repetition_penalty: 1.4, presence_penalty: 0.3, ..t(0.0) },
+                t(0.9),
+                SamplingParams { top_k: 2, ..t(0.7) },
+                SamplingParams { top_k: 5, top_p: 0.9, ..t(1.1) },
+                SamplingParams { top_k: vocab.saturating_sub(1), ..t(1.0) },
+                SamplingParams { top_k: 1025, min_p: 0.02, ..t(1.0) },
+                SamplingParams { top_k: vocab + 3, ..t(0.6) },
+                SamplingParams { top_p: 0.7, ..t(1.0) },
+                SamplingParams { top_p: 0.95, min_p: 0.1, ..t(1.3) },
+                SamplingParams { min_p: 0.2, ..t(0.8) },
+                SamplingParams {
+                    repetition_penalty: 1.5,
+                    frequency_penalty: 0.4,
+                    presence_penalty: -0.2,
+                    ..t(1.0)
+                },
+                SamplingParams { logit_bias: test_bias(vocab, 3), top_p: 0.8, ..t(1.0) },
+                SamplingParams { logit_bias: test_bias(vocab, 1), ..t(0.0) },
+            ];
+            s.iter_mut().enumerate().for_each(|(i, p)| p.seed = Some(i as u64));
+            s
+        };
+        let mut logits = Vec::new();
+        let mut prepared = Vec::new();
+        for (i, params) in settings.iter().enumerate() {
+            for tied in [false, true] {
+                let r = prepared.len();
+                let row = rng.vec(vocab, 5.0);
+                logits.extend(row.iter().map(|&v| if tied { v.round() } else { v }));
+                let logprobs = [None, Some(0), Some(3), Some(20)][(r + i) % 4];
+                prepared.push(test_draw(params.clone(), logprobs, vocab, r));
+            }
+        }
+        let n = prepared.len();
+        let want: Vec<_> = (0..n)
+            .map(|r| sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &prepared[r]))
+            .collect();
+        let picks: Vec<_> = prepared.iter().enumerate().collect();
+        let before = g.path_counts();
+        let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
+        let after = g.path_counts();
+        same_draws(&format!("vocab {vocab}"), &got, &want, &prepared);
+        assert!(got.iter().all(Result::is_ok), "vocab {vocab}: every row is finite");
+        assert_eq!(after.sample_host, before.sample_host, "vocab {vocab}: {after}");
+        assert_eq!(after.sample_device - before.sample_device, n as u64, "vocab {vocab}: {after}");
+        for r in (0..n).step_by(5) {
             let alone =
                 g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
             assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: alone vs in the batch");
@@ -2290,6 +2456,15 @@ fn device_draws_follow_the_samplers_distribution() {
             ..SamplingParams::default()
         },
         SamplingParams { temperature: 1.0, top_k: 12, top_p: 0.95, ..SamplingParams::default() },
+        // A top-k above 1024, drawn in sorted order by the pipeline's radix selects.
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 2000,
+            top_p: 0.9,
+            min_p: 0.01,
+            ..SamplingParams::default()
+        },
+        SamplingParams { temperature: 0.9, top_k: 1025, ..SamplingParams::default() },
     ];
     for (case, params) in settings.iter().enumerate() {
         let expected = reference_distribution(&logits, params, &history[..2], &history[2..]);

@@ -140,13 +140,17 @@ pub struct PathCounts {
     pub embed_quant: u64,
     /// Prepared draws (sampling) finished on the device.
     pub sample_device: u64,
-    /// Prepared draws the device kernel does not take (top-k past its limit), on the host.
+    /// Prepared draws the device kernels leave to the host (a top-p row over few or heavily
+    /// tied logits, `sample.rs`).
     pub sample_host: u64,
+    /// Of the device's draws, those with a top-k above the one-block kernel's 1024 and below
+    /// the vocabulary, drawn in sorted order by the full pipeline's radix selects.
+    pub sample_sorted: u64,
 }
 
 impl PathCounts {
     /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 34] {
+    pub fn named(&self) -> [(&'static str, u64); 35] {
         [
             ("gemv", self.gemv),
             ("gemv_mma", self.gemv_mma),
@@ -182,6 +186,7 @@ impl PathCounts {
             ("embed_quant", self.embed_quant),
             ("sample_device", self.sample_device),
             ("sample_host", self.sample_host),
+            ("sample_sorted", self.sample_sorted),
         ]
     }
 }
@@ -194,7 +199,7 @@ impl std::fmt::Display for PathCounts {
              gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
-             packed gemv {} rows {} tensor-core {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} host {}",
+             packed gemv {} rows {} tensor-core {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} (sorted {}) host {}",
             self.gemv,
             self.gemv_fused,
             self.gemv_glu,
@@ -228,6 +233,7 @@ impl std::fmt::Display for PathCounts {
             self.gemm_dequant,
             self.embed_quant,
             self.sample_device,
+            self.sample_sorted,
             self.sample_host
         )
     }
@@ -269,6 +275,7 @@ struct Counters {
     embed_quant: AtomicU64,
     sample_device: AtomicU64,
     sample_host: AtomicU64,
+    sample_sorted: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -518,6 +525,7 @@ impl CudaBackend {
             embed_quant: g(&c.embed_quant),
             sample_device: g(&c.sample_device),
             sample_host: g(&c.sample_host),
+            sample_sorted: g(&c.sample_sorted),
         }
     }
 
@@ -606,6 +614,7 @@ impl CudaBackend {
             &c.gemm_dequant,
             &c.embed_quant,
             &c.sample_device,
+            &c.sample_sorted,
             &c.sample_host,
         ] {
             a.store(0, Ordering::Relaxed);
@@ -846,6 +855,7 @@ impl Backend for CudaBackend {
         let drawn = self.sample.draw_rows(&self.dev, logits, vocab, picks);
         self.counters.sample_host.fetch_add(drawn.on_host as u64, Ordering::Relaxed);
         self.counters.sample_device.fetch_add((picks.len() - drawn.on_host) as u64, Ordering::Relaxed);
+        self.counters.sample_sorted.fetch_add(drawn.sorted as u64, Ordering::Relaxed);
         drawn.draws
     }
 

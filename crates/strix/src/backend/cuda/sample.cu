@@ -192,31 +192,42 @@ extern "C" __global__ void __launch_bounds__(128) argmax_finish(const float* par
 // ---------------------------------------------------------------------------------------------
 // Prepared draws. Every row the device takes is described by a DrawRow (DrawRow in sample.rs).
 // The launcher runs, on the stream:
-//  1. draw_penalise: each listed token's penalties (separate roundings: no FMA, as the host);
+//  1. draw_adjust: each listed token's logit bias, then its penalties (separate roundings: no
+//     FMA, as the host), only for rows that have either;
 //  2. sample_topk: rows with a top-k of 2..SAMPLE_MAX_K below the vocabulary, one block each,
 //     the host's candidates and order exactly (their logits are left normalised in place);
-//  3. the full-vocabulary pipeline (full_*), several blocks a row: greedy rows, rows with no
-//     top-k (or one not below the vocabulary), and the log-probabilities of every row that
-//     asked for them.
+//  3. the full-vocabulary pipeline (full_*, sel_*), several blocks a row: greedy rows, rows
+//     with no top-k, rows with a top-k above SAMPLE_MAX_K, and the log-probabilities of every
+//     row that asked for them.
 struct DrawRow {
     double uniform;  // the draw's uniform in [0, 1); < 0: greedy
     i64 row;         // the logits row
     i64 slot;        // where the token goes in `out` (and the log-probabilities in `lp`)
     i64 pen_at;      // first (token, flags) pair of this row in `penalties`
     int pen_count;
-    int top_k;       // sample_topk only
+    int top_k;       // sample_topk: k; full pipeline: > 0 draws in sorted order (kernel_top_k, sample.rs)
     int mode;        // full pipeline: FULL_GREEDY, FULL_DRAW or FULL_LOGPROBS_ONLY
     int top_n;       // log-probabilities: alternatives to report; -1: none
     float temperature;  // 1 for greedy rows and for rows sample_topk normalised already
     float top_p, min_p_ln, rep, presence, frequency;
+    int bias_at;     // first (token, bias bits) pair of this row in `bias`
+    int bias_count;
 };
 
-// Block `blockIdx.x`: the penalties of rows[blockIdx.x], in place. grid rows, block 256.
-extern "C" __global__ void __launch_bounds__(256) draw_penalise(float* logits, int vocab, const DrawRow* rows,
-                                                               const u32* penalties) {
+// Block `blockIdx.x`: the logit bias, then the penalties, of rows[blockIdx.x], in place (the
+// host's order: sampling.rs's sample_prepared). Each list names a token at most once
+// (Sampler::prepare and SamplingParams::validate see to it), so its threads never meet; a
+// token in both lists gets its bias before its penalty. grid rows, block 256.
+extern "C" __global__ void __launch_bounds__(256) draw_adjust(float* logits, int vocab, const DrawRow* rows,
+                                                             const u32* penalties, const u32* bias) {
     pdl_enter();
     const DrawRow r = rows[blockIdx.x];
     float* l = logits + r.row * vocab;
+    for (int e = threadIdx.x; e < r.bias_count; e += blockDim.x) {
+        const u32 t = bias[2 * (r.bias_at + e)];
+        if (t < (u32)vocab) l[t] = __fadd_rn(l[t], __uint_as_float(bias[2 * (r.bias_at + e) + 1]));
+    }
+    if (r.bias_count > 0 && r.pen_count > 0) __syncthreads();
     for (int e = threadIdx.x; e < r.pen_count; e += blockDim.x) {
         const u32 t = penalties[2 * (r.pen_at + e)], flags = penalties[2 * (r.pen_at + e) + 1];
         if (t < (u32)vocab) {
@@ -399,6 +410,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk(float* 
 // row with top_n >= 0 then gets its log-probabilities (FULL_LOGPROBS_ONLY rows come from
 // sample_topk, whose logits are normalised in place already: temperature 1, max 0).
 //
+// "Sorted" FULL_DRAW rows (top_k > 0: a top-k above SAMPLE_MAX_K below the vocabulary, or the
+// vocabulary itself for a top-p row of a vocabulary of at most SORT_BELOW tokens, which the host
+// always sorts) are the host's sorted walk: top-k's k best, top-p over them in sorted order, min-p, and a draw walking the
+// kept tokens best first (value descending, ties to the lower id). Each of those three steps is
+// one question, "at which token of the sorted order does a running sum first reach a need?",
+// answered without sorting by the radix select of sel_* below (counts for top-k, fixed-point
+// mass for top-p and the draw). Nothing of such a row is left to the host.
+//
 // Probability mass is summed in fixed point: exp(n) of a normalised logit n <= 0 is at most 1,
 // scaled by 2^mass_bits (chosen so a whole row's sum fits in 63 bits) and rounded to an
 // integer. Integer sums do not depend on their order, so the result is the same however a row
@@ -408,8 +427,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk(float* 
 // can disagree.
 //
 // Rows the pipeline cannot finish exactly as the host does are flagged FULL_HOST and drawn on
-// the host from the (penalised) logits: top-p over at most SORT_BELOW candidates (the host
-// sorts them and walks them sorted), and a crossing bucket of more than TOPP_CAP tokens.
+// the host from the (biased, penalised) logits: top-p without a top-k over at most SORT_BELOW
+// finite logits of a larger vocabulary (the host sorts them and walks them sorted), and a
+// crossing bucket of more than TOPP_CAP tokens.
 #define FULL_THREADS 256
 #define FULL_GREEDY 0
 #define FULL_DRAW 1
@@ -448,6 +468,8 @@ struct RowState {
     u64 offset;      // the draw: the target's offset in part `part`
     int part;
     int pad;
+    u32 topk_key;    // sorted rows: top-k's last token (key, id); (0, ~0) keeps every token
+    u32 topk_id;
 };
 
 // A log-probability entry (LogprobEntry in sample.rs): token 0 of a row is the drawn one.
@@ -479,7 +501,13 @@ __device__ __forceinline__ void part_span(int vocab, int parts, int p, int& c0, 
     c1 = imin(vocab, c0 + span);
 }
 
-__device__ __forceinline__ bool full_topp(const DrawRow& r) { return r.mode == FULL_DRAW && r.top_p < 1.f; }
+// A drawing row walked in sorted order (see above): the sel_* kernels truncate and draw it.
+__device__ __forceinline__ bool full_sorted(const DrawRow& r) { return r.mode == FULL_DRAW && r.top_k > 0; }
+
+// A drawing row with top-p and no top-k: the topp_* kernels find its nucleus.
+__device__ __forceinline__ bool full_topp(const DrawRow& r) {
+    return r.mode == FULL_DRAW && r.top_p < 1.f && !full_sorted(r);
+}
 
 // Whether a FULL_DRAW row keeps token c (normalised logit n, finite): in the nucleus and above
 // min-p.
@@ -579,7 +607,9 @@ extern "C" __global__ void __launch_bounds__(FULL_THREADS) full_mass(const float
     __shared__ u64 su[32];
     const DrawRow r = rows[blockIdx.y];
     const RowState s = state[blockIdx.y];
-    if (s.status != FULL_OK || (r.mode != FULL_DRAW && r.top_n < 0)) return;
+    // Sorted rows find their kept mass in sel_*: here only the log-probabilities' mass.
+    const bool walks_ids = r.mode == FULL_DRAW && !full_sorted(r);
+    if (s.status != FULL_OK || (!walks_ids && r.top_n < 0)) return;
     const bool topp = full_topp(r);
     if (topp) {
         for (int b = threadIdx.x; b < TOPP_BUCKETS; b += blockDim.x) h[b] = 0;
@@ -596,7 +626,7 @@ extern "C" __global__ void __launch_bounds__(FULL_THREADS) full_mass(const float
         all += w;
         if (topp) {
             atomicAdd(&h[topp_bucket(n)], w);
-        } else if (n >= r.min_p_ln) {
+        } else if (walks_ids && n >= r.min_p_ln) {
             kept += w;
         }
     }
@@ -753,14 +783,14 @@ extern "C" __global__ void __launch_bounds__(FULL_THREADS) full_kept(const float
     if (threadIdx.x == 0) stats[(i64)blockIdx.y * parts + blockIdx.x].kept = kept;
 }
 
-// Row i drawing: the target floor(uniform * kept mass) and the part it falls in. grid rows,
-// block 32.
+// Row i drawing in id order: the target floor(uniform * kept mass) and the part it falls in.
+// grid rows, block 32.
 extern "C" __global__ void __launch_bounds__(32) full_target(const DrawRow* rows, RowState* state,
                                                             const PartStat* stats, int parts) {
     pdl_enter();
     const DrawRow r = rows[blockIdx.x];
     RowState& s = state[blockIdx.x];
-    if (s.status != FULL_OK || r.mode != FULL_DRAW || threadIdx.x != 0) return;
+    if (s.status != FULL_OK || r.mode != FULL_DRAW || full_sorted(r) || threadIdx.x != 0) return;
     const PartStat* ps = stats + (i64)blockIdx.x * parts;
     u64 total = 0;
     for (int p = 0; p < parts; p++) total += ps[p].kept;
@@ -776,7 +806,7 @@ extern "C" __global__ void __launch_bounds__(32) full_target(const DrawRow* rows
     s.offset = target - before;
 }
 
-// Row i drawing: walks its target's part in id order to the first token whose cumulative mass
+// Row i drawing in id order: walks its target's part to the first token whose cumulative mass
 // passes the target. grid rows, block 1024.
 extern "C" __global__ void __launch_bounds__(1024) full_pick(const float* logits, int vocab, const DrawRow* rows,
                                                             const RowState* state, int parts, double scale,
@@ -785,7 +815,7 @@ extern "C" __global__ void __launch_bounds__(1024) full_pick(const float* logits
     __shared__ u64 scan[32];
     const DrawRow r = rows[blockIdx.x];
     const RowState s = state[blockIdx.x];
-    if (s.status != FULL_OK || r.mode != FULL_DRAW) return;
+    if (s.status != FULL_OK || r.mode != FULL_DRAW || full_sorted(r)) return;
     const float* l = logits + r.row * vocab;
     int c0, c1;
     part_span(vocab, parts, s.part, c0, c1);
@@ -805,6 +835,247 @@ extern "C" __global__ void __launch_bounds__(1024) full_pick(const float* logits
                 cum += full_weight(n, scale);
                 if (cum > s.offset) {
                     out[r.slot] = (u32)c;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sorted rows (full_sorted): the radix select. Each stage answers "which token of the row, in
+// the host's sorted order (key descending, id ascending), is the first at which the running
+// sum of a weight reaches `need`?":
+//  SEL_TOPK  weight 1 per finite token, need k: top-k's last token (none when the row has at
+//            most k finite tokens: all are kept, as the host's trailing -inf are dropped);
+//  SEL_TOPP  weight the fixed-point mass of the tokens top-k keeps, need top_p of their total:
+//            the nucleus's last token (the host's `cumulative >= target` on the sorted list);
+//  SEL_DRAW  weight the mass of the tokens top-k, top-p and min-p keep, need floor(uniform *
+//            total) + 1: the drawn token (the host's walk of the sorted candidates).
+// Three passes over the 32-bit order key, 11, 11 and 10 bits from the top: sel_hist sums the
+// weights of the tokens that match the key's prefix so far into a histogram of the next digit
+// (several blocks a row), sel_find picks the digit where the sum reaches `need` (one block a
+// row). After the third pass the key is known; sel_ties sums the weight of each part's tokens
+// of that key, and sel_pick walks the tied tokens in id order. Integer sums, so the answer
+// does not depend on how the row is split or on the batch. A stage's histogram is zeroed by
+// sel_find as it is read, ready for the next pass.
+#define SEL_TOPK 0
+#define SEL_TOPP 1
+#define SEL_DRAW 2
+#define SEL_BUCKETS 2048
+
+// One row's select in progress (SelectState in sample.rs).
+struct SelectState {
+    u64 before;  // weight of the tokens whose key is above the prefix
+    u64 need;
+    u32 prefix;  // the key's digits found so far
+    int done;    // nothing to select (SEL_TOPK keeps every token)
+};
+
+__device__ __forceinline__ int sel_shift(int pass) { return pass == 0 ? 21 : pass == 1 ? 10 : 0; }
+// The key bits the passes before `pass` fixed.
+__device__ __forceinline__ u32 sel_high(int pass) { return pass == 0 ? 0u : pass == 1 ? 0xffe00000u : 0xfffffc00u; }
+__device__ __forceinline__ u32 sel_digit(u32 key, int pass) {
+    return (key >> sel_shift(pass)) & (pass == 2 ? 0x3ffu : 0x7ffu);
+}
+
+// Whether token (key, c) comes at or before the cut (cut_key, cut_id) in the sorted order.
+__device__ __forceinline__ bool sel_within(u32 key, int c, u32 cut_key, u32 cut_id) {
+    return key > cut_key || (key == cut_key && (u32)c <= cut_id);
+}
+
+__device__ __forceinline__ bool sel_active(const DrawRow& r, const RowState& s, int stage) {
+    return s.status == FULL_OK && full_sorted(r) && (stage != SEL_TOPP || r.top_p < 1.f);
+}
+
+// The weight of token c (normalised logit n > -inf, key its order key) in `stage`.
+__device__ __forceinline__ u64 sel_weight(const DrawRow& r, const RowState& s, int stage, float n, u32 key, int c,
+                                          double scale) {
+    if (stage == SEL_TOPK) return 1ull;
+    if (!sel_within(key, c, s.topk_key, s.topk_id)) return 0ull;
+    if (stage == SEL_DRAW) {
+        if (r.top_p < 1.f && !sel_within(key, c, s.cut_key, s.cut_id)) return 0ull;
+        if (!(n >= r.min_p_ln)) return 0ull;
+    }
+    return full_weight(n, scale);
+}
+
+// Block (p, i): part p's histogram of the next key digit of row i's tokens that match the
+// prefix, weighted for `stage`, added to the row's. grid (parts, rows), block FULL_THREADS.
+extern "C" __global__ void __launch_bounds__(FULL_THREADS) sel_hist(const float* logits, int vocab, const DrawRow* rows,
+                                                                   const RowState* state, const SelectState* sel,
+                                                                   u64* hist, int parts, int stage, int pass,
+                                                                   double scale) {
+    pdl_enter();
+    __shared__ u64 h[SEL_BUCKETS];
+    const DrawRow r = rows[blockIdx.y];
+    const RowState s = state[blockIdx.y];
+    if (!sel_active(r, s, stage)) return;
+    const SelectState q = sel[blockIdx.y];
+    if (pass > 0 && q.done) return;
+    for (int b = threadIdx.x; b < SEL_BUCKETS; b += blockDim.x) h[b] = 0;
+    __syncthreads();
+    const float* l = logits + r.row * vocab;
+    const u32 high = sel_high(pass), prefix = pass > 0 ? q.prefix : 0u;
+    int c0, c1;
+    part_span(vocab, parts, blockIdx.x, c0, c1);
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        const float n = full_norm(l[c], s.max, r.temperature);
+        if (!(n > NEG_INF)) continue;
+        const u32 key = order_key(n);
+        if ((key & high) != prefix) continue;
+        const u64 w = sel_weight(r, s, stage, n, key, c, scale);
+        if (w) atomicAdd(&h[sel_digit(key, pass)], w);
+    }
+    __syncthreads();
+    u64* row_hist = hist + (i64)blockIdx.y * SEL_BUCKETS;
+    for (int b = threadIdx.x; b < SEL_BUCKETS; b += blockDim.x)
+        if (h[b]) atomicAdd(&row_hist[b], h[b]);
+}
+
+// Row i: the digit of this pass where the running sum (from the highest digit down) reaches
+// `need` (set on the first pass from the stage's total); zeroes the histogram. grid rows, block
+// SEL_BUCKETS / 2.
+extern "C" __global__ void __launch_bounds__(SEL_BUCKETS / 2) sel_find(const DrawRow* rows, RowState* state,
+                                                                      SelectState* sel, u64* hist, int stage,
+                                                                      int pass) {
+    pdl_enter();
+    __shared__ u64 scan[32];
+    const DrawRow r = rows[blockIdx.x];
+    RowState& s = state[blockIdx.x];
+    SelectState& q = sel[blockIdx.x];
+    if (!sel_active(r, s, stage)) return;
+    if (pass > 0 && q.done) return;
+    u64 before = pass > 0 ? q.before : 0ull, need = pass > 0 ? q.need : 0ull;
+    const u32 prefix = pass > 0 ? q.prefix : 0u;
+    u64* h = hist + (i64)blockIdx.x * SEL_BUCKETS;
+    // Thread t holds digits d0 = 2047 - 2t and d0 - 1: thread order is descending digit order.
+    const int d0 = SEL_BUCKETS - 1 - 2 * (int)threadIdx.x;
+    const u64 h0 = h[d0], h1 = h[d0 - 1];
+    u64 total;
+    const u64 above = block_exclusive_scan(h0 + h1, scan, total);  // ends with a barrier
+    h[d0] = 0;
+    h[d0 - 1] = 0;
+    if (pass == 0) {
+        if (stage == SEL_TOPK) {
+            need = (u64)r.top_k;
+            if (total <= need) {  // at most k finite tokens: top-k keeps them all
+                if (threadIdx.x == 0) {
+                    s.topk_key = 0u;
+                    s.topk_id = 0xffffffffu;
+                    q.done = 1;
+                }
+                return;
+            }
+        } else if (stage == SEL_TOPP) {
+            // The host's `cumulative >= top_p * total`, in integers.
+            need = __double2ull_ru((double)r.top_p * (double)total);
+            need = need < 1ull ? 1ull : need > total ? total : need;
+        } else {
+            // The host's `target < cumulative` with target = uniform * total (full_target's).
+            u64 target = __double2ull_rz(r.uniform * (double)total);
+            if (target >= total) target = total - 1;  // total > 0: the best token is kept
+            need = target + 1;
+        }
+    }
+    const u64 at0 = before + above, at1 = at0 + h0;
+    int digit = -1;
+    u64 at = 0;
+    if (at0 < need && need <= at1) {
+        digit = d0;
+        at = at0;
+    } else if (at1 < need && need <= at1 + h1) {
+        digit = d0 - 1;
+        at = at1;
+    }
+    if (digit >= 0) {
+        q.prefix = prefix | ((u32)digit << sel_shift(pass));
+        q.before = at;
+        q.need = need;
+        q.done = 0;
+    }
+}
+
+// Block (p, i): the weight of part p's tokens of row i whose key is the selected one, into
+// ties[i * parts + p]. grid (parts, rows), block FULL_THREADS.
+extern "C" __global__ void __launch_bounds__(FULL_THREADS) sel_ties(const float* logits, int vocab, const DrawRow* rows,
+                                                                   const RowState* state, const SelectState* sel,
+                                                                   u64* ties, int parts, int stage, double scale) {
+    pdl_enter();
+    __shared__ u64 su[32];
+    const DrawRow r = rows[blockIdx.y];
+    const RowState s = state[blockIdx.y];
+    if (!sel_active(r, s, stage)) return;
+    const SelectState q = sel[blockIdx.y];
+    if (q.done) return;
+    const float* l = logits + r.row * vocab;
+    int c0, c1;
+    part_span(vocab, parts, blockIdx.x, c0, c1);
+    u64 mine = 0;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        const float n = full_norm(l[c], s.max, r.temperature);
+        if (n > NEG_INF && order_key(n) == q.prefix) mine += sel_weight(r, s, stage, n, q.prefix, c, scale);
+    }
+    mine = block_sum_u64(mine, su);
+    if (threadIdx.x == 0) ties[(i64)blockIdx.y * parts + blockIdx.x] = mine;
+}
+
+// Row i: the tied token where the running sum reaches `need`, walking the parts and then the
+// part's tokens in id order; the stage's answer goes to the row state (top-k's and top-p's
+// cuts) or to out[slot] (the draw). grid rows, block 1024.
+extern "C" __global__ void __launch_bounds__(1024) sel_pick(const float* logits, int vocab, const DrawRow* rows,
+                                                           RowState* state, const SelectState* sel,
+                                                           const u64* ties, int parts, int stage, double scale,
+                                                           u32* out) {
+    pdl_enter();
+    __shared__ u64 scan[32];
+    __shared__ int s_part;
+    __shared__ u64 s_before;
+    const DrawRow r = rows[blockIdx.x];
+    RowState& st = state[blockIdx.x];
+    const RowState s = st;
+    if (!sel_active(r, s, stage)) return;
+    const SelectState q = sel[blockIdx.x];
+    if (q.done) return;
+    if (threadIdx.x == 0) {
+        const u64* tp = ties + (i64)blockIdx.x * parts;
+        u64 before = q.before;
+        int p = 0;
+        while (p < parts - 1 && before + tp[p] < q.need) {
+            before += tp[p];
+            p++;
+        }
+        s_part = p;
+        s_before = before;
+    }
+    __syncthreads();
+    const float* l = logits + r.row * vocab;
+    int c0, c1;
+    part_span(vocab, parts, s_part, c0, c1);
+    const int per = (c1 - c0 + blockDim.x - 1) / blockDim.x;
+    const int t0 = imin(c1, c0 + threadIdx.x * per), t1 = imin(c1, t0 + per);
+    u64 mine = 0;
+    for (int c = t0; c < t1; c++) {
+        const float n = full_norm(l[c], s.max, r.temperature);
+        if (n > NEG_INF && order_key(n) == q.prefix) mine += sel_weight(r, s, stage, n, q.prefix, c, scale);
+    }
+    u64 total;
+    u64 cum = s_before + block_exclusive_scan(mine, scan, total);
+    if (cum < q.need && q.need <= cum + mine) {
+        for (int c = t0; c < t1; c++) {
+            const float n = full_norm(l[c], s.max, r.temperature);
+            if (n > NEG_INF && order_key(n) == q.prefix) {
+                cum += sel_weight(r, s, stage, n, q.prefix, c, scale);
+                if (cum >= q.need) {
+                    if (stage == SEL_TOPK) {
+                        st.topk_key = q.prefix;
+                        st.topk_id = (u32)c;
+                    } else if (stage == SEL_TOPP) {
+                        st.cut_key = q.prefix;
+                        st.cut_id = (u32)c;
+                    } else {
+                        out[r.slot] = (u32)c;
+                    }
                     break;
                 }
             }

@@ -3,24 +3,27 @@
 //! argmax, and prepared draws (`sampling.rs`'s `sample_prepared`, the host's algorithm step
 //! for step) with their log-probabilities:
 //!
+//! - first, rows with a logit bias or penalties get them (`draw_adjust`: only the few listed
+//!   `(id, bias)` and `(id, flags)` pairs are uploaded; rows with neither are not touched);
 //! - rows with a top-k of 2..=[`PREPARED_TOP_K_MAX`] below the vocabulary go to `sample_topk`,
 //!   one block a row, which sorts the top-k and walks them as the host does;
-//! - greedy rows and rows with no top-k (or one not below the vocabulary: temperature alone,
-//!   top-p, min-p, any penalties) go to the full-vocabulary pipeline, several blocks a row,
-//!   which sums probability mass in fixed point (the same sums in any order, so a row's draw
-//!   does not depend on its batch); every row that asks for log-probabilities goes through its
-//!   last two kernels;
-//! - what neither holds is drawn on the host from the downloaded row: a top-k above
-//!   `PREPARED_TOP_K_MAX` but below the vocabulary, and the rare rows the pipeline flags
-//!   (top-p over at most 2048 finite logits, which the host sorts, or a crossing bucket of more
-//!   than 4096 tokens).
+//! - every other row goes to the full-vocabulary pipeline, several blocks a row, which sums
+//!   probability mass in fixed point (the same sums in any order, so a row's draw does not
+//!   depend on its batch): greedy rows, rows with no top-k (or one not below the vocabulary:
+//!   temperature alone, top-p, min-p), which it walks in id order as the host does, and the rows
+//!   the host sorts (a larger top-k below the vocabulary; top-p in a vocabulary of at most 2048),
+//!   whose top-k, top-p and draw in the host's sorted order it finds by radix selects (`sel_*`);
+//!   every row that asks for log-probabilities goes through its last two kernels;
+//! - the rare rows the pipeline flags are drawn on the host from the downloaded row: top-p
+//!   without a top-k over at most 2048 finite logits of a larger vocabulary (which the host
+//!   sorts), or with a crossing bucket of more than 4096 tokens.
 
 use cudarc::driver::CudaFunction;
 
 use super::device::{kernel_args, CudaBuf, Device};
 use crate::error::Result;
 use crate::sampling::{
-    sample_prepared, Draw, NonFiniteLogits, PreparedSample, TokenLogprobs, PREPARED_TOP_K_MAX,
+    sample_prepared, Draw, NonFiniteLogits, PreparedSample, SamplingParams, TokenLogprobs, PREPARED_TOP_K_MAX,
 };
 
 pub(super) const SOURCE: &str = include_str!("sample.cu");
@@ -49,6 +52,17 @@ const FULL_DRAW: i32 = 1;
 const FULL_LOGPROBS_ONLY: i32 = 2;
 /// `FULL_HOST` of `sample.cu`: the row's draw is left to the host.
 const FULL_HOST: i32 = 2;
+/// `SEL_TOPK`, `SEL_TOPP`, `SEL_DRAW` and `SEL_BUCKETS` of `sample.cu`: the radix selects of a
+/// row with a top-k above [`PREPARED_TOP_K_MAX`], and the digits of a pass.
+const SEL_TOPK: i32 = 0;
+const SEL_TOPP: i32 = 1;
+const SEL_DRAW: i32 = 2;
+const SEL_BUCKETS: usize = 2048;
+/// The select's passes over the 32-bit key (11, 11 and 10 bits).
+const SEL_PASSES: i32 = 3;
+/// `SORT_BELOW` of `sample.cu` (and `sampling.rs`): the host sorts a top-p row's candidates
+/// when there are at most this many.
+const SORT_BELOW: usize = 2048;
 
 /// `DrawRow` of `sample.cu`: one row the device takes.
 #[repr(C)]
@@ -68,6 +82,8 @@ struct DrawRow {
     rep: f32,
     presence: f32,
     frequency: f32,
+    bias_at: i32,
+    bias_count: i32,
 }
 
 /// `PartStat` of `sample.cu`.
@@ -98,6 +114,17 @@ struct RowState {
     offset: u64,
     part: i32,
     pad: i32,
+    topk_key: u32,
+    topk_id: u32,
+}
+
+/// `SelectState` of `sample.cu`.
+#[repr(C)]
+struct SelectState {
+    before: u64,
+    need: u64,
+    prefix: u32,
+    done: i32,
 }
 
 /// `LogprobEntry` of `sample.cu`.
@@ -113,20 +140,33 @@ struct LogprobEntry {
 enum Route {
     /// `sample_topk` (and the full pipeline's log-probabilities, when asked for).
     TopK,
-    /// The full-vocabulary pipeline.
+    /// The full-vocabulary pipeline (which may still leave a top-p row to the host).
     Full,
-    /// The host, from the downloaded row.
-    Host,
 }
 
 fn route(p: &PreparedSample, vocab: usize) -> Route {
     let k = p.params.top_k;
     match p.uniform {
-        None => Route::Full,
-        Some(_) if k == 0 || k >= vocab => Route::Full,
-        Some(_) if (2..=PREPARED_TOP_K_MAX).contains(&k) => Route::TopK,
-        Some(_) => Route::Host,
+        Some(_) if (2..=PREPARED_TOP_K_MAX).contains(&k) && k < vocab => Route::TopK,
+        _ => Route::Full,
     }
+}
+
+/// The top-k a kernel sees. `sample_topk` takes the host's. In the full pipeline, a drawing
+/// row with a top-k is walked in the host's sorted order (`sel_*`), one without in id order;
+/// `sampling.rs`'s `truncate` sorts exactly when there is a top-k below the vocabulary, or a
+/// top-p over at most `SORT_BELOW` candidates, which every top-p row of a vocabulary that small
+/// is: such a row gets the top-k that keeps everything, the vocabulary. (A top-p row of a larger
+/// vocabulary with that few finite logits is flagged by the pipeline and left to the host.)
+fn kernel_top_k(p: &SamplingParams, vocab: usize) -> i32 {
+    let k = if p.top_k > 0 && p.top_k < vocab {
+        p.top_k
+    } else if p.top_p < 1.0 && vocab <= SORT_BELOW {
+        vocab
+    } else {
+        0
+    };
+    k.min(i32::MAX as usize) as i32
 }
 
 /// Bits of fixed point for a row's probability mass: each token's weight is at most
@@ -138,7 +178,7 @@ fn mass_bits(vocab: usize) -> u32 {
 pub(super) struct Kernels {
     argmax_partial: CudaFunction,
     argmax_finish: CudaFunction,
-    draw_penalise: CudaFunction,
+    draw_adjust: CudaFunction,
     sample_topk: CudaFunction,
     full_max: CudaFunction,
     full_combine: CudaFunction,
@@ -149,14 +189,20 @@ pub(super) struct Kernels {
     full_kept: CudaFunction,
     full_target: CudaFunction,
     full_pick: CudaFunction,
+    sel_hist: CudaFunction,
+    sel_find: CudaFunction,
+    sel_ties: CudaFunction,
+    sel_pick: CudaFunction,
     full_top: CudaFunction,
     full_logprobs: CudaFunction,
 }
 
-/// The prepared draws of a launch, and how many of them the host finished.
+/// The prepared draws of a launch, how many of them the host finished, and how many the
+/// device drew in sorted order (a top-k above [`PREPARED_TOP_K_MAX`]).
 pub(super) struct Drawn {
     pub draws: Vec<Result<Draw, NonFiniteLogits>>,
     pub on_host: usize,
+    pub sorted: usize,
 }
 
 impl Kernels {
@@ -167,7 +213,7 @@ impl Kernels {
         Ok(Kernels {
             argmax_partial: f("argmax_partial")?,
             argmax_finish: f("argmax_finish")?,
-            draw_penalise: f("draw_penalise")?,
+            draw_adjust: f("draw_adjust")?,
             sample_topk: f("sample_topk")?,
             full_max: f("full_max")?,
             full_combine: f("full_combine")?,
@@ -178,6 +224,10 @@ impl Kernels {
             full_kept: f("full_kept")?,
             full_target: f("full_target")?,
             full_pick: f("full_pick")?,
+            sel_hist: f("sel_hist")?,
+            sel_find: f("sel_find")?,
+            sel_ties: f("sel_ties")?,
+            sel_pick: f("sel_pick")?,
             full_top: f("full_top")?,
             full_logprobs: f("full_logprobs")?,
         })
@@ -246,7 +296,7 @@ impl Kernels {
                 slot: slot as i64,
                 pen_at: 0,
                 pen_count: 0,
-                top_k: q.top_k.min(i32::MAX as usize) as i32,
+                top_k: kernel_top_k(q, vocab),
                 mode,
                 top_n: p.logprobs.map_or(-1, |n| n.min(TOP_N_MAX) as i32),
                 temperature,
@@ -255,33 +305,44 @@ impl Kernels {
                 rep: q.repetition_penalty,
                 presence: q.presence_penalty,
                 frequency: q.frequency_penalty,
+                bias_at: 0,
+                bias_count: 0,
             }
         };
 
         let ids = dev.upload_u32(&vec![NO_TOKEN; picks.len().max(1)]).unwrap_or_else(|e| panic!("{e}")).0;
 
-        // 1. Penalties, for every row the device draws.
-        let mut penalised = Vec::new();
-        let mut penalties: Vec<u32> = Vec::new();
+        // 1. Logit bias and penalties, for the rows that have either: only their (id, bias) and
+        // (id, flags) pairs cross to the device.
+        let mut adjusted = Vec::new();
+        let (mut penalties, mut bias): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         for (slot, &(_, p)) in picks.iter().enumerate() {
-            if routes[slot] != Route::Host && !p.penalties.is_empty() {
-                let mut r = row_of(slot, FULL_DRAW);
-                r.pen_at = (penalties.len() / 2) as i64;
-                r.pen_count = p.penalties.len() as i32;
-                penalties.extend(p.penalties.iter().flat_map(|&(t, f)| [t, f]));
-                penalised.push(r);
+            if p.penalties.is_empty() && p.params.logit_bias.is_empty() {
+                continue;
             }
+            let mut r = row_of(slot, FULL_DRAW);
+            r.pen_at = (penalties.len() / 2) as i64;
+            r.pen_count = p.penalties.len() as i32;
+            penalties.extend(p.penalties.iter().flat_map(|&(t, f)| [t, f]));
+            r.bias_at = (bias.len() / 2) as i32;
+            r.bias_count = p.params.logit_bias.len() as i32;
+            bias.extend(p.params.logit_bias.iter().flat_map(|&(t, b)| [t, b.to_bits()]));
+            adjusted.push(r);
         }
-        if !penalised.is_empty() {
-            let (_rows, rows_ptr) = dev.upload_words(&penalised).unwrap_or_else(|e| panic!("{e}"));
+        if !adjusted.is_empty() {
+            let (_rows, rows_ptr) = dev.upload_words(&adjusted).unwrap_or_else(|e| panic!("{e}"));
+            // An empty list still needs a valid pointer.
+            penalties.extend([0, 0]);
+            bias.extend([0, 0]);
             let (_pen, pen_ptr) = dev.upload_u32(&penalties).unwrap_or_else(|e| panic!("{e}"));
+            let (_bias, bias_ptr) = dev.upload_u32(&bias).unwrap_or_else(|e| panic!("{e}"));
             dev.launch(
-                "draw_penalise",
-                &self.draw_penalise,
-                (penalised.len() as u32, 1, 1),
+                "draw_adjust",
+                &self.draw_adjust,
+                (adjusted.len() as u32, 1, 1),
                 (256, 1, 1),
                 0,
-                kernel_args![logits.ptr(), vocab as i32, rows_ptr, pen_ptr],
+                kernel_args![logits.ptr(), vocab as i32, rows_ptr, pen_ptr, bias_ptr],
             );
         }
 
@@ -338,15 +399,14 @@ impl Kernels {
         let mut draws = Vec::with_capacity(picks.len());
         let mut host_count = 0;
         for (slot, &(row, p)) in picks.iter().enumerate() {
-            if routes[slot] == Route::Host || on_host[slot] {
+            if on_host[slot] {
                 host_count += 1;
                 let mut values = vec![0f32; vocab];
                 dev.download_f32(&mut values, logits.at(row * vocab)).unwrap_or_else(|e| panic!("{e}"));
-                // Penalties applied on the device already stay applied.
+                // The bias and penalties applied on the device already stay applied.
                 let mut host = p.clone();
-                if routes[slot] != Route::Host {
-                    host.penalties.clear();
-                }
+                host.penalties.clear();
+                host.params.logit_bias.clear();
                 draws.push(sample_prepared(&mut values, &host));
                 continue;
             }
@@ -357,12 +417,14 @@ impl Kernels {
             }
             let logprobs = p.logprobs.map(|n| {
                 let e = &entries[slot * (1 + TOP_N_MAX)..(slot + 1) * (1 + TOP_N_MAX)];
-                let top = e[1..=n.min(TOP_N_MAX)].iter().map(|t| (t.id, t.logprob)).collect();
+                // A vocabulary smaller than n has only that many alternatives, as on the host.
+                let top = e[1..=n.min(TOP_N_MAX).min(vocab)].iter().map(|t| (t.id, t.logprob)).collect();
                 TokenLogprobs { token, logprob: e[0].logprob, top }
             });
             draws.push(Ok(Draw { token, logprobs }));
         }
-        Drawn { draws, on_host: host_count }
+        let sorted = full.iter().filter(|r| r.mode == FULL_DRAW && r.top_k > 0).count();
+        Drawn { draws, on_host: host_count, sorted }
     }
 
     /// The full-vocabulary pipeline over `rows`; returns each row's final state when a row may
@@ -386,9 +448,15 @@ impl Kernels {
         let words = |bytes: usize| bytes.div_ceil(4).max(1);
         let alloc = |bytes: usize| dev.alloc(words(bytes)).unwrap_or_else(|e| panic!("{e}"));
         let zeros = |bytes: usize| dev.zeros(words(bytes)).unwrap_or_else(|e| panic!("{e}"));
-        let any_topp = rows.iter().any(|r| r.mode == FULL_DRAW && r.top_p < 1.0);
-        let any_draw = rows.iter().any(|r| r.mode == FULL_DRAW);
-        let any_mass = rows.iter().any(|r| r.mode == FULL_DRAW || r.top_n >= 0);
+        // Drawing rows with a top-k (above `PREPARED_TOP_K_MAX`) are drawn by the radix selects
+        // in sorted order; the others walk their kept tokens in id order.
+        let sorted = |r: &DrawRow| r.mode == FULL_DRAW && r.top_k > 0;
+        let any_sorted = rows.iter().any(sorted);
+        let any_sorted_topp = rows.iter().any(|r| sorted(r) && r.top_p < 1.0);
+        let walks_ids = |r: &DrawRow| r.mode == FULL_DRAW && !sorted(r);
+        let any_topp = rows.iter().any(|r| walks_ids(r) && r.top_p < 1.0);
+        let any_draw = rows.iter().any(walks_ids);
+        let any_mass = rows.iter().any(|r| walks_ids(r) || r.top_n >= 0);
         let any_top = rows.iter().any(|r| r.top_n > 0);
 
         let (_rows, rows_ptr) = dev.upload_words(rows).unwrap_or_else(|e| panic!("{e}"));
@@ -460,6 +528,71 @@ impl Kernels {
                 kernel_args![l, v, rows_ptr, state.ptr(), stats.ptr(), p, scale],
             );
         }
+        if any_sorted {
+            let sel_hist = zeros(n * SEL_BUCKETS * 8);
+            let sel = zeros(n * std::mem::size_of::<SelectState>());
+            let ties = alloc(n * parts * 8);
+            let stages: &[i32] =
+                if any_sorted_topp { &[SEL_TOPK, SEL_TOPP, SEL_DRAW] } else { &[SEL_TOPK, SEL_DRAW] };
+            for &stage in stages {
+                for pass in 0..SEL_PASSES {
+                    dev.launch(
+                        "sel_hist",
+                        &self.sel_hist,
+                        grid,
+                        (FULL_THREADS, 1, 1),
+                        0,
+                        kernel_args![
+                            l,
+                            v,
+                            rows_ptr,
+                            state.ptr(),
+                            sel.ptr(),
+                            sel_hist.ptr(),
+                            p,
+                            stage,
+                            pass,
+                            scale
+                        ],
+                    );
+                    dev.launch(
+                        "sel_find",
+                        &self.sel_find,
+                        (n as u32, 1, 1),
+                        (SEL_BUCKETS as u32 / 2, 1, 1),
+                        0,
+                        kernel_args![rows_ptr, state.ptr(), sel.ptr(), sel_hist.ptr(), stage, pass],
+                    );
+                }
+                dev.launch(
+                    "sel_ties",
+                    &self.sel_ties,
+                    grid,
+                    (FULL_THREADS, 1, 1),
+                    0,
+                    kernel_args![l, v, rows_ptr, state.ptr(), sel.ptr(), ties.ptr(), p, stage, scale],
+                );
+                dev.launch(
+                    "sel_pick",
+                    &self.sel_pick,
+                    (n as u32, 1, 1),
+                    (1024, 1, 1),
+                    0,
+                    kernel_args![
+                        l,
+                        v,
+                        rows_ptr,
+                        state.ptr(),
+                        sel.ptr(),
+                        ties.ptr(),
+                        p,
+                        stage,
+                        scale,
+                        ids.ptr()
+                    ],
+                );
+            }
+        }
         if any_draw {
             dev.launch(
                 "full_target",
@@ -526,10 +659,56 @@ mod tests {
 
     #[test]
     fn structs_match_the_kernels() {
-        assert_eq!(std::mem::size_of::<DrawRow>(), 72);
+        assert_eq!(std::mem::size_of::<DrawRow>(), 80);
         assert_eq!(std::mem::size_of::<PartStat>(), 32);
-        assert_eq!(std::mem::size_of::<RowState>(), 64);
+        assert_eq!(std::mem::size_of::<RowState>(), 72);
+        assert_eq!(std::mem::size_of::<SelectState>(), 24);
         assert_eq!(std::mem::size_of::<LogprobEntry>(), 8);
+    }
+
+    /// Every top-k has a device route: 2..=1024 below the vocabulary to `sample_topk`, the rest
+    /// to the full pipeline, which sees a top-k only when it is below the vocabulary.
+    #[test]
+    fn every_top_k_is_routed_to_the_device() {
+        let draw = |top_k: usize, greedy: bool| {
+            let params = crate::sampling::SamplingParams {
+                temperature: if greedy { 0.0 } else { 1.0 },
+                top_k,
+                ..Default::default()
+            };
+            crate::sampling::Sampler::new(params).unwrap().prepare(&[], &[], None)
+        };
+        let vocab = 248_320;
+        for (k, want) in [
+            (0, Route::Full),
+            (2, Route::TopK),
+            (1024, Route::TopK),
+            (1025, Route::Full),
+            (vocab - 1, Route::Full),
+            (vocab, Route::Full),
+        ] {
+            assert_eq!(route(&draw(k, false), vocab), want, "top-k {k}");
+            assert_eq!(route(&draw(k, true), vocab), Route::Full, "greedy, top-k {k}");
+        }
+        assert_eq!(route(&draw(1, false), vocab), Route::Full, "top-k 1 is greedy");
+        // A small vocabulary: a top-k of 2..=1024 not below it keeps everything.
+        assert_eq!(route(&draw(300, false), 257), Route::Full);
+        assert_eq!(route(&draw(256, false), 257), Route::TopK);
+        // The full pipeline walks in sorted order exactly where the host sorts.
+        let with = |top_k: usize, top_p: f32| SamplingParams { top_k, top_p, ..Default::default() };
+        for (params, vocab, want) in [
+            (with(0, 1.0), 10, 0),
+            (with(9, 1.0), 10, 9),
+            (with(10, 1.0), 10, 0),
+            (with(11, 1.0), 10, 0),
+            (with(1025, 0.5), 4097, 1025),
+            (with(0, 0.5), 2048, 2048),
+            (with(0, 0.5), 2049, 0),
+            (with(5000, 0.5), 2048, 2048),
+            (with(0, 0.5), 1, 1),
+        ] {
+            assert_eq!(kernel_top_k(&params, vocab), want, "{params:?} of {vocab}");
+        }
     }
 
     #[test]
