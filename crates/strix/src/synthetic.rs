@@ -29,6 +29,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         vocab_size: 248_320,
         hidden_size: hidden,
         intermediate_size: inter,
+        moe: None,
         num_layers: layers,
         layer_kinds: (0..layers)
             .map(|i| if (i + 1) % 4 == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })

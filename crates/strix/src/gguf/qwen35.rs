@@ -289,6 +289,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         vocab_size: embd.dims[1] as usize,
         hidden_size,
         intermediate_size: f.get_usize(&key("feed_forward_length"))?,
+        moe: None,
         num_layers,
         layer_kinds,
         rms_norm_eps: f.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
