@@ -8,6 +8,7 @@
 //! ties (the script checks every decision), so f32 rounding cannot pick another expert.
 
 mod common;
+mod damaged;
 
 use std::path::{Path, PathBuf};
 
@@ -255,4 +256,43 @@ fn quantized_on_load_moe_runs_packed_experts() {
             assert!(err <= 0.2, "{name} T={}: {err:.2e}", case.len);
         }
     }
+}
+
+/// A fused checkpoint whose expert tensors do not hold the config's experts is refused with
+/// the tensor and the shape it should have; one without them names the expert it lacks.
+#[test]
+fn damaged_fused_experts_are_errors_naming_the_tensor() {
+    use damaged::{safetensors_from_parts, safetensors_parts};
+    let src = fixture("moe-vlm-f32-fused");
+    let load_err = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let tmp = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+        }
+        let file = tmp.path().join("model.safetensors");
+        let (mut header, data) = safetensors_parts(&std::fs::read(&file).unwrap());
+        edit(&mut header);
+        std::fs::write(&file, safetensors_from_parts(&header, &data)).unwrap();
+        match Model::load(tmp.path(), CpuBackend::new(), None) {
+            Ok(_) => panic!("loaded"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let gate_up = "model.language_model.layers.2.mlp.experts.gate_up_proj";
+    // The same bytes seen as 16 experts of half the rows.
+    let e = load_err(&|h| h[gate_up]["shape"] = serde_json::json!([16, 16, 64]));
+    assert!(
+        e.contains(gate_up) && e.contains("[16, 16, 64]") && e.contains("expected [experts > 0, 32, 64]"),
+        "{e}"
+    );
+    let down = "model.language_model.layers.0.mlp.experts.down_proj";
+    let e = load_err(&|h| {
+        let entry = h.as_object_mut().unwrap().remove(down).unwrap();
+        h["model.language_model.layers.0.mlp.experts.down"] = entry;
+    });
+    assert!(
+        e.contains("missing tensor `model.language_model.layers.0.mlp.experts.0.down_proj.weight`"),
+        "{e}"
+    );
 }

@@ -268,7 +268,7 @@ impl Checkpoint {
             ));
         }
         let dtype = float_dtype(entry.dtype).ok_or_else(|| unreadable(path, &fused, entry.dtype))?;
-        let row_bytes = cols * dtype.align();
+        let row_bytes = dtype.row_bytes(cols).expect("float rows are any length");
         let first_row = f.expert * per_expert + f.half.unwrap_or(0) * rows;
         let start = entry.start + first_row * row_bytes;
         // Only the slice is re-aligned (copied) when the file leaves it misaligned.

@@ -115,9 +115,9 @@ mod tests {
         e: usize,
         k: usize,
         w: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-        inter: usize,
         hidden: usize,
     ) -> Vec<f64> {
+        let inter = w[0].0.len() / hidden;
         let r = Routing::new(logits, tokens, e, k);
         let mut out = vec![0f64; tokens * hidden];
         for t in 0..tokens {
@@ -194,7 +194,7 @@ mod tests {
         for tokens in [1, 7, 70] {
             let x = random(tokens * hidden, tokens as u64);
             let logits: Vec<f32> = random(tokens * e, 7 + tokens as u64).iter().map(|v| v * 3.0).collect();
-            let want = naive(&x, tokens, &logits, e, k, &raw, inter, hidden);
+            let want = naive(&x, tokens, &logits, e, k, &raw, hidden);
             let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
             for decode_batch in [false, true] {
                 let mut out = vec![f32::NAN; tokens * hidden];
