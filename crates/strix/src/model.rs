@@ -131,6 +131,7 @@ pub struct MoeWeights<B: Backend> {
     shared_expert_gate: B::Weight,
 }
 
+/// A layer's MLP: dense (`qwen3_5`) or a sparse mixture of experts (`qwen3_5_moe`).
 pub enum Mlp<B: Backend> {
     Dense(DenseMlpWeights<B>),
     Moe(MoeWeights<B>),
