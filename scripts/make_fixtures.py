@@ -589,6 +589,10 @@ class NaiveQwen35:
     def _silu(x):
         return x * torch.sigmoid(x)
 
+    def _mlp(self, m_, h):  # the dense SwiGLU MLP under the prefix m_ (make_moe_fixtures.py overrides it)
+        w = self.w
+        return w[m_ + "down_proj.weight"] @ (self._silu(w[m_ + "gate_proj.weight"] @ h) * (w[m_ + "up_proj.weight"] @ h))
+
     def run(self, tokens):
         w, dt = self.w, self.dt
         state, out_rows = {}, []
@@ -647,10 +651,7 @@ class NaiveQwen35:
                     y = w[a_ + "o_proj.weight"] @ (o.reshape(-1) * torch.sigmoid(gate))
                 x = x + y
                 h = self._rms(x, w[p + "post_attention_layernorm.weight"])
-                m_ = p + "mlp."
-                x = x + w[m_ + "down_proj.weight"] @ (
-                    self._silu(w[m_ + "gate_proj.weight"] @ h) * (w[m_ + "up_proj.weight"] @ h)
-                )
+                x = x + self._mlp(p + "mlp.", h)
             out_rows.append(w["lm_head.weight"] @ self._rms(x, w["norm.weight"]))
         return torch.stack(out_rows).to(torch.float64)
 

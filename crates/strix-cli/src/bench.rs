@@ -469,6 +469,12 @@ fn bench_with<B: DeviceInfo>(
             "layers": c.num_layers,
             "vocab": c.vocab_size,
             "intermediate": c.intermediate_size,
+            "experts": c.moe.map(|m| json!({
+                "count": m.num_experts,
+                "per_token": m.num_experts_per_tok,
+                "intermediate": m.moe_intermediate_size,
+                "shared_intermediate": m.shared_expert_intermediate_size,
+            })),
             "dtype": dtype,
         },
         "prompt_len": args.prompt_len,
@@ -834,12 +840,17 @@ fn checkpoint_dtype(dir: &Path, c: &ModelConfig) -> String {
     }
     let dtype = || -> Result<String> {
         let ckpt = Checkpoint::open_dir(dir)?;
-        let name =
-            ["model.language_model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"]
-                .into_iter()
-                .find(|n| ckpt.contains(n))
-                .ok_or_else(|| anyhow!("no layer 0 MLP weight"))?;
-        Ok(ckpt.tensor(name, &[c.hidden_size, c.intermediate_size])?.dtype.name().to_ascii_lowercase())
+        // The dense MLP's down_proj, or a MoE model's shared expert's.
+        let (mlp, width) = match c.moe {
+            None => ("mlp.down_proj.weight", c.intermediate_size),
+            Some(m) => ("mlp.shared_expert.down_proj.weight", m.shared_expert_intermediate_size),
+        };
+        let name = ["model.language_model.layers.0.", "model.layers.0."]
+            .into_iter()
+            .map(|p| format!("{p}{mlp}"))
+            .find(|n| ckpt.contains(n))
+            .ok_or_else(|| anyhow!("no layer 0 MLP weight"))?;
+        Ok(ckpt.tensor(&name, &[c.hidden_size, width])?.dtype.name().to_ascii_lowercase())
     };
     dtype().unwrap_or_else(|_| "unknown".to_string())
 }

@@ -1331,3 +1331,71 @@ fn bench_sweeps_on_the_cpu() {
     assert_eq!(json["context"], 10);
     assert!(json["decode_tok_s"].as_f64().unwrap() > 0.0);
 }
+
+// --- mixture-of-experts models ---------------------------------------------------------------
+
+/// A MoE fixture (`tests/fixtures/moe-models/`, made by `scripts/make_moe_fixtures.py`), named
+/// from the dense fixtures' directory.
+const MOE_FIXTURES: [&str; 2] = ["../moe-models/moe-vlm-f32-fused", "../moe-models/moe-causal-bf16-sharded"];
+
+/// `run` and `logits` on a MoE model directory, unchanged: the greedy continuation and every
+/// position's logits of the transformers goldens (1e-4).
+#[test]
+fn goldens_moe_models() {
+    for name in MOE_FIXTURES {
+        check_fixture_against_goldens(name);
+    }
+}
+
+/// `perplexity` on a MoE model: its PPL is the one the `logits` command's output gives by
+/// llama-perplexity's definition (windows of --ctx from a fresh state, the second half
+/// scored), computed here in f64. The two agree to the printed digits.
+#[test]
+fn perplexity_of_a_moe_model_is_what_its_logits_give() {
+    let name = MOE_FIXTURES[0];
+    let model = fixture_arg(name);
+    let dir = tempfile::tempdir().unwrap();
+    let text =
+        "The quick brown fox jumps over the lazy dog, and a small model can still be useful. ".repeat(12);
+    let file = dir.path().join("text.txt");
+    std::fs::write(&file, &text).unwrap();
+    let ids = tokenizer(name).encode(&text, false).unwrap();
+    let ctx = 64;
+    assert!(ids.len() >= 2 * ctx, "{} tokens", ids.len());
+    let out = strix(&["perplexity", "--model", &model, "--file", &file.display().to_string(), "--ctx", "64"]);
+    assert!(out.status.success(), "perplexity failed: {}", stderr(&out));
+    let printed: f64 = stdout(&out)
+        .lines()
+        .find_map(|l| l.strip_prefix("Final estimate: PPL = "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("a Final estimate line")
+        .parse()
+        .unwrap();
+
+    let (mut nll, mut count) = (0f64, 0usize);
+    for (w, window) in ids.chunks_exact(ctx).take(ids.len() / ctx).enumerate() {
+        let path = dir.path().join(format!("w{w}.safetensors"));
+        let out = strix(&[
+            "logits",
+            "--model",
+            &model,
+            "--prompt-ids",
+            &join_ids(window),
+            "--out",
+            &path.display().to_string(),
+        ]);
+        assert!(out.status.success(), "logits failed: {}", stderr(&out));
+        let (shape, logits) = read_logits(&path);
+        let vocab = shape[1];
+        for j in ctx / 2..ctx - 1 {
+            let row = &logits[j * vocab..(j + 1) * vocab];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            nll += lse - row[window[j + 1] as usize] as f64;
+            count += 1;
+        }
+    }
+    let ppl = (nll / count as f64).exp();
+    println!("perplexity {printed} vs {ppl} from the logits");
+    assert!((printed - ppl).abs() <= 1e-4 * ppl + 1e-4, "printed {printed}, from logits {ppl}");
+}

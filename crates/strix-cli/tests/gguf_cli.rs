@@ -112,3 +112,22 @@ fn bad_arguments_are_one_clean_error() {
         assert!(err.starts_with("error: ") && err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// A `qwen35moe` file from llama.cpp's converter runs like the MoE directory it came from
+/// (tokenizer and template from its metadata); `strix quantize` refuses a MoE model by name.
+#[test]
+fn moe_gguf_runs_like_its_directory_and_quantize_refuses_moe() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixtures().join("moe-models/moe-causal-bf16-sharded");
+    let file = alone(&fixtures().join("moe-gguf/moe-causal-bf16-sharded.bf16.gguf"), tmp.path());
+    let dir = dir.to_string_lossy().into_owned();
+    assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
+    assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
+
+    let out = tmp.path().join("moe.gguf");
+    let run = strix(&["quantize", "--model", &dir, "--quant", "q8_0", "--out", &out.to_string_lossy()]);
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("mixture-of-experts") && err.contains("qwen35moe"), "{err}");
+    assert!(!out.exists(), "nothing written");
+}

@@ -1,7 +1,9 @@
 //! The model's shape, read from a Hugging Face `config.json` (and `generation_config.json`).
 //!
-//! Two layouts exist: `model_type: qwen3_5` (the published multimodal checkpoints, text fields
-//! under `text_config`) and `model_type: qwen3_5_text` (flat). Every field the forward pass
+//! Two layouts exist for each kind of model: `model_type: qwen3_5` / `qwen3_5_moe` (the published
+//! multimodal checkpoints, text fields under `text_config`) and `qwen3_5_text` /
+//! `qwen3_5_moe_text` (flat). The mixture-of-experts models replace every layer's MLP with a
+//! sparse MoE block ([`MoeConfig`]). Every field the forward pass
 //! depends on is validated here, so the model code can trust the numbers, and a field that
 //! asks for something the model does not implement (`hidden_act: gelu`, scaled RoPE, biases)
 //! is refused rather than ignored. Files are read through [`crate::files`] (regular files
@@ -24,12 +26,29 @@ pub enum LayerKind {
     Attention,
 }
 
+/// The sparse mixture-of-experts MLP of every layer of a `qwen3_5_moe` model
+/// (`Qwen3_5MoeSparseMoeBlock`): a router picks `num_experts_per_tok` of `num_experts` SwiGLU
+/// experts per token, and a shared expert scaled by its own sigmoid gate is added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    /// Width of each routed expert's SwiGLU MLP.
+    pub moe_intermediate_size: usize,
+    /// Width of the shared expert's SwiGLU MLP.
+    pub shared_expert_intermediate_size: usize,
+}
+
 /// Shape and hyper-parameters of a Qwen3.5 text decoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// Width of the dense MLP; 0 for a mixture-of-experts model, whose MLPs are [`MoeConfig`]'s.
     pub intermediate_size: usize,
+    /// `Some` for a mixture-of-experts model (`qwen3_5_moe`): every layer's MLP is a sparse MoE
+    /// block instead of a dense one.
+    pub moe: Option<MoeConfig>,
     pub num_layers: usize,
     pub layer_kinds: Vec<LayerKind>,
     pub rms_norm_eps: f32,
@@ -98,26 +117,28 @@ impl ModelConfig {
             }
         };
         let fields = Fields { path, obj: root, scope: String::new() };
-        let text = match model_type {
-            "qwen3_5" => {
+        let (text, moe) = match model_type {
+            "qwen3_5" | "qwen3_5_moe" => {
                 let obj = root.get("text_config").and_then(Value::as_object).ok_or_else(|| {
-                    Error::config(path, "model_type `qwen3_5` needs a `text_config` object")
+                    Error::config(path, format!("model_type `{model_type}` needs a `text_config` object"))
                 })?;
-                Fields { path, obj, scope: "text_config.".into() }
+                (Fields { path, obj, scope: "text_config.".into() }, model_type == "qwen3_5_moe")
             }
-            "qwen3_5_text" => Fields { path, obj: root, scope: String::new() },
+            "qwen3_5_text" => (Fields { path, obj: root, scope: String::new() }, false),
+            "qwen3_5_moe_text" => (Fields { path, obj: root, scope: String::new() }, true),
             "" => return Err(Error::config(path, "missing field `model_type`")),
             other => {
                 return Err(Error::config(
                     path,
                     format!(
-                        "unknown model_type `{}`: strix runs Qwen3.5 (`qwen3_5`, `qwen3_5_text`)",
+                        "unknown model_type `{}`: strix runs Qwen3.5 (`qwen3_5`, `qwen3_5_text`, \
+                         `qwen3_5_moe`, `qwen3_5_moe_text`)",
                         printable(other)
                     ),
                 ))
             }
         };
-        let c = parse_text_config(&text, &fields)?;
+        let c = parse_text_config(&text, &fields, moe)?;
         c.validate(path)?;
         Ok(c)
     }
@@ -138,10 +159,19 @@ impl ModelConfig {
 
     pub(crate) fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
-        for (name, v) in [
+        // A dense model's MLP width, or a MoE model's expert counts and widths.
+        let mlp_fields: Vec<(&str, usize)> = match &self.moe {
+            None => vec![("intermediate_size", self.intermediate_size)],
+            Some(m) => vec![
+                ("num_experts", m.num_experts),
+                ("num_experts_per_tok", m.num_experts_per_tok),
+                ("moe_intermediate_size", m.moe_intermediate_size),
+                ("shared_expert_intermediate_size", m.shared_expert_intermediate_size),
+            ],
+        };
+        for (name, v) in mlp_fields.into_iter().chain([
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_layers),
             ("num_attention_heads", self.num_heads),
             ("num_key_value_heads", self.num_kv_heads),
@@ -151,7 +181,7 @@ impl ModelConfig {
             ("linear_num_value_heads", self.linear_num_v_heads),
             ("linear_key_head_dim", self.linear_k_head_dim),
             ("linear_value_head_dim", self.linear_v_head_dim),
-        ] {
+        ]) {
             if v == 0 {
                 return bad(format!("`{name}` must be positive"));
             }
@@ -165,6 +195,16 @@ impl ModelConfig {
         for (names, size) in [
             ("vocab_size * hidden_size", product(&[self.vocab_size, self.hidden_size])),
             ("intermediate_size * hidden_size", product(&[self.intermediate_size, self.hidden_size])),
+            (
+                "num_experts * moe_intermediate_size * hidden_size",
+                self.moe.map_or(Some(0), |m| {
+                    product(&[3, m.num_experts, m.moe_intermediate_size, self.hidden_size])
+                }),
+            ),
+            (
+                "shared_expert_intermediate_size * hidden_size",
+                self.moe.map_or(Some(0), |m| product(&[m.shared_expert_intermediate_size, self.hidden_size])),
+            ),
             (
                 "num_attention_heads * head_dim * hidden_size",
                 product(&[2, self.num_heads, self.head_dim, self.hidden_size]),
@@ -184,6 +224,21 @@ impl ModelConfig {
         ] {
             if size.is_none() {
                 return bad(format!("sizes too large: {names} overflows"));
+            }
+        }
+        if let Some(m) = &self.moe {
+            if m.num_experts_per_tok > m.num_experts {
+                return bad(format!(
+                    "num_experts_per_tok ({}) is more than num_experts ({})",
+                    m.num_experts_per_tok, m.num_experts
+                ));
+            }
+            // Expert ids travel as u32 (and the router's logits as one row per token).
+            if m.num_experts > MAX_EXPERTS {
+                return bad(format!(
+                    "num_experts is {}: more than {MAX_EXPERTS} is not a real model",
+                    m.num_experts
+                ));
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
@@ -348,7 +403,23 @@ const SUPPORTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
 /// A bound on `num_hidden_layers`, checked before anything is allocated per layer.
 const MAX_LAYERS: usize = 1 << 16;
 
-fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
+/// A bound on `num_experts`, checked before anything is allocated per expert.
+const MAX_EXPERTS: usize = 1 << 16;
+
+/// The MoE block's fields of a `qwen3_5_moe` text config. `Qwen3_5MoeTextConfig` has no
+/// `norm_topk_prob`, `decoder_sparse_step` or `mlp_only_layers` (the reference always
+/// renormalises the top-k weights and every layer is sparse), so none is read here: a config
+/// carrying them runs as the reference runs it, ignoring them.
+fn parse_moe(t: &Fields) -> Result<MoeConfig> {
+    Ok(MoeConfig {
+        num_experts: t.usize("num_experts")?,
+        num_experts_per_tok: t.usize("num_experts_per_tok")?,
+        moe_intermediate_size: t.usize("moe_intermediate_size")?,
+        shared_expert_intermediate_size: t.usize("shared_expert_intermediate_size")?,
+    })
+}
+
+fn parse_text_config(t: &Fields, root: &Fields, moe: bool) -> Result<ModelConfig> {
     let path = t.path;
     let hidden_size = t.usize("hidden_size")?;
     let num_heads = t.usize("num_attention_heads")?;
@@ -497,10 +568,13 @@ fn parse_text_config(t: &Fields, root: &Fields) -> Result<ModelConfig> {
     }
 
     let eps = t.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
+    let (intermediate_size, moe) =
+        if moe { (0, Some(parse_moe(t)?)) } else { (t.usize("intermediate_size")?, None) };
     Ok(ModelConfig {
         vocab_size: t.usize("vocab_size")?,
         hidden_size,
-        intermediate_size: t.usize("intermediate_size")?,
+        intermediate_size,
+        moe,
         num_layers,
         layer_kinds,
         rms_norm_eps: eps as f32,
@@ -590,6 +664,79 @@ mod tests {
         v["layer_types"] = serde_json::json!(["full_attention", "mamba", "x", "y"]);
         let e = parse(&v).unwrap_err().to_string();
         assert!(e.contains("layer_types[1]"), "{e}");
+    }
+
+    fn moe() -> serde_json::Value {
+        let mut v = flat();
+        let o = v.as_object_mut().unwrap();
+        o.remove("intermediate_size");
+        o.insert("model_type".into(), "qwen3_5_moe_text".into());
+        for (k, n) in [
+            ("num_experts", 8),
+            ("num_experts_per_tok", 2),
+            ("moe_intermediate_size", 16),
+            ("shared_expert_intermediate_size", 24),
+        ] {
+            o.insert(k.into(), n.into());
+        }
+        v
+    }
+
+    #[test]
+    fn moe_configs_flat_and_nested() {
+        let c = parse(&moe()).unwrap();
+        let want = MoeConfig {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 16,
+            shared_expert_intermediate_size: 24,
+        };
+        assert_eq!(c.moe, Some(want));
+        assert_eq!(c.intermediate_size, 0, "a MoE model has no dense MLP");
+        let mut text = moe();
+        text["norm_topk_prob"] = false.into(); // not a field of the reference: ignored as it ignores it
+        let v = serde_json::json!({"model_type": "qwen3_5_moe", "tie_word_embeddings": true, "text_config": text});
+        let c = parse(&v).unwrap();
+        assert_eq!(c.moe, Some(want));
+        assert!(c.tie_word_embeddings);
+        // The dense layouts stay dense.
+        assert_eq!(parse(&flat()).unwrap().moe, None);
+    }
+
+    #[test]
+    fn moe_errors_name_the_field() {
+        for field in
+            ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
+        {
+            let mut v = moe();
+            v.as_object_mut().unwrap().remove(field);
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(e.contains(&format!("missing field `{field}`")), "{e}");
+            let mut v = moe();
+            v[field] = 0.into();
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{field}` must be positive")), "{e}");
+        }
+        let mut v = moe();
+        v["num_experts_per_tok"] = 9.into();
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("num_experts_per_tok (9) is more than num_experts (8)"), "{e}");
+        let mut v = moe();
+        v["num_experts"] = (1u64 << 40).into();
+        v["num_experts_per_tok"] = 1.into();
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("num_experts"), "{e}");
+        let mut v = moe();
+        v["moe_intermediate_size"] = (1u64 << 62).into();
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
+        let v = serde_json::json!({"model_type": "qwen3_5_moe", "text_config": 3});
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("model_type `qwen3_5_moe` needs a `text_config` object"), "{e}");
+        let mut v = moe();
+        v["num_experts"] = "many".into();
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("field `num_experts` must be a non-negative integer"), "{e}");
     }
 
     #[test]

@@ -1,14 +1,16 @@
 //! The Qwen3.5 text decoder, written once against the [`Backend`] ops.
 //!
 //! Each decoder layer is `h += mixer(norm(h)); h += mlp(norm(h))`, where the mixer is a Gated
-//! DeltaNet (most layers) or gated full attention (every few layers, per `layer_types`).
+//! DeltaNet (most layers) or gated full attention (every few layers, per `layer_types`), and
+//! the MLP a dense SwiGLU (`qwen3_5`) or a sparse mixture of experts (`qwen3_5_moe`: a router
+//! picks a few SwiGLU experts per token, plus a shared expert behind its own sigmoid gate).
 //! Norms are the zero-centred `(1 + w)` RMSNorm; residual adds are fused into the next norm.
 
 use std::path::Path;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, MoeExperts};
 use crate::checkpoint::Checkpoint;
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::session::{LayerState, Session};
@@ -23,10 +25,11 @@ pub trait TensorSource {
 
 impl TensorSource for Checkpoint {
     fn contains(&self, name: &str) -> bool {
-        Checkpoint::contains(self, name)
+        Checkpoint::contains_expert(self, name)
     }
+    // Routed experts by their per-expert names, from whichever layout the files have.
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
-        Checkpoint::tensor(self, name, shape)
+        Checkpoint::expert_tensor(self, name, shape)
     }
 }
 
@@ -111,13 +114,34 @@ pub enum Mixer<B: Backend> {
     Attention(AttentionWeights<B>),
 }
 
+/// `Qwen3_5MLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+pub struct DenseMlpWeights<B: Backend> {
+    gate_proj: B::Weight,
+    up_proj: B::Weight,
+    down_proj: B::Weight,
+}
+
+/// `Qwen3_5MoeSparseMoeBlock`: the router (`mlp.gate`), the routed experts, the shared expert
+/// (a dense SwiGLU MLP) and its gate (`mlp.shared_expert_gate`, one logit per token).
+pub struct MoeWeights<B: Backend> {
+    router: B::Weight,
+    top_k: usize,
+    experts: MoeExperts<B>,
+    shared_expert: DenseMlpWeights<B>,
+    shared_expert_gate: B::Weight,
+}
+
+/// A layer's MLP: dense (`qwen3_5`) or a sparse mixture of experts (`qwen3_5_moe`).
+pub enum Mlp<B: Backend> {
+    Dense(DenseMlpWeights<B>),
+    Moe(MoeWeights<B>),
+}
+
 pub struct Layer<B: Backend> {
     input_norm: B::Buf,
     post_attention_norm: B::Buf,
     mixer: Mixer<B>,
-    gate_proj: B::Weight,
-    up_proj: B::Weight,
-    down_proj: B::Weight,
+    mlp: Mlp<B>,
 }
 
 pub struct Weights<B: Backend> {
@@ -195,7 +219,7 @@ impl<B: Backend> Model<B> {
         } else {
             "model."
         };
-        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let h = c.hidden_size;
         let total_layers = c.num_layers as u64 + 2;
         let report = |done: u64| {
             if let Some(p) = progress {
@@ -251,13 +275,44 @@ impl<B: Backend> Model<B> {
                     })
                 }
             };
+            // A SwiGLU MLP of width `i` under `{m}`: `{m}gate_proj.weight` and so on.
+            let dense = |m: &str, i: usize| -> Result<DenseMlpWeights<B>> {
+                Ok(DenseMlpWeights {
+                    gate_proj: matrix(&format!("{m}gate_proj.weight"), i, h)?,
+                    up_proj: matrix(&format!("{m}up_proj.weight"), i, h)?,
+                    down_proj: matrix(&format!("{m}down_proj.weight"), h, i)?,
+                })
+            };
+            let mlp = match &c.moe {
+                None => Mlp::Dense(dense(&format!("{p}mlp."), c.intermediate_size)?),
+                Some(moe) => {
+                    // Experts are asked for one by one; a source whose file fuses them
+                    // (`mlp.experts.gate_up_proj`, GGUF's `ffn_*_exps`) hands out each one's slice.
+                    let (e, i) = (moe.num_experts, moe.moe_intermediate_size);
+                    let expert = |e: usize, proj: &str, rows: usize, cols: usize| {
+                        matrix(&format!("{p}mlp.experts.{e}.{proj}.weight"), rows, cols)
+                    };
+                    Mlp::Moe(MoeWeights {
+                        router: matrix(&format!("{p}mlp.gate.weight"), e, h)?,
+                        top_k: moe.num_experts_per_tok,
+                        experts: MoeExperts {
+                            gate: (0..e).map(|e| expert(e, "gate_proj", i, h)).collect::<Result<_>>()?,
+                            up: (0..e).map(|e| expert(e, "up_proj", i, h)).collect::<Result<_>>()?,
+                            down: (0..e).map(|e| expert(e, "down_proj", h, i)).collect::<Result<_>>()?,
+                        },
+                        shared_expert: dense(
+                            &format!("{p}mlp.shared_expert."),
+                            moe.shared_expert_intermediate_size,
+                        )?,
+                        shared_expert_gate: matrix(&format!("{p}mlp.shared_expert_gate.weight"), 1, h)?,
+                    })
+                }
+            };
             layers.push(Layer {
                 input_norm: vector(&format!("{p}input_layernorm.weight"), h)?,
                 post_attention_norm: vector(&format!("{p}post_attention_layernorm.weight"), h)?,
                 mixer,
-                gate_proj: matrix(&format!("{p}mlp.gate_proj.weight"), i, h)?,
-                up_proj: matrix(&format!("{p}mlp.up_proj.weight"), i, h)?,
-                down_proj: matrix(&format!("{p}mlp.down_proj.weight"), h, i)?,
+                mlp,
             });
             report(l as u64 + 2);
         }
@@ -370,14 +425,29 @@ impl<B: Backend> Model<B> {
     }
 
     /// Bytes of weights read to decode one token: every matrix once, the lm_head, one
-    /// embedding row (norm vectors and states are small and left out).
+    /// embedding row (norm vectors and states are small and left out); of a MoE layer's routed
+    /// experts, the `num_experts_per_tok` a token uses (at their average size).
     pub fn weight_bytes_per_token(&self) -> usize {
         let b = &self.backend;
         let w = &self.weights;
         let mut total = b.weight_bytes(w.lm_head.as_ref().unwrap_or(&w.embed_tokens));
         total += b.weight_bytes(&w.embed_tokens) / self.config.vocab_size;
+        let dense = |m: &DenseMlpWeights<B>| {
+            b.weight_bytes(&m.gate_proj) + b.weight_bytes(&m.up_proj) + b.weight_bytes(&m.down_proj)
+        };
         for l in &w.layers {
-            total += b.weight_bytes(&l.gate_proj) + b.weight_bytes(&l.up_proj) + b.weight_bytes(&l.down_proj);
+            total += match &l.mlp {
+                Mlp::Dense(m) => dense(m),
+                Mlp::Moe(m) => {
+                    let x = &m.experts;
+                    let all: usize =
+                        x.gate.iter().chain(&x.up).chain(&x.down).map(|w| b.weight_bytes(w)).sum();
+                    all / x.len() * m.top_k
+                        + dense(&m.shared_expert)
+                        + b.weight_bytes(&m.router)
+                        + b.weight_bytes(&m.shared_expert_gate)
+                }
+            };
             total += match &l.mixer {
                 Mixer::DeltaNet(m) => [&m.in_proj_qkv, &m.in_proj_z, &m.in_proj_a, &m.in_proj_b, &m.out_proj]
                     .iter()
@@ -511,10 +581,16 @@ impl<B: Backend> Model<B> {
         let key = sessions
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |h, s| (h ^ s.buffers_id()).wrapping_mul(0x0000_0100_0000_01b3));
-        b.decode_step(
-            key,
-            tokens,
-            &positions,
+        // A backend that routes experts on the host cannot record a MoE step: run it op by op.
+        let recordable = self.config.moe.is_none() || b.moe_on_device();
+        let run_step = |step: &mut dyn FnMut() -> B::Buf, read: &mut dyn FnMut(&B::Buf)| {
+            if recordable {
+                b.decode_step(key, tokens, &positions, step, read)
+            } else {
+                read(&step())
+            }
+        };
+        run_step(
             &mut || {
                 // The logits buffer first: made between the final norm and the lm_head it would
                 // be an op in between, and a backend's fused hand-over (the norm's output
@@ -589,14 +665,48 @@ impl<B: Backend> Model<B> {
             }
             b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
 
-            // SwiGLU MLP.
-            let weights = (&layer.gate_proj, &layer.up_proj, &layer.down_proj);
-            let scratch = (&mut s.mlp_gate, &mut s.mlp_up, &mut s.mlp_act);
-            b.mlp(&s.x, t, weights, scratch, &mut s.y, matches!(seqs, Sequences::Batch(_)));
+            let decode_batch = matches!(seqs, Sequences::Batch(_));
+            match &layer.mlp {
+                Mlp::Dense(m) => {
+                    let scratch = (&mut s.mlp_gate, &mut s.mlp_up, &mut s.mlp_act);
+                    b.mlp(&s.x, t, (&m.gate_proj, &m.up_proj, &m.down_proj), scratch, &mut s.y, decode_batch);
+                }
+                Mlp::Moe(m) => self.sparse_moe(m, seqs, t, s),
+            }
 
             let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
             b.add_rms_norm(&mut s.h, &s.y, next_norm, hidden, eps, &mut s.x);
         }
+    }
+
+    /// The sparse MoE block (`Qwen3_5MoeSparseMoeBlock.forward`): the shared expert, the router,
+    /// the routed experts' weighted sum, plus the shared expert's output scaled by the sigmoid
+    /// of its gate; reads `s.x`, writes `s.y`.
+    fn sparse_moe(&self, m: &MoeWeights<B>, seqs: &Sequences<'_, '_, B>, t: usize, s: &mut Scratch<B>) {
+        let b = &self.backend;
+        let decode_batch = matches!(seqs, Sequences::Batch(_));
+        // shared_expert_output = self.shared_expert(hidden_states)
+        let shared = &m.shared_expert;
+        b.mlp(
+            &s.x,
+            t,
+            (&shared.gate_proj, &shared.up_proj, &shared.down_proj),
+            (&mut s.mlp_gate, &mut s.mlp_up, &mut s.mlp_act),
+            &mut s.shared_out,
+            decode_batch,
+        );
+        // router_logits = self.gate(hidden_states); the shared expert's gate logit beside it.
+        seqs.matmul_many(
+            b,
+            &s.x,
+            t,
+            &[&m.router, &m.shared_expert_gate],
+            &mut [&mut s.router_logits, &mut s.shared_gate],
+        );
+        // expert_output = self.experts(hidden_states, selected_experts, routing_weights)
+        b.moe_experts(&s.x, t, &s.router_logits, &m.experts, m.top_k, &mut s.y, decode_batch);
+        // expert_output + sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
+        b.add_sigmoid_gated(&mut s.y, &s.shared_out, &s.shared_gate, t, self.config.hidden_size);
     }
 
     /// Gated DeltaNet mixer of layer `l`: projections, causal conv, delta rule, gated norm,
@@ -752,9 +862,13 @@ impl<B: Backend> Sequences<'_, '_, B> {
 pub fn pass_bytes_per_token(c: &ModelConfig) -> usize {
     let d = deltanet_shape(c);
     let activations: usize = scratch_widths(c).iter().sum();
-    let widest = c.hidden_size.max(c.intermediate_size).max(d.value_dim()).max(d.conv_dim());
+    let widest = c.hidden_size.max(mlp_width(c)).max(d.value_dim()).max(d.conv_dim());
     let chunk_products = d.num_v_heads * (3 * d.k_head_dim * 2 + 64 * 2 + d.v_head_dim * 4);
-    4 * activations + 2 * 2 * widest + 4 * d.conv_dim() + chunk_products
+    // A MoE pass gathers each expert's rows, their activations and outputs: per token,
+    // `num_experts_per_tok` of each.
+    let experts =
+        c.moe.map_or(0, |m| m.num_experts_per_tok * (2 * c.hidden_size + 3 * m.moe_intermediate_size));
+    4 * (activations + experts) + 2 * 2 * widest + 4 * d.conv_dim() + chunk_products
 }
 
 /// `preferred` cut to the longest pass (a multiple of [`PASS_TOKENS_ALIGN`], at least one
@@ -772,6 +886,10 @@ struct Scratch<B: Backend> {
     mlp_gate: B::Buf,
     mlp_up: B::Buf,
     mlp_act: B::Buf,
+    // Sparse MoE layers.
+    router_logits: B::Buf,
+    shared_gate: B::Buf,
+    shared_out: B::Buf,
     // Gated DeltaNet layers.
     qkv: B::Buf,
     z: B::Buf,
@@ -790,7 +908,7 @@ struct Scratch<B: Backend> {
 impl<B: Backend> Scratch<B> {
     fn new(b: &B, c: &ModelConfig, t: usize) -> Scratch<B> {
         // Every op overwrites its output in full, so nothing needs zeroing.
-        let [h, x, y, mlp_gate, mlp_up, mlp_act, qkv, z, beta_in, decay_in, core, q_and_gate, q, gate, k, v, attn] =
+        let [h, x, y, mlp_gate, mlp_up, mlp_act, router_logits, shared_gate, shared_out, qkv, z, beta_in, decay_in, core, q_and_gate, q, gate, k, v, attn] =
             scratch_widths(c).map(|width| b.scratch(t * width));
         Scratch {
             h,
@@ -799,6 +917,9 @@ impl<B: Backend> Scratch<B> {
             mlp_gate,
             mlp_up,
             mlp_act,
+            router_logits,
+            shared_gate,
+            shared_out,
             qkv,
             z,
             beta_in,
@@ -814,15 +935,28 @@ impl<B: Backend> Scratch<B> {
     }
 }
 
+/// The widest SwiGLU MLP a layer runs through [`Backend::mlp`] with the pass's scratch: the
+/// dense MLP, or a MoE model's shared expert (the routed experts keep their own scratch).
+fn mlp_width(c: &ModelConfig) -> usize {
+    c.moe.map_or(c.intermediate_size, |m| m.shared_expert_intermediate_size)
+}
+
 /// Floats per token of each [`Scratch`] buffer, in field order; 0 for the buffers of a layer
 /// kind the model lacks.
-fn scratch_widths(c: &ModelConfig) -> [usize; 17] {
+fn scratch_widths(c: &ModelConfig) -> [usize; 20] {
     let d = deltanet_shape(c);
     let a = attention_shape(c);
     let q_dim = a.num_heads * a.head_dim;
     let has = |kind| usize::from(c.layer_kinds.contains(&kind));
     let (dn, at) = (has(LayerKind::DeltaNet), has(LayerKind::Attention));
-    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+    let (hidden, inter) = (c.hidden_size, mlp_width(c));
+    let moe = c.moe.unwrap_or(MoeConfig {
+        num_experts: 0,
+        num_experts_per_tok: 0,
+        moe_intermediate_size: 0,
+        shared_expert_intermediate_size: 0,
+    });
+    let is_moe = usize::from(c.moe.is_some());
     [
         hidden,
         hidden,
@@ -830,6 +964,9 @@ fn scratch_widths(c: &ModelConfig) -> [usize; 17] {
         inter,
         inter,
         inter,
+        moe.num_experts,
+        is_moe,
+        is_moe * hidden,
         dn * d.conv_dim(),
         dn * d.value_dim(),
         dn * d.num_v_heads,

@@ -7,16 +7,21 @@ use std::collections::HashMap;
 use rayon::prelude::*;
 
 use crate::backend::ValueHeadOrder;
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::model::TensorSource;
 use crate::tensor::{Bytes, DType, HostTensor};
 
-/// The published dense text decoders (see the table in the project's conventions).
-pub const PRESETS: &[&str] = &["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-9b", "qwen3.5-27b"];
+/// The published text decoders: the dense ones (see the table in the project's conventions)
+/// and the 35B-A3B mixture of experts.
+pub const PRESETS: &[&str] = &["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"];
 
-/// The config of a preset shape, by name (`qwen3.5-0.8b`, `…-2b`, `…-9b`, `…-27b`).
+/// The config of a preset shape, by name (`qwen3.5-0.8b`, `…-2b`, `…-9b`, `…-27b`,
+/// `…-35b-a3b`).
 pub fn preset(name: &str) -> Result<ModelConfig> {
+    if matches!(name.to_ascii_lowercase().as_str(), "qwen3.5-35b-a3b" | "35b-a3b") {
+        return Ok(qwen35_35b_a3b());
+    }
     // (hidden, layers, intermediate, q heads, kv heads, GDN v heads, tied)
     let (hidden, layers, inter, heads, kv, v_heads, tied) = match name.to_ascii_lowercase().as_str() {
         "qwen3.5-0.8b" | "0.8b" => (1024, 24, 3584, 8, 2, 16, true),
@@ -29,6 +34,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         vocab_size: 248_320,
         hidden_size: hidden,
         intermediate_size: inter,
+        moe: None,
         num_layers: layers,
         layer_kinds: (0..layers)
             .map(|i| if (i + 1) % 4 == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
@@ -49,6 +55,43 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         linear_value_head_order: ValueHeadOrder::Grouped,
         eos_token_ids: vec![248_046, 248_044],
     })
+}
+
+/// Qwen3.5-35B-A3B: the defaults of transformers' `Qwen3_5MoeTextConfig` (hidden 2048, 40
+/// layers, 16 q / 2 kv heads of 256, DeltaNet 16 key / 32 value heads of 128, 256 experts of
+/// width 512, 8 per token, a shared expert of 512), untied.
+fn qwen35_35b_a3b() -> ModelConfig {
+    let layers = 40;
+    ModelConfig {
+        vocab_size: 248_320,
+        hidden_size: 2048,
+        intermediate_size: 0,
+        moe: Some(MoeConfig {
+            num_experts: 256,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 512,
+            shared_expert_intermediate_size: 512,
+        }),
+        num_layers: layers,
+        layer_kinds: (0..layers)
+            .map(|i| if (i + 1) % 4 == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
+            .collect(),
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: false,
+        max_position_embeddings: 262_144,
+        num_heads: 16,
+        num_kv_heads: 2,
+        head_dim: 256,
+        rope_theta: 1e7,
+        rotary_dim: 64,
+        conv_kernel: 4,
+        linear_num_k_heads: 16,
+        linear_num_v_heads: 32,
+        linear_k_head_dim: 128,
+        linear_v_head_dim: 128,
+        linear_value_head_order: ValueHeadOrder::Grouped,
+        eos_token_ids: vec![248_046, 248_044],
+    }
 }
 
 /// A [`TensorSource`] that makes every tensor a model of `config` asks for, on demand, with
@@ -78,9 +121,26 @@ impl SyntheticWeights {
             let mut add = |n: &str, s: Vec<usize>| shapes.insert(format!("{p}{n}"), s);
             add("input_layernorm.weight", vec![h]);
             add("post_attention_layernorm.weight", vec![h]);
-            add("mlp.gate_proj.weight", vec![c.intermediate_size, h]);
-            add("mlp.up_proj.weight", vec![c.intermediate_size, h]);
-            add("mlp.down_proj.weight", vec![h, c.intermediate_size]);
+            match &c.moe {
+                None => {
+                    add("mlp.gate_proj.weight", vec![c.intermediate_size, h]);
+                    add("mlp.up_proj.weight", vec![c.intermediate_size, h]);
+                    add("mlp.down_proj.weight", vec![h, c.intermediate_size]);
+                }
+                Some(m) => {
+                    let (i, s) = (m.moe_intermediate_size, m.shared_expert_intermediate_size);
+                    add("mlp.gate.weight", vec![m.num_experts, h]);
+                    for e in 0..m.num_experts {
+                        add(&format!("mlp.experts.{e}.gate_proj.weight"), vec![i, h]);
+                        add(&format!("mlp.experts.{e}.up_proj.weight"), vec![i, h]);
+                        add(&format!("mlp.experts.{e}.down_proj.weight"), vec![h, i]);
+                    }
+                    add("mlp.shared_expert.gate_proj.weight", vec![s, h]);
+                    add("mlp.shared_expert.up_proj.weight", vec![s, h]);
+                    add("mlp.shared_expert.down_proj.weight", vec![h, s]);
+                    add("mlp.shared_expert_gate.weight", vec![1, h]);
+                }
+            }
             match kind {
                 LayerKind::DeltaNet => {
                     add("linear_attn.in_proj_qkv.weight", vec![2 * kd + vd, h]);
@@ -196,6 +256,38 @@ mod tests {
         assert_eq!(c.layer_kinds.iter().filter(|k| **k == LayerKind::Attention).count(), 8);
         assert!(preset("qwen3.5-0.8b").unwrap().tie_word_embeddings);
         assert!(preset("gpt-2").unwrap_err().to_string().contains("unknown preset"));
+        let c = preset("qwen3.5-35b-a3b").unwrap();
+        c.validate(std::path::Path::new("preset")).unwrap();
+        let m = c.moe.unwrap();
+        assert_eq!((c.hidden_size, c.num_layers, m.num_experts, m.num_experts_per_tok), (2048, 40, 256, 8));
+        let w = SyntheticWeights::new(c, 0);
+        // ~35B parameters in bf16.
+        let params = w.total_bytes() / 2;
+        assert!((34_000_000_000..36_500_000_000).contains(&params), "{params}");
+    }
+
+    #[test]
+    fn a_small_synthetic_moe_model_runs() {
+        let mut c = preset("qwen3.5-35b-a3b").unwrap();
+        c.vocab_size = 512;
+        c.hidden_size = 64;
+        c.num_layers = 4;
+        c.layer_kinds.truncate(4);
+        c.moe = Some(MoeConfig {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 32,
+            shared_expert_intermediate_size: 48,
+        });
+        c.linear_k_head_dim = 16;
+        c.linear_v_head_dim = 16;
+        c.head_dim = 32;
+        c.rotary_dim = 8;
+        let w = SyntheticWeights::new(c.clone(), 7);
+        let model = Model::from_source(c, &w, CpuBackend::new(), None).unwrap();
+        let mut s = model.new_session(32);
+        let logits = model.forward(&mut s, &[1, 2, 3, 4, 5], Logits::All).unwrap();
+        assert!(logits.iter().all(|v| v.is_finite()) && logits.iter().any(|&v| v != logits[0]));
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! matrices stay in their checkpoint dtype ([`Backend::Weight`]); the attention layers' KV
 //! caches are [`Backend::Cache`]s, whose element type ([`KvCacheType`]) the backend picks.
 //! Shapes are passed explicitly and rows are tokens: a `[tokens, dim]` activation is `tokens * dim` floats, row-major.
-//! Each op says what it computes in the terms of `modeling_qwen3_5.py`; a backend may fuse
-//! internally but must compute the same function.
+//! Each op says what it computes in the terms of `modeling_qwen3_5.py` (and
+//! `modeling_qwen3_5_moe.py` for the sparse MoE block); a backend may fuse internally but must
+//! compute the same function.
 
 pub mod cpu;
 pub mod cuda;
@@ -139,6 +140,92 @@ pub enum DeltaRuleMode {
     Recurrent,
     /// Chunks of 64 tokens with the UT transform (prefill), `torch_chunk_gated_delta_rule`.
     Chunked,
+}
+
+/// The routed experts of one sparse MoE layer (`Qwen3_5MoeExperts`): expert `e` is the SwiGLU
+/// MLP `down[e] · (silu(gate[e] · x) * (up[e] · x))`, each matrix a [`Backend::Weight`] of its
+/// own (`[moe_intermediate, hidden]` for `gate` and `up`, `[hidden, moe_intermediate]` for
+/// `down`), however the checkpoint stores them (one by one, or fused into 3-D tensors).
+pub struct MoeExperts<B: Backend + ?Sized> {
+    pub gate: Vec<B::Weight>,
+    pub up: Vec<B::Weight>,
+    pub down: Vec<B::Weight>,
+}
+
+impl<B: Backend + ?Sized> MoeExperts<B> {
+    pub fn len(&self) -> usize {
+        self.gate.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.gate.is_empty()
+    }
+}
+
+/// The router's choice for a run of tokens (`Qwen3_5MoeTopKRouter`): per token, its `top_k`
+/// experts and their weights, ordered by expert id (the order in which the reference's
+/// `index_add_` sums the experts' outputs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    /// `[tokens, top_k]` expert ids.
+    pub experts: Vec<u32>,
+    /// `[tokens, top_k]` weights: the top-k softmax probabilities renormalised to sum to 1.
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    /// Routes each `[num_experts]` row of `logits` as the reference does: `softmax` in f32,
+    /// `topk` of the probabilities (ties go to the lower expert id), then the k values divided
+    /// by their sum.
+    pub fn new(logits: &[f32], tokens: usize, num_experts: usize, top_k: usize) -> Routing {
+        let mut experts = Vec::with_capacity(tokens * top_k);
+        let mut weights = Vec::with_capacity(tokens * top_k);
+        let mut probs = vec![0f32; num_experts];
+        let mut order: Vec<u32> = Vec::with_capacity(num_experts);
+        for row in logits[..tokens * num_experts].chunks_exact(num_experts) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (p, &l) in probs.iter_mut().zip(row) {
+                *p = (l - max).exp();
+                sum += *p;
+            }
+            probs.iter_mut().for_each(|p| *p /= sum);
+            order.clear();
+            order.extend(0..num_experts as u32);
+            // Largest first, ties to the lower id; NaN (a broken model) sorts last.
+            order.sort_by(|&a, &b| {
+                let (pa, pb) = (probs[a as usize], probs[b as usize]);
+                pb.partial_cmp(&pa).unwrap_or_else(|| pa.is_nan().cmp(&pb.is_nan())).then(a.cmp(&b))
+            });
+            let chosen = &mut order[..top_k];
+            let total: f32 = chosen.iter().map(|&e| probs[e as usize]).sum();
+            chosen.sort_unstable();
+            for &e in chosen.iter() {
+                experts.push(e);
+                weights.push(probs[e as usize] / total);
+            }
+        }
+        Routing { top_k, experts, weights }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.experts.len().checked_div(self.top_k).unwrap_or(0)
+    }
+
+    /// For each expert, the `(token, weight)` pairs routed to it, tokens in ascending order.
+    pub fn by_expert(&self, num_experts: usize) -> Vec<Vec<(usize, f32)>> {
+        let mut groups = vec![Vec::new(); num_experts];
+        for (i, (&e, &w)) in self.experts.iter().zip(&self.weights).enumerate() {
+            groups[e as usize].push((i / self.top_k.max(1), w));
+        }
+        groups
+    }
+}
+
+/// `1 / (1 + e^-x)` in f32, as torch computes `sigmoid`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
 }
 
 /// The compute ops of the Qwen3.5 forward pass.
@@ -304,6 +391,51 @@ pub trait Backend: Send + Sync {
         decode_batch: bool,
     ) {
         mlp_each(self, x, tokens, (gate, up, down), (gate_out, up_out, act), out, decode_batch);
+    }
+    /// The routed experts of a sparse MoE block (`Qwen3_5MoeTopKRouter` and
+    /// `Qwen3_5MoeExperts`): for each row `t` of `x: [tokens, hidden]`, route its
+    /// `router_logits: [tokens, num_experts]` row ([`Routing::new`]: softmax, top-`top_k`,
+    /// renormalised) and write `out[t] = Σ weight_e · expert_e(x[t])` over its chosen experts,
+    /// summed in ascending expert id from zero (`out: [tokens, hidden]`, overwritten; a
+    /// backend may replace the buffer with one of exactly that size). `decode_batch` as for
+    /// [`Backend::matmul_many`]: each row must then be bitwise what it gives alone.
+    ///
+    /// The default ([`moe_experts_on_host`]) routes on the host and runs each chosen expert's
+    /// tokens through [`Backend::mlp`]: correct on any backend, with two downloads and uploads
+    /// per expert. A backend that keeps it on the device says so with
+    /// [`Backend::moe_on_device`].
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts(
+        &self,
+        x: &Self::Buf,
+        tokens: usize,
+        router_logits: &Self::Buf,
+        experts: &MoeExperts<Self>,
+        top_k: usize,
+        out: &mut Self::Buf,
+        decode_batch: bool,
+    ) {
+        moe_experts_on_host(self, x, tokens, router_logits, experts, top_k, out, decode_batch);
+    }
+    /// The shared expert's gate (`Qwen3_5MoeSparseMoeBlock`): `out[r] += sigmoid(gate[r]) *
+    /// x[r]` for `rows` rows of `dim` (`gate: [rows]`, one logit per row). The default
+    /// ([`add_sigmoid_gated_on_host`]) computes it on the host.
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        gate: &Self::Buf,
+        rows: usize,
+        dim: usize,
+    ) {
+        add_sigmoid_gated_on_host(self, out, x, gate, rows, dim);
+    }
+    /// Whether [`Backend::moe_experts`] and [`Backend::add_sigmoid_gated`] run without reading
+    /// anything back to the host, so that a decode step of a MoE model may be recorded
+    /// ([`Backend::decode_step`]). The defaults route on the host: a backend that keeps their
+    /// defaults answers `false`, and the model then runs MoE decode steps op by op.
+    fn moe_on_device(&self) -> bool {
+        false
     }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
     fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
@@ -554,6 +686,72 @@ pub fn mlp_each<B: Backend + ?Sized>(
     } else {
         b.matmul(act, tokens, down, out);
     }
+}
+
+/// [`Backend::moe_experts`] on the host: the router's logits and `x` are downloaded, tokens
+/// are grouped by expert, each group's rows are uploaded and run through [`Backend::mlp`] with
+/// that expert's weights, and the weighted outputs are summed on the host (in ascending expert
+/// id, as the reference's `index_add_`) and uploaded into `out`. The default, and the
+/// reference for a backend's own kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_on_host<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    tokens: usize,
+    router_logits: &B::Buf,
+    experts: &MoeExperts<B>,
+    top_k: usize,
+    out: &mut B::Buf,
+    decode_batch: bool,
+) {
+    let n = experts.len();
+    let (inter, hidden) = b.weight_shape(&experts.gate[0]);
+    let routing = Routing::new(&b.download(router_logits, 0, tokens * n), tokens, n, top_k);
+    let xs = b.download(x, 0, tokens * hidden);
+    let mut acc = vec![0f32; tokens * hidden];
+    for (e, members) in routing.by_expert(n).iter().enumerate() {
+        if members.is_empty() {
+            continue;
+        }
+        let m = members.len();
+        let mut rows = Vec::with_capacity(m * hidden);
+        for &(t, _) in members {
+            rows.extend_from_slice(&xs[t * hidden..(t + 1) * hidden]);
+        }
+        let xe = b.upload(&rows);
+        let (mut g, mut u, mut a, mut y) =
+            (b.scratch(m * inter), b.scratch(m * inter), b.scratch(m * inter), b.scratch(m * hidden));
+        let weights = (&experts.gate[e], &experts.up[e], &experts.down[e]);
+        b.mlp(&xe, m, weights, (&mut g, &mut u, &mut a), &mut y, decode_batch);
+        let ys = b.download(&y, 0, m * hidden);
+        for (&(t, w), y) in members.iter().zip(ys.chunks_exact(hidden)) {
+            for (o, &v) in acc[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
+                *o += v * w;
+            }
+        }
+    }
+    *out = b.upload(&acc);
+}
+
+/// [`Backend::add_sigmoid_gated`] on the host: the default.
+pub fn add_sigmoid_gated_on_host<B: Backend + ?Sized>(
+    b: &B,
+    out: &mut B::Buf,
+    x: &B::Buf,
+    gate: &B::Buf,
+    rows: usize,
+    dim: usize,
+) {
+    let mut o = b.download(out, 0, rows * dim);
+    let xs = b.download(x, 0, rows * dim);
+    let g = b.download(gate, 0, rows);
+    for ((o, x), &g) in o.chunks_exact_mut(dim.max(1)).zip(xs.chunks_exact(dim.max(1))).zip(&g) {
+        let s = sigmoid(g);
+        for (o, &x) in o.iter_mut().zip(x) {
+            *o += s * x;
+        }
+    }
+    *out = b.upload(&o);
 }
 
 /// [`Backend::matmul_many`] one product at a time: the default, and a backend's fallback for

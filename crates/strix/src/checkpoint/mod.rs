@@ -5,6 +5,12 @@
 //! model asks for are checked for dtype and shape, so tensors the text model never uses
 //! (`model.visual.*`, `mtp.*`, odd dtypes among them) do not stop a load.
 //!
+//! A MoE checkpoint stores its routed experts one by one (`mlp.experts.{e}.gate_proj.weight`,
+//! what `save_pretrained` writes) or fused into 3-D tensors (`mlp.experts.gate_up_proj`
+//! `[experts, 2 * width, hidden]`, gate rows first, and `mlp.experts.down_proj`
+//! `[experts, hidden, width]`, transformers' own parameters): [`Checkpoint::expert_tensor`]
+//! answers the per-expert names from either, a fused tensor's slice being a window of the map.
+//!
 //! Files are opened through [`crate::files`]: regular files only, the index under the JSON
 //! cap, a git-lfs pointer in place of a shard named as such. Names read from the files
 //! (tensors, shards) are quoted through [`printable`] in messages.
@@ -222,6 +228,55 @@ impl Checkpoint {
         }
     }
 
+    /// Whether routed expert `name` (`…mlp.experts.{e}.{gate,up,down}_proj.weight`) can be
+    /// read: stored by that name or inside its fused tensor.
+    pub fn contains_expert(&self, name: &str) -> bool {
+        self.contains(name) || fused_expert(name).is_some_and(|f| self.fused_name(&f).is_some())
+    }
+
+    /// The fused tensor's name as this checkpoint spells it (with or without `.weight`).
+    fn fused_name(&self, f: &FusedExpert) -> Option<String> {
+        [f.fused.clone(), format!("{}.weight", f.fused)].into_iter().find(|n| self.contains(n))
+    }
+
+    /// A routed expert's `[rows, cols]` matrix by its per-expert name: the tensor of that name,
+    /// or its slice of the fused 3-D tensor (`gate_up_proj` rows `0..width` for the gate,
+    /// `width..2 * width` for up; `down_proj` whole), checked against `shape`.
+    pub fn expert_tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        if self.contains(name) {
+            return self.tensor(name, shape);
+        }
+        let (Some(f), &[rows, cols]) = (fused_expert(name), shape) else { return self.tensor(name, shape) };
+        let Some(fused) = self.fused_name(&f) else { return self.tensor(name, shape) };
+        let entry = &self.entries[&fused];
+        let (path, _) = &self.files[entry.file];
+        let per_expert = if f.half.is_some() { 2 * rows } else { rows };
+        let experts = entry.shape.first().copied().unwrap_or(0);
+        if entry.shape.len() != 3
+            || entry.shape[1] != per_expert
+            || entry.shape[2] != cols
+            || f.expert >= experts
+        {
+            return Err(Error::checkpoint(
+                path,
+                format!(
+                    "tensor `{}` has shape {:?}: expected [experts > {}, {per_expert}, {cols}] for `{name}`",
+                    printable(&fused),
+                    entry.shape,
+                    f.expert
+                ),
+            ));
+        }
+        let dtype = float_dtype(entry.dtype).ok_or_else(|| unreadable(path, &fused, entry.dtype))?;
+        let row_bytes = dtype.row_bytes(cols).expect("float rows are any length");
+        let first_row = f.expert * per_expert + f.half.unwrap_or(0) * rows;
+        let start = entry.start + first_row * row_bytes;
+        // Only the slice is re-aligned (copied) when the file leaves it misaligned.
+        let map = self.files[entry.file].1.clone();
+        let bytes = Bytes::Mapped { map, range: start..start + rows * row_bytes }.aligned(dtype.align());
+        Ok(HostTensor { name: name.to_string(), dtype, shape: vec![rows, cols], bytes })
+    }
+
     /// A tensor by name, checked to have `shape`, in one of the float dtypes strix reads.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
         let entry = self.entries.get(name).ok_or_else(|| {
@@ -229,17 +284,7 @@ impl Checkpoint {
             Error::checkpoint(files.join(", "), format!("missing tensor `{name}`"))
         })?;
         let (path, map) = &self.files[entry.file];
-        let dtype = match entry.dtype {
-            Dtype::F32 => DType::F32,
-            Dtype::F16 => DType::F16,
-            Dtype::BF16 => DType::BF16,
-            other => {
-                return Err(Error::checkpoint(
-                    path,
-                    format!("tensor `{name}` has dtype {other:?}; strix reads F32, F16 and BF16"),
-                ))
-            }
-        };
+        let dtype = float_dtype(entry.dtype).ok_or_else(|| unreadable(path, name, entry.dtype))?;
         if entry.shape != shape {
             return Err(Error::checkpoint(
                 path,
@@ -248,11 +293,53 @@ impl Checkpoint {
         }
         let bytes = Bytes::Mapped { map: map.clone(), range: entry.start..entry.end }.aligned(dtype.align());
         let t = HostTensor { name: name.to_string(), dtype, shape: entry.shape.clone(), bytes };
-        if shape.len() != 2 {
+        // Matrices, and the fused experts' stacks of them, are not scanned.
+        if shape.len() == 1 || (shape.len() == 3 && !name.contains(".experts.")) {
             check_finite(&t).map_err(|m| Error::checkpoint(path, m))?;
         }
         Ok(t)
     }
+}
+
+/// The float dtypes strix reads from safetensors.
+fn float_dtype(d: Dtype) -> Option<DType> {
+    match d {
+        Dtype::F32 => Some(DType::F32),
+        Dtype::F16 => Some(DType::F16),
+        Dtype::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+fn unreadable(path: &Path, name: &str, d: Dtype) -> Error {
+    Error::checkpoint(path, format!("tensor `{name}` has dtype {d:?}; strix reads F32, F16 and BF16"))
+}
+
+/// Where a routed expert's matrix sits in a fused checkpoint.
+struct FusedExpert {
+    /// `…mlp.experts.gate_up_proj` or `…mlp.experts.down_proj`.
+    fused: String,
+    expert: usize,
+    /// For `gate_up_proj`: 0 for the gate's rows, 1 for up's; `None` for `down_proj`.
+    half: Option<usize>,
+}
+
+/// Parses `{prefix}mlp.experts.{e}.{gate,up,down}_proj.weight`.
+fn fused_expert(name: &str) -> Option<FusedExpert> {
+    let at = name.find("mlp.experts.")? + "mlp.experts.".len();
+    let (head, rest) = name.split_at(at);
+    let (e, proj) = rest.split_once('.')?;
+    if e.is_empty() || !e.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let expert = e.parse().ok()?;
+    let (fused, half) = match proj {
+        "gate_proj.weight" => ("gate_up_proj", Some(0)),
+        "up_proj.weight" => ("gate_up_proj", Some(1)),
+        "down_proj.weight" => ("down_proj", None),
+        _ => return None,
+    };
+    Some(FusedExpert { fused: format!("{head}{fused}"), expert, half })
 }
 
 /// Refuses a tensor holding NaN or ±inf. Meant for the small tensors that are not matrices

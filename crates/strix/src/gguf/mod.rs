@@ -570,6 +570,16 @@ impl GgufFile {
         Ok(Bytes::Mapped { map: self.map.clone(), range: info.range.clone() })
     }
 
+    /// Bytes `offset..offset + len` of a tensor's data as a view that keeps the map alive (a
+    /// routed expert's rows of a merged 3-D tensor); an error when they are not inside it.
+    pub fn tensor_data_slice(&self, name: &str, offset: usize, len: usize) -> Result<Bytes> {
+        let info = self.tensor_info(name)?;
+        let end = offset.checked_add(len).filter(|&e| e <= info.range.len()).ok_or_else(|| {
+            self.err(format!("bytes {offset}..+{len} are outside tensor `{}`", crate::error::printable(name)))
+        })?;
+        Ok(Bytes::Mapped { map: self.map.clone(), range: info.range.start + offset..info.range.start + end })
+    }
+
     /// A tensor of one of the types strix computes with (F32, F16, BF16, Q8_0, Q4_0, Q4_K,
     /// Q6_K) as a [`HostTensor`] (row-major shape), without copying.
     pub fn host_tensor(&self, name: &str) -> Result<HostTensor> {

@@ -23,6 +23,15 @@
 //!   head `h` with key head `h % num_k_heads` (see [`crate::backend::DeltaNetShape`]).
 //!   [`retile_rows`] is the permutation itself, for the writer.
 //!
+//! The mixture-of-experts models are the `qwen35moe` architecture (`Qwen3_5MoeTextModel`, the
+//! same transforms): the routed experts merged into 3-D tensors `ffn_{gate,up,down}_exps`
+//! (GGUF dims `{hidden, width, experts}`, `{width, hidden, experts}`; or gate and up fused
+//! into `ffn_gate_up_exps`, `{hidden, 2 * width, experts}`, which llama.cpp also loads), each
+//! expert handed to the model as its 2-D slice (whole rows of blocks, so packed formats slice
+//! as well as floats), the router `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its
+//! gate `ffn_gate_inp_shexp` (`{hidden, 1}`, or a vector `{hidden}`, read as a `[1, hidden]`
+//! matrix).
+//!
 //! Quantized matrices are handed to the model packed, as stored (Q8_0, Q4_0, Q4_K, Q6_K);
 //! Q5_0, which llama-quantize writes for rows that are not whole Q4_K super-blocks, is decoded
 //! to f32 on load ([`super::q5_0`]).
@@ -30,7 +39,7 @@
 use std::path::Path;
 
 use crate::backend::ValueHeadOrder;
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{printable, Error, Result};
 use crate::model::TensorSource;
 use crate::quant::on_load::{QuantScheme, QuantizingSource};
@@ -41,6 +50,9 @@ use super::{q5_0, GgufFile};
 
 /// `general.architecture` of a Qwen3.5 (dense) GGUF.
 pub const ARCH: &str = "qwen35";
+
+/// `general.architecture` of a Qwen3.5 mixture-of-experts GGUF.
+pub const ARCH_MOE: &str = "qwen35moe";
 
 /// Control tokens that end generation although the file does not name them EOS (Qwen's).
 const EOG_TOKENS: [&str; 2] = ["<|im_end|>", "<|endoftext|>"];
@@ -59,7 +71,7 @@ pub enum Transform {
 }
 
 /// Per-layer tensors: (name under `model.layers.N.`, name under `blk.N.`, transform).
-pub const LAYER_TENSORS: [(&str, &str, Transform); 20] = {
+pub const LAYER_TENSORS: [(&str, &str, Transform); 25] = {
     use Transform::*;
     [
         ("input_layernorm.weight", "attn_norm.weight", NormPlusOne),
@@ -82,8 +94,45 @@ pub const LAYER_TENSORS: [(&str, &str, Transform); 20] = {
         ("mlp.gate_proj.weight", "ffn_gate.weight", Plain),
         ("mlp.up_proj.weight", "ffn_up.weight", Plain),
         ("mlp.down_proj.weight", "ffn_down.weight", Plain),
+        ("mlp.gate.weight", "ffn_gate_inp.weight", Plain),
+        ("mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight", Plain),
+        ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight", Plain),
+        ("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight", Plain),
+        // `{hidden, 1}` (or a vector `{hidden}`); the model reads a `[1, hidden]` matrix.
+        ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight", Plain),
     ]
 };
+
+/// A routed expert's matrix inside a merged 3-D GGUF tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertSlice {
+    /// `blk.N.ffn_{gate,up,down}_exps.weight` (or `ffn_gate_up_exps` for gate and up).
+    pub tensor: String,
+    pub expert: usize,
+    /// For `ffn_gate_up_exps`: 0 for the gate's rows of the expert, 1 for up's.
+    pub half: Option<usize>,
+}
+
+/// Where `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight` sits in a `qwen35moe` file:
+/// its merged tensor, or (`fused`) the gate/up pair's merged tensor.
+pub fn expert_slice(hf: &str, fused: bool) -> Option<ExpertSlice> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once(".mlp.experts.")?;
+    let (e, proj) = rest.split_once('.')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(layer) || !digits(e) {
+        return None;
+    }
+    let (name, half) = match (proj, fused) {
+        ("gate_proj.weight", false) => ("ffn_gate_exps", None),
+        ("up_proj.weight", false) => ("ffn_up_exps", None),
+        ("gate_proj.weight", true) => ("ffn_gate_up_exps", Some(0)),
+        ("up_proj.weight", true) => ("ffn_gate_up_exps", Some(1)),
+        ("down_proj.weight", _) => ("ffn_down_exps", None),
+        _ => return None,
+    };
+    Some(ExpertSlice { tensor: format!("blk.{layer}.{name}.weight"), expert: e.parse().ok()?, half })
+}
 
 /// Model-wide tensors: (Hugging Face name of the text model, GGUF name, transform).
 pub const GLOBAL_TENSORS: [(&str, &str, Transform); 3] = [
@@ -156,16 +205,17 @@ fn meta_err(file: &GgufFile, msg: impl Into<String>) -> Error {
 /// vocabulary size, which the metadata does not carry separately).
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let arch = f.get_str("general.architecture")?;
-    if arch != ARCH {
+    if arch != ARCH && arch != ARCH_MOE {
         return Err(meta_err(
             f,
             format!(
-                "general.architecture is `{}`: strix runs Qwen3.5 GGUF files (`{ARCH}`)",
+                "general.architecture is `{}`: strix runs Qwen3.5 GGUF files (`{ARCH}`, `{ARCH_MOE}`)",
                 printable(arch)
             ),
         ));
     }
-    let key = |k: &str| format!("{ARCH}.{k}");
+    let arch = arch.to_string();
+    let key = |k: &str| format!("{arch}.{k}");
     let opt_usize = |k: &str| -> Result<Option<usize>> {
         let k = key(k);
         if f.metadata(&k).is_some() {
@@ -178,12 +228,12 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     // MTP blocks are counted in block_count but are not decoder layers.
     let nextn = opt_usize("nextn_predict_layers")?.unwrap_or(0);
     let num_layers = block_count.checked_sub(nextn).filter(|&n| n > 0).ok_or_else(|| {
-        meta_err(f, format!("{ARCH}.block_count ({block_count}) leaves no layers after {nextn} MTP layers"))
+        meta_err(f, format!("{arch}.block_count ({block_count}) leaves no layers after {nextn} MTP layers"))
     })?;
     if num_layers > 1 << 16 {
-        return Err(meta_err(f, format!("{ARCH}.block_count is {block_count}: not a real model")));
+        return Err(meta_err(f, format!("{arch}.block_count is {block_count}: not a real model")));
     }
-    check_block_count(f, block_count, num_layers)?;
+    check_block_count(f, &arch, block_count, num_layers)?;
     let hidden_size = f.get_usize(&key("embedding_length"))?;
     let num_heads = f.get_usize(&key("attention.head_count"))?;
     let head_dim = match opt_usize("attention.key_length")? {
@@ -195,7 +245,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         if v != head_dim {
             return Err(meta_err(
                 f,
-                format!("{ARCH}.attention.value_length ({v}) differs from attention.key_length ({head_dim})"),
+                format!("{arch}.attention.value_length ({v}) differs from attention.key_length ({head_dim})"),
             ));
         }
     }
@@ -205,7 +255,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         return Err(meta_err(
             f,
             format!(
-                "{ARCH}.ssm.inner_size ({inner}) is not a multiple of ssm.time_step_rank ({num_v_heads})"
+                "{arch}.ssm.inner_size ({inner}) is not a multiple of ssm.time_step_rank ({num_v_heads})"
             ),
         ));
     }
@@ -216,7 +266,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
                 return Err(meta_err(
                     f,
                     format!(
-                        "{ARCH}.attention.recurrent_layers is an array of {}, expected bool",
+                        "{arch}.attention.recurrent_layers is an array of {}, expected bool",
                         other.element_type().name()
                     ),
                 ))
@@ -226,7 +276,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             return Err(meta_err(
                 f,
                 format!(
-                    "{ARCH}.attention.recurrent_layers has {} entries for {num_layers} layers",
+                    "{arch}.attention.recurrent_layers has {} entries for {num_layers} layers",
                     flags.len()
                 ),
             ));
@@ -238,7 +288,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     } else {
         let interval = opt_usize("full_attention_interval")?.unwrap_or(4);
         if interval == 0 {
-            return Err(meta_err(f, format!("{ARCH}.full_attention_interval must be positive")));
+            return Err(meta_err(f, format!("{arch}.full_attention_interval must be positive")));
         }
         (0..num_layers)
             .map(|i| if (i + 1) % interval == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
@@ -248,7 +298,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         if *v != super::GgufValue::String("none".into()) {
             return Err(meta_err(
                 f,
-                format!("{ARCH}.rope.scaling.type is {}: only unscaled RoPE is supported", v.summary()),
+                format!("{arch}.rope.scaling.type is {}: only unscaled RoPE is supported", v.summary()),
             ));
         }
     }
@@ -285,10 +335,37 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         }
     }
     let rotary_dim = f.get_usize(&key("rope.dimension_count"))?;
+    // The converter writes no feed_forward_length for a MoE model (its config has no
+    // intermediate_size); the experts' widths have keys of their own.
+    let (intermediate_size, moe) = if arch == ARCH_MOE {
+        // llama.cpp's qwen35moe graph scales the renormalised expert weights only when the file
+        // asks for it (the converter never does); strix implements the reference's block.
+        if f.metadata(&key("expert_weights_scale")).is_some() {
+            let scale = f.get_f32(&key("expert_weights_scale"))?;
+            if scale != 0.0 && scale != 1.0 {
+                return Err(meta_err(
+                    f,
+                    format!(
+                        "{arch}.expert_weights_scale is {scale}: scaled expert weights are not implemented"
+                    ),
+                ));
+            }
+        }
+        let moe = MoeConfig {
+            num_experts: f.get_usize(&key("expert_count"))?,
+            num_experts_per_tok: f.get_usize(&key("expert_used_count"))?,
+            moe_intermediate_size: f.get_usize(&key("expert_feed_forward_length"))?,
+            shared_expert_intermediate_size: f.get_usize(&key("expert_shared_feed_forward_length"))?,
+        };
+        (0, Some(moe))
+    } else {
+        (f.get_usize(&key("feed_forward_length"))?, None)
+    };
     let config = ModelConfig {
         vocab_size: embd.dims[1] as usize,
         hidden_size,
-        intermediate_size: f.get_usize(&key("feed_forward_length"))?,
+        intermediate_size,
+        moe,
         num_layers,
         layer_kinds,
         rms_norm_eps: f.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
@@ -316,7 +393,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
 /// past `block_count` would be silently left out, and a decoder layer without tensors is a
 /// file cut short. MTP layers (`nextn_predict_layers`, the last of `block_count`) may be
 /// absent: converters drop them.
-fn check_block_count(f: &GgufFile, block_count: usize, num_layers: usize) -> Result<()> {
+fn check_block_count(f: &GgufFile, arch: &str, block_count: usize, num_layers: usize) -> Result<()> {
     let mut present = vec![false; num_layers];
     for t in f.tensors() {
         let Some(layer) = t.name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).map(|(n, _)| n)
@@ -331,7 +408,7 @@ fn check_block_count(f: &GgufFile, block_count: usize, num_layers: usize) -> Res
             return Err(meta_err(
                 f,
                 format!(
-                    "tensor `{}` belongs to layer {layer}, but {ARCH}.block_count is {block_count}: wrong \
+                    "tensor `{}` belongs to layer {layer}, but {arch}.block_count is {block_count}: wrong \
                      number of tensors for the layer count (llama.cpp refuses such a file too)",
                     printable(&t.name)
                 ),
@@ -346,7 +423,7 @@ fn check_block_count(f: &GgufFile, block_count: usize, num_layers: usize) -> Res
         return Err(meta_err(
             f,
             format!(
-                "{ARCH}.block_count gives {num_layers} decoder layers, but the file has no tensor of layer \
+                "{arch}.block_count gives {num_layers} decoder layers, but the file has no tensor of layer \
                  {missing} (`blk.{missing}.*`; tensors for {held} of them): wrong number of tensors for the \
                  layer count"
             ),
@@ -393,12 +470,63 @@ impl Qwen35Gguf {
     }
 }
 
+impl Qwen35Gguf {
+    /// The merged tensor holding routed expert `name`, as this file stores it.
+    fn expert_slice(&self, name: &str) -> Option<ExpertSlice> {
+        [false, true]
+            .into_iter()
+            .filter_map(|fused| expert_slice(name, fused))
+            .find(|s| self.file.contains_tensor(&s.tensor))
+    }
+
+    /// Routed expert `name`'s `[rows, cols]` matrix: its slice of the merged tensor, packed
+    /// blocks as stored (Q5_0 decoded to f32).
+    fn expert_tensor(&self, name: &str, slice: &ExpertSlice, shape: &[usize]) -> Result<HostTensor> {
+        let gname = &slice.tensor;
+        let info = self.file.tensor_info(gname)?;
+        let &[rows, cols] = shape else {
+            return Err(self.err(format!("`{name}` is a matrix, not shape {shape:?}")));
+        };
+        let per_expert = if slice.half.is_some() { 2 * rows } else { rows };
+        let stored = info.shape();
+        if stored.len() != 3 || stored[1] != per_expert || stored[2] != cols || slice.expert >= stored[0] {
+            return Err(self.err(format!(
+                "tensor `{gname}` has GGUF dims {:?} (shape {stored:?}), expected shape [experts > {}, {per_expert}, \
+                 {cols}] for `{name}`",
+                info.dims, slice.expert
+            )));
+        }
+        let row_bytes = info.ty.row_size(cols).map_err(|e| self.err(format!("tensor `{gname}`: {e}")))?;
+        let first = (slice.expert * per_expert + slice.half.unwrap_or(0) * rows) * row_bytes;
+        let bytes = self.file.tensor_data_slice(gname, first, rows * row_bytes)?;
+        if let Some(dtype) = DType::from_quant_type(info.ty) {
+            let bytes = bytes.aligned(dtype.align());
+            return Ok(HostTensor { name: name.to_string(), dtype, shape: shape.to_vec(), bytes });
+        }
+        if q5_0::handles(info.ty) {
+            let mut v = vec![0f32; rows * cols];
+            q5_0::dequantize_row_q5_0(bytes.as_slice(), &mut v)
+                .map_err(|e| self.err(format!("tensor `{gname}`: {e}")))?;
+            return Ok(Self::owned_f32(name, shape, &v));
+        }
+        Err(self.err(format!(
+            "tensor `{gname}` is {}, which strix cannot load (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K and Q5_0 \
+             are supported)",
+            info.ty
+        )))
+    }
+}
+
 impl TensorSource for Qwen35Gguf {
     fn contains(&self, name: &str) -> bool {
         gguf_name(name).is_some_and(|(g, _)| self.file.contains_tensor(&g))
+            || self.expert_slice(name).is_some()
     }
 
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        if let Some(slice) = self.expert_slice(name) {
+            return self.expert_tensor(name, &slice, shape);
+        }
         let (gname, transform) =
             gguf_name(name).ok_or_else(|| self.err(format!("no qwen35 GGUF tensor holds `{name}`")))?;
         let info = self
@@ -407,6 +535,15 @@ impl TensorSource for Qwen35Gguf {
             .map_err(|_| self.err(format!("missing tensor `{gname}` (the model's `{name}`)")))?;
         let stored: Vec<usize> = match transform {
             Transform::Squeeze if shape.len() == 3 && shape[1] == 1 => vec![shape[0], shape[2]],
+            // The shared expert's gate: one row, which llama.cpp's loader also takes as a
+            // vector `{hidden}` (the converter writes `{hidden, 1}`).
+            _ if gname.ends_with("ffn_gate_inp_shexp.weight")
+                && shape.len() == 2
+                && shape[0] == 1
+                && info.shape() == [shape[1]] =>
+            {
+                vec![shape[1]]
+            }
             _ => shape.to_vec(),
         };
         if info.shape() != stored {
@@ -569,6 +706,12 @@ pub fn write_gguf(
     progress: Option<&dyn Fn(u64, u64)>,
 ) -> Result<WriteReport> {
     let c = config;
+    if c.moe.is_some() {
+        return Err(Error::input(
+            "writing a mixture-of-experts model (llama.cpp's qwen35moe) to GGUF is not implemented; \
+             llama.cpp's convert_hf_to_gguf.py writes one that strix reads",
+        ));
+    }
     if c.linear_value_head_order != ValueHeadOrder::Grouped {
         return Err(Error::input(
             "write_gguf takes a checkpoint in transformers' (grouped) value-head order",

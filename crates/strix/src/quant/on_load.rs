@@ -19,6 +19,11 @@
 //! llama.cpp build of 2026-11-29) on a random 0.8B checkpoint: the same type for every
 //! tensor, for all three schemes.
 //!
+//! A MoE model's router (`mlp.gate`, llama.cpp's `ffn_gate_inp`) and its shared expert's gate
+//! stay as stored, as llama-quantize leaves them in F32; the routed and shared experts take
+//! the scheme's type, their `down_proj` promoted for Q4_K_M by the same layer rule as the dense
+//! `down_proj` (llama.cpp's `ffn_down_exps` / `ffn_down_shexp`).
+//!
 //! Rows that are not a whole number of blocks fall back as llama.cpp's
 //! `convert_incompatible_tensor` does, within the formats strix has: Q4_K and Q6_K to Q8_0
 //! (llama.cpp takes Q5_0 for Q4_K), and to the stored float type when the row is not a
@@ -120,7 +125,7 @@ impl<'a> QuantizingSource<'a> {
                 // ffn_down by layer.
                 let more = name.ends_with("self_attn.v_proj.weight")
                     || name.ends_with("linear_attn.in_proj_qkv.weight")
-                    || name.ends_with("mlp.down_proj.weight");
+                    || (name.ends_with("down_proj.weight") && name.contains(".mlp."));
                 match layer_of(name) {
                     Some(l) if more && use_more_bits(l, self.num_layers) => QuantType::Q6_K,
                     _ => QuantType::Q4_K,
@@ -131,6 +136,10 @@ impl<'a> QuantizingSource<'a> {
 
     /// The type matrix `name` is stored in; `None` keeps the checkpoint's float type.
     pub fn type_for(&self, name: &str, cols: usize) -> Option<QuantType> {
+        // A router's few rows decide which experts run: llama-quantize keeps them in F32.
+        if name.ends_with("mlp.gate.weight") || name.ends_with("mlp.shared_expert_gate.weight") {
+            return None;
+        }
         let want = self.preferred(name);
         if cols.is_multiple_of(want.block_size()) {
             Some(want)
@@ -213,6 +222,25 @@ mod tests {
         assert_eq!(picked, [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]);
         let picked: Vec<usize> = (0..6).filter(|&i| use_more_bits(i, 6)).collect();
         assert_eq!(picked, [2, 5]);
+    }
+
+    #[test]
+    fn moe_routers_stay_float_and_experts_follow_the_scheme() {
+        let mut c = crate::synthetic::preset("qwen3.5-0.8b").unwrap();
+        c.num_layers = 8;
+        let empty = crate::synthetic::SyntheticWeights::new(c.clone(), 0);
+        let q = QuantizingSource::new(&empty, &c, QuantScheme::Q4_K);
+        assert_eq!(q.type_for("model.layers.3.mlp.gate.weight", 256), None);
+        assert_eq!(q.type_for("model.layers.3.mlp.shared_expert_gate.weight", 256), None);
+        assert_eq!(q.type_for("model.layers.3.mlp.experts.7.gate_proj.weight", 256), Some(QuantType::Q4_K));
+        // Layer 0 is among use_more_bits' layers (of 8), layer 2 is not.
+        assert_eq!(q.type_for("model.layers.0.mlp.experts.7.down_proj.weight", 256), Some(QuantType::Q6_K));
+        assert_eq!(
+            q.type_for("model.layers.0.mlp.shared_expert.down_proj.weight", 256),
+            Some(QuantType::Q6_K)
+        );
+        assert_eq!(q.type_for("model.layers.2.mlp.experts.7.down_proj.weight", 256), Some(QuantType::Q4_K));
+        assert_eq!(q.type_for("model.layers.0.mlp.down_proj.weight", 256), Some(QuantType::Q6_K));
     }
 
     #[test]

@@ -7,13 +7,14 @@
 pub mod attention;
 pub mod deltanet;
 pub mod matmul;
+pub mod moe;
 pub mod qmatmul;
 pub mod qpacked;
 pub mod simd;
 
 use rayon::prelude::*;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode};
+use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, MoeExperts};
 use crate::error::Result;
 use crate::tensor::{Bytes, DType, HostTensor};
 use matmul::WeightRef;
@@ -98,9 +99,7 @@ fn rms_scale(x: &[f32], eps: f32) -> f32 {
     1.0 / (ss / x.len() as f32 + eps).sqrt()
 }
 
-pub(crate) fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
+pub(crate) use crate::backend::sigmoid;
 
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
@@ -193,6 +192,37 @@ impl Backend for CpuBackend {
             KernelRef::Float(v) => matmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
             KernelRef::Quant(v) => qmatmul::matmul_rows(x, tokens, v, out),
         }
+    }
+
+    fn moe_experts(
+        &self,
+        x: &Vec<f32>,
+        tokens: usize,
+        router_logits: &Vec<f32>,
+        experts: &MoeExperts<CpuBackend>,
+        top_k: usize,
+        out: &mut Vec<f32>,
+        decode_batch: bool,
+    ) {
+        moe::moe_experts(self, x, tokens, router_logits, experts, top_k, out, decode_batch);
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Vec<f32>, x: &Vec<f32>, gate: &Vec<f32>, rows: usize, dim: usize) {
+        out[..rows * dim]
+            .par_chunks_mut(dim)
+            .zip(x[..rows * dim].par_chunks(dim))
+            .zip(&gate[..rows])
+            .for_each(|((o, x), &g)| {
+                let s = sigmoid(g);
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o += s * x;
+                }
+            });
+    }
+
+    // Nothing to record on the CPU: every op runs where the routing is decided.
+    fn moe_on_device(&self) -> bool {
+        true
     }
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
