@@ -1142,6 +1142,153 @@ QMMA_ALL(q4_k, Q4_KM, 5, 4, 3, 2)
 QMMA_ALL(q6_k, Q6_KM, 3, 3, 3, 2)
 
 // ---------------------------------------------------------------------------------------
+// One token on the tensor-core GEMV's arithmetic (qmv1_*, Q4_0 and Q4_K): bitwise what
+// qmma_* gives a token, and faster there than qmma_* for one token (quant.rs, ONE_TOKEN). The integer sums of a 32-column group are exact in
+// any order, so lanes form them in parallel: lane l of a warp takes group l % 8 of a stage
+// for row l / 8 (four rows a warp), forms the group's integer sums with dp4a and the two
+// factors of qmma's scaling step acc = fma(a, b, acc) (Qv*::term, the same float operations);
+// the row's chain then runs in group order in lane 8j, fetching the factors by shuffles. A
+// warp walks one of the K ranges of the matrix's split (qm_nsplit) for its four rows, the
+// block's warps cover every range of 8 / nsplit row groups, and the first warp of each adds
+// the ranges' sums in order, as gs_finish does.
+
+#define QV_WARPS 8
+
+// Activations of one token, for group G of stage kt.
+struct QvX {
+    v4u lo, hi;  // the group's 32 int8
+    float d;
+    int sum;  // of the 32 quants (Q4_K)
+};
+__device__ __forceinline__ QvX qv_x(const XQ& x, int kt, int G, bool sums) {
+    const int p = kt * QM_BK + 32 * G;
+    QvX r;
+    r.lo = ldx(x.q + p);
+    r.hi = ldx(x.q + p + 16);
+    r.d = x.d[p >> 5];
+    r.sum = sums ? x.s[p >> 4] + x.s[(p >> 4) + 1] : 0;
+    return r;
+}
+
+struct Qv4_0 {
+    static constexpr bool SUMS = false;
+    struct Raw {
+        v4u w;
+        u16 d;
+    };
+    static __device__ __forceinline__ Raw load(const u8* wq, const u8* ws, i64 row, int rows, int cols, int kt,
+                                               int G) {
+        return Raw{ldq(wq + row * (cols >> 1) + kt * (QM_BK / 2) + 16 * G),
+                   ldg16(ws + 2 * (row * (cols >> 5) + 8 * kt + G))};
+    }
+    static __device__ __forceinline__ float2 term(const Raw& r, int, const QvX& x) {
+        int s = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 w = (u32)word(r.w, k);
+            s = dp4a((int)sub_bytes(w & 0x0f0f0f0fu, 0x08080808u), word(x.lo, k), s);
+            s = dp4a((int)sub_bytes((w >> 4) & 0x0f0f0f0fu, 0x08080808u), word(x.hi, k), s);
+        }
+        return make_float2(__fmul_rn(f16_to_f32(r.d), x.d), small_int_to_float(s));
+    }
+};
+
+struct Qv4_K {
+    static constexpr bool SUMS = true;
+    struct Raw {
+        v4u a, b;  // the 32 bytes of sub-block pair G / 2
+        v4u meta;
+    };
+    static __device__ __forceinline__ Raw load(const u8* wq, const u8* ws, i64 row, int rows, int cols, int kt,
+                                               int G) {
+        const u8* q = wq + row * (cols >> 1) + kt * (QM_BK / 2) + 32 * (G >> 1);
+        return Raw{ldg4(q), ldg4(q + 16), ldg4(ws + 16 * (row * (cols >> 8) + kt))};
+    }
+    static __device__ __forceinline__ float2 term(const Raw& r, int G, const QvX& x) {
+        const int sh = 4 * (G & 1);
+        int s = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s = dp4a((int)(((u32)word(r.a, k) >> sh) & 0x0f0f0f0fu), word(x.lo, k), s);
+            s = dp4a((int)(((u32)word(r.b, k) >> sh) & 0x0f0f0f0fu), word(x.hi, k), s);
+        }
+        const float d = f16_to_f32((u16)(r.meta.x & 0xffff)), dmin = f16_to_f32((u16)(r.meta.x >> 16));
+        int sc1, mn1, sc2, mn2;
+        q4k_scale_min2(G >> 1, r.meta.y, r.meta.z, r.meta.w, sc1, mn1, sc2, mn2);
+        const float dsc = __fmul_rn(d, (float)((G & 1) ? sc2 : sc1));
+        const float dm = __fmul_rn(dmin, (float)((G & 1) ? mn2 : mn1));
+        const float v = __fmaf_rn(dsc, small_int_to_float(s), -__fmul_rn(dm, (float)x.sum));
+        return make_float2(x.d, v);
+    }
+};
+
+// Block: QV_WARPS warps = (QV_WARPS / nsplit) row groups of four rows x nsplit K ranges.
+template <class F, int U>
+__device__ __forceinline__ void qv_body(const u8* wq, const u8* ws, float* out, int rows, int nsplit, int blk,
+                                        const XQ& x, int cols) {
+    __shared__ float part[QV_WARPS][4];
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rg = warp / nsplit, q = warp % nsplit, G = lane & 7, j = lane >> 3;
+    const i64 row = ((i64)blk * (QV_WARPS / nsplit) + rg) * 4 + j;
+    const i64 rr = row < rows ? row : rows - 1;
+    const int nk = cols / QM_BK;
+    const int kb = (int)((i64)nk * q / nsplit), ke = (int)((i64)nk * (q + 1) / nsplit);
+    float acc = 0.f;
+    typename F::Raw raw[U];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (kb + u < ke) raw[u] = F::load(wq, ws, rr, rows, cols, kb + u, G);
+    pdl_wait();
+    for (int k0 = kb; k0 < ke; k0 += U) {
+        if (k0 > kb) {
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (k0 + u < ke) raw[u] = F::load(wq, ws, rr, rows, cols, k0 + u, G);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (k0 + u < ke) {
+                const float2 ab = F::term(raw[u], G, qv_x(x, k0 + u, G, F::SUMS));
+                // Row j's chain in lane 8j, groups in order.
+#pragma unroll
+                for (int g = 0; g < 8; g++) {
+                    const float a = __shfl_sync(0xffffffffu, ab.x, (lane & ~7) + g);
+                    const float b = __shfl_sync(0xffffffffu, ab.y, (lane & ~7) + g);
+                    acc = __fmaf_rn(a, b, acc);
+                }
+            }
+        }
+    }
+    if (G == 0) part[warp][j] = acc;
+    __syncthreads();
+    if (q == 0 && G == 0 && row < rows) {
+        float sum = part[warp][j];
+        for (int p = 1; p < nsplit; p++) sum = sum + part[warp + p][j];
+        out[row] = sum;
+    }
+}
+
+// grid (blocks of every segment), block QV_WARPS * 32: segment j's blocks are
+// [unit_end[j-1], unit_end[j]) (the launcher's block count, not qmma's units).
+#define QMV1(NAME, F, U)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                              \
+        qmv1_##NAME(QmSegs segs, const i8* xq, const float* xd, const int* xs, int cols) {                   \
+        unsigned long long wq = segs.wq[0], ws = segs.ws[0], o = segs.out[0];                                \
+        int rows = segs.rows[0], nsplit = segs.nsplit[0], first = 0;                                         \
+        _Pragma("unroll") for (int j = 1; j < QG_MAX_SEGS; j++) {                                            \
+            if ((int)blockIdx.x >= segs.unit_end[j - 1]) {                                                   \
+                wq = segs.wq[j], ws = segs.ws[j], o = segs.out[j], rows = segs.rows[j];                      \
+                nsplit = segs.nsplit[j], first = segs.unit_end[j - 1];                                       \
+            }                                                                                                \
+        }                                                                                                    \
+        qv_body<F, U>(reinterpret_cast<const u8*>(wq), reinterpret_cast<const u8*>(ws),                      \
+                      reinterpret_cast<float*>(o), rows, nsplit, (int)blockIdx.x - first, XQ{xq, xd, xs}, cols); \
+    }
+QMV1(q4_0, Qv4_0, 4)
+QMV1(q4_k, Qv4_K, 2)
+
+// ---------------------------------------------------------------------------------------
 // Dequantization: the exact f32 weights (bit-identical to the CPU's dequantize_row), as bf16
 // (rounded to nearest even) for a tensor-core GEMM, or as f32 for the embedding gather.
 

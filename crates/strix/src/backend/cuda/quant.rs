@@ -21,9 +21,12 @@
 //!   K split over blocks by the shape alone ([`qm_nsplit`]) and the ranges added in order as the
 //!   bf16 `gemv_gs` does (sharing its workspace). 64 tokens read the weights once instead of
 //!   eight times (9B layer launches at batch 64: 3.5–4.8× faster than dp4a, measured on an
-//!   H200), but one token streams at ~60 % of the bandwidth where the dp4a GEMV reaches ~90 %;
-//!   its sums are not the dp4a kernels', so a backend uses one kind for every batch size of a
-//!   matrix ([`Kernels::mma_takes`]).
+//!   H200), but one token streams at 45–60 % of the bandwidth where the dp4a GEMV reaches
+//!   73–97 %. For Q4_0 and Q4_K one token takes `qmv1_*` instead, the same arithmetic on the
+//!   CUDA cores (integer sums in parallel over lanes, exact in any order; each row's float
+//!   chain in group order), bitwise the same and 8–22 % faster there ([`ONE_TOKEN`]). The sums
+//!   are not the dp4a kernels', so a backend uses one kind for every batch size of a matrix
+//!   ([`Kernels::mma_takes`]).
 //! - **Activations quantized by their producer**: a packed GEMV of one token usually reads the
 //!   output of a row norm, of the MLP's gate/up GEMV with the SwiGLU, of the delta rule or of
 //!   the attention merge.
@@ -79,6 +82,13 @@ const BAND_ELEMS: usize = 32 << 20;
 const QM_BK: usize = 256;
 /// Threads of a tensor-core GEMV block (`QM_THREADS`).
 const QM_THREADS: u32 = 128;
+/// The formats (in [`FORMATS`] order) whose one token runs on `qmv1_*` rather than `qmma_*`
+/// (bitwise the same): where it is faster. H200, graph-replayed µs of a 9B layer's launches and
+/// the lm_head at batch 1, qmma / qmv1: Q4_0 276 / 255, Q4_K 366 / 284, Q8_0 346 / 372, Q6_K
+/// 452 / 665 (the qmv1 forms of those two were dropped).
+const ONE_TOKEN: [bool; 4] = [false, true, true, false];
+/// Warps of a one-token block (`QV_WARPS`): row groups of four rows × the K ranges.
+const QV_WARPS: usize = 8;
 /// Tokens one tensor-core GEMV launch takes (a larger batch goes in groups of this many).
 const QM_TOKENS: usize = 64;
 /// n-tiles of 8 tokens of its compiled configurations (`qmma_*_n{NT}`): a launch of up to 8,
@@ -304,6 +314,9 @@ pub(super) struct Kernels {
     /// `[format][configuration]` tensor-core GEMVs (`qmma_*`), where the device has the shared
     /// memory they ask for.
     qmma: Option<Vec<[CudaFunction; 4]>>,
+    /// `[format]` one-token kernels on `qmma_*`'s arithmetic (`qmv1_*`), loaded with them for
+    /// the formats in [`ONE_TOKEN`].
+    qmv1: Vec<Option<CudaFunction>>,
     sm_count: usize,
     /// The last producer's side output, until the next op takes it (module docs).
     pre: Mutex<Option<Prequantized>>,
@@ -389,6 +402,7 @@ impl Kernels {
             dequant: Vec::new(),
             embed: Vec::new(),
             qmma: None,
+            qmv1: Vec::new(),
             sm_count: dev.sm_count as usize,
             pre: Mutex::new(None),
             producer_quant: AtomicBool::new(std::env::var("STRIX_PRODUCER_QUANT").map_or(true, |v| v != "0")),
@@ -435,6 +449,11 @@ impl Kernels {
                 );
             }
             k.qmma = Some(qmma);
+            k.qmv1 = FORMATS
+                .iter()
+                .zip(ONE_TOKEN)
+                .map(|((_, name), has)| has.then(|| f(&format!("qmv1_{name}"))).transpose())
+                .collect::<Result<_>>()?;
         }
         Ok(k)
     }
@@ -462,6 +481,9 @@ impl Kernels {
         let (dtype, cols) = (ws[0].dtype(), ws[0].cols());
         let fi = format_index(dtype);
         let kernels = &self.qmma.as_ref().expect("mma_takes checked that the kernels loaded")[fi];
+        if tokens == 1 && ONE_TOKEN[fi] {
+            return self.one_token(dev, xq, ws, outs);
+        }
         // Launch groups: consecutive weights while they fit the segments and the slots.
         let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
         let (mut start, mut slots) = (0, 0);
@@ -525,6 +547,42 @@ impl Kernels {
                 );
                 launches += 1;
             }
+        }
+        launches
+    }
+
+    /// One token on the tensor-core GEMV's arithmetic, bitwise (`qmv1_*`): a block of
+    /// [`QV_WARPS`] warps takes `4 · QV_WARPS / nsplit` rows, a warp four rows over one of the
+    /// matrix's K ranges ([`qm_nsplit`], as `qmma_*` splits it). Up to [`MAX_SEGMENTS`]
+    /// weights of one format a launch. Returns the launches made.
+    fn one_token(&self, dev: &Device, xq: &XQuant, ws: &[&CudaWeight], outs: &[u64]) -> usize {
+        let (dtype, cols) = (ws[0].dtype(), ws[0].cols());
+        let kernel = self.qmv1[format_index(dtype)].as_ref().expect("a one-token kernel for this format");
+        let mut launches = 0;
+        for (group, group_outs) in ws.chunks(MAX_SEGMENTS).zip(outs.chunks(MAX_SEGMENTS)) {
+            let mut segs = QmSegs::default();
+            let mut blocks = [0; MAX_SEGMENTS];
+            for (k, (w, &out)) in group.iter().zip(group_outs).enumerate() {
+                let nsplit = qm_nsplit(w.rows(), cols, self.sm_count);
+                blocks[k] = w.rows().div_ceil(4 * QV_WARPS / nsplit);
+                segs.wq[k] = w.ptr();
+                segs.ws[k] = scales_ptr(w);
+                segs.out[k] = out;
+                segs.rows[k] = w.rows() as i32;
+                segs.nsplit[k] = nsplit as i32;
+            }
+            let total;
+            (segs.unit_end, total) = matmul::segment_ends(blocks[..group.len()].iter().copied());
+            assert!(total <= i32::MAX as usize, "qmv1: {total} blocks");
+            dev.launch(
+                "qmv1",
+                kernel,
+                (total as u32, 1, 1),
+                (QV_WARPS as u32 * 32, 1, 1),
+                0,
+                kernel_args![segs, xq.q, xq.d, xq.s, cols as i32],
+            );
+            launches += 1;
         }
         launches
     }
