@@ -66,129 +66,122 @@ pub enum PrefillPath {
     F32 = 1,
 }
 
-/// How many times each kernel path ran since the backend was made (or last reset).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PathCounts {
-    /// One-token matmuls on a bf16 GEMV kernel (tensor-core or CUDA-core).
-    pub gemv: u64,
-    /// bf16 GEMV launches on the tensor cores: one-token matmuls, decode-batch matmuls and
-    /// fused projections alike (`STRIX_CUDA_GEMV=simt` sends them to the CUDA-core kernels).
-    pub gemv_mma: u64,
-    /// Of those, launches of a streamed kernel (weights through a shared-memory ring: the
-    /// warpgroup or the `mma.sync` one, see [`TensorCoreKernel`]) rather than the per-warp one.
-    pub gemv_streamed: u64,
-    /// Decode-batch projections of one input fused into one GEMV launch.
-    pub gemv_fused: u64,
-    /// Of those, one-token gate/up projections with the MLP's SwiGLU in the same launch
-    /// (`Backend::matmul_glu` on the CUDA-core GEMVs).
-    pub gemv_glu: u64,
-    /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
-    pub gemm_cublas: u64,
-    /// Multi-token matmuls on cuBLAS with split (hi + lo bf16) activations.
-    pub gemm_cublas_split: u64,
-    /// Multi-token matmuls on the tiled fallback kernel.
-    pub gemm_fallback: u64,
-    /// Causal conv on the sequential (short-run) kernel.
-    pub conv_sequential: u64,
-    /// Causal conv on the time-parallel kernel.
-    pub conv_parallel: u64,
-    pub gdn_recurrent: u64,
-    /// Chunked delta-rule calls (either kernel).
-    pub gdn_chunked: u64,
-    /// Decode-batch DeltaNet cores (conv, delta rule, gated norm) in one fused kernel.
-    pub gdn_decode_fused: u64,
-    /// Of those, the calls on the tensor-core kernels (`deltanet_chunked.rs`).
-    pub gdn_chunked_tc: u64,
-    /// Attention calls (every kernel).
-    pub attention: u64,
-    /// Of those, prompt runs on the tensor-core flash kernel (`flash_attention.rs`).
-    pub flash_attention: u64,
-    /// Prompt runs (attention of at least 2 tokens, chunked delta rule) on the f32 kernels:
-    /// shapes the tensor-core kernels do not take, or [`PrefillPath::F32`].
-    pub prefill_f32: u64,
-    /// Attention calls whose longest row was split into more than one key range.
-    pub attention_multi_split: u64,
-    /// Decode-batch calls (`*_rows` ops: matmul, conv, delta rule, attention).
-    pub batch_rows: u64,
-    /// Decode steps replayed from a recorded CUDA graph.
-    pub graph_replays: u64,
-    /// Decode steps recorded into a CUDA graph (then replayed).
-    pub graph_captures: u64,
-    /// Decode steps launched op by op (the first sight of a batch, or graphs switched off).
-    pub steps_eager: u64,
-    /// Captures that failed (the step then ran op by op).
-    pub graph_failures: u64,
-    /// Kernel modules compiled by NVRTC when this backend was made.
-    pub modules_compiled: u64,
-    /// Kernel modules loaded from the cache (memory or disk) instead.
-    pub modules_cached: u64,
-    /// One-token matmuls on a packed-weight (Q8_0/Q4_0/Q4_K/Q6_K) GEMV.
-    pub gemv_quant: u64,
-    /// Several-token matmuls (decode batches, short prompts) on the batched packed GEMV.
-    pub gemv_quant_rows: u64,
-    /// Decode-batch matmul launches (any batch size) on the packed tensor-core GEMV (`qmma_*`).
-    pub gemv_quant_mma: u64,
-    /// Decode-batch projections of one input on packed weights in fused GEMV launches
-    /// (activations quantized once).
-    pub gemv_quant_fused: u64,
-    /// Packed GEMV calls (one-token, single or fused) that read the activations as their
-    /// producer (a row norm, the SwiGLU) quantized them, with no `quantize_x` (`quant.rs`).
-    pub gemv_quant_prequantized: u64,
-    /// Matmuls on packed weights dequantized to bf16 for a GEMM (the GEMM is counted too).
-    pub gemm_dequant: u64,
-    /// Embedding gathers from a packed table.
-    pub embed_quant: u64,
-    /// Prepared draws (sampling) finished on the device.
-    pub sample_device: u64,
-    /// Prepared draws the device kernels leave to the host (a top-p row over few or heavily
-    /// tied logits, `sample.rs`).
-    pub sample_host: u64,
-    /// Of the device's draws, those with a top-k above the one-block kernel's 1024 and below
-    /// the vocabulary, drawn in sorted order by the full pipeline's radix selects.
-    pub sample_sorted: u64,
+/// Declares the kernel-path counters once, each with its doc: [`PathCounts`] (a snapshot, a
+/// `u64` a path, listed in this order by [`PathCounts::named`]) and the backend's atomic
+/// `Counters` behind it.
+macro_rules! path_counters {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// How many times each kernel path ran since the backend was made (or last reset).
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct PathCounts {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl PathCounts {
+            /// Every counter with its field name, for reports that list them (`strix bench`).
+            pub fn named(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
+
+        #[derive(Default)]
+        struct Counters {
+            $($name: AtomicU64,)*
+        }
+
+        impl Counters {
+            fn snapshot(&self) -> PathCounts {
+                PathCounts { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+
+            /// Zeroes every counter but those named in `keep`.
+            fn reset_all_but(&self, keep: &[&str]) {
+                $(if !keep.contains(&stringify!($name)) {
+                    self.$name.store(0, Ordering::Relaxed);
+                })*
+            }
+        }
+    };
 }
 
-impl PathCounts {
-    /// Every counter with its field name, for reports that list them (`strix bench`).
-    pub fn named(&self) -> [(&'static str, u64); 35] {
-        [
-            ("gemv", self.gemv),
-            ("gemv_mma", self.gemv_mma),
-            ("gemv_streamed", self.gemv_streamed),
-            ("gemv_fused", self.gemv_fused),
-            ("gemv_glu", self.gemv_glu),
-            ("gemm_cublas", self.gemm_cublas),
-            ("gemm_cublas_split", self.gemm_cublas_split),
-            ("gemm_fallback", self.gemm_fallback),
-            ("conv_sequential", self.conv_sequential),
-            ("conv_parallel", self.conv_parallel),
-            ("gdn_recurrent", self.gdn_recurrent),
-            ("gdn_chunked", self.gdn_chunked),
-            ("gdn_decode_fused", self.gdn_decode_fused),
-            ("gdn_chunked_tc", self.gdn_chunked_tc),
-            ("attention", self.attention),
-            ("flash_attention", self.flash_attention),
-            ("prefill_f32", self.prefill_f32),
-            ("attention_multi_split", self.attention_multi_split),
-            ("batch_rows", self.batch_rows),
-            ("graph_replays", self.graph_replays),
-            ("graph_captures", self.graph_captures),
-            ("steps_eager", self.steps_eager),
-            ("graph_failures", self.graph_failures),
-            ("modules_compiled", self.modules_compiled),
-            ("modules_cached", self.modules_cached),
-            ("gemv_quant", self.gemv_quant),
-            ("gemv_quant_rows", self.gemv_quant_rows),
-            ("gemv_quant_mma", self.gemv_quant_mma),
-            ("gemv_quant_fused", self.gemv_quant_fused),
-            ("gemv_quant_prequantized", self.gemv_quant_prequantized),
-            ("gemm_dequant", self.gemm_dequant),
-            ("embed_quant", self.embed_quant),
-            ("sample_device", self.sample_device),
-            ("sample_host", self.sample_host),
-            ("sample_sorted", self.sample_sorted),
-        ]
-    }
+path_counters! {
+    /// One-token matmuls on a bf16 GEMV kernel (tensor-core or CUDA-core).
+    gemv,
+    /// bf16 GEMV launches on the tensor cores: one-token matmuls, decode-batch matmuls and
+    /// fused projections alike (`STRIX_CUDA_GEMV=simt` sends them to the CUDA-core kernels).
+    gemv_mma,
+    /// Of those, launches of a streamed kernel (weights through a shared-memory ring: the
+    /// warpgroup or the `mma.sync` one, see [`TensorCoreKernel`]) rather than the per-warp one.
+    gemv_streamed,
+    /// Decode-batch projections of one input fused into one GEMV launch.
+    gemv_fused,
+    /// Of those, one-token gate/up projections with the MLP's SwiGLU in the same launch
+    /// (`Backend::matmul_glu` on the CUDA-core GEMVs).
+    gemv_glu,
+    /// Multi-token matmuls on cuBLAS (tensor cores), activations rounded to bf16.
+    gemm_cublas,
+    /// Multi-token matmuls on cuBLAS with split (hi + lo bf16) activations.
+    gemm_cublas_split,
+    /// Multi-token matmuls on the tiled fallback kernel.
+    gemm_fallback,
+    /// Causal conv on the sequential (short-run) kernel.
+    conv_sequential,
+    /// Causal conv on the time-parallel kernel.
+    conv_parallel,
+    gdn_recurrent,
+    /// Chunked delta-rule calls (either kernel).
+    gdn_chunked,
+    /// Decode-batch DeltaNet cores (conv, delta rule, gated norm) in one fused kernel.
+    gdn_decode_fused,
+    /// Of those, the calls on the tensor-core kernels (`deltanet_chunked.rs`).
+    gdn_chunked_tc,
+    /// Attention calls (every kernel).
+    attention,
+    /// Of those, prompt runs on the tensor-core flash kernel (`flash_attention.rs`).
+    flash_attention,
+    /// Prompt runs (attention of at least 2 tokens, chunked delta rule) on the f32 kernels:
+    /// shapes the tensor-core kernels do not take, or [`PrefillPath::F32`].
+    prefill_f32,
+    /// Attention calls whose longest row was split into more than one key range.
+    attention_multi_split,
+    /// Decode-batch calls (`*_rows` ops: matmul, conv, delta rule, attention).
+    batch_rows,
+    /// Decode steps replayed from a recorded CUDA graph.
+    graph_replays,
+    /// Decode steps recorded into a CUDA graph (then replayed).
+    graph_captures,
+    /// Decode steps launched op by op (the first sight of a batch, or graphs switched off).
+    steps_eager,
+    /// Captures that failed (the step then ran op by op).
+    graph_failures,
+    /// Kernel modules compiled by NVRTC when this backend was made.
+    modules_compiled,
+    /// Kernel modules loaded from the cache (memory or disk) instead.
+    modules_cached,
+    /// One-token matmuls on a packed-weight (Q8_0/Q4_0/Q4_K/Q6_K) GEMV.
+    gemv_quant,
+    /// Several-token matmuls (decode batches, short prompts) on the batched packed GEMV.
+    gemv_quant_rows,
+    /// Decode-batch matmul launches (any batch size) on the packed tensor-core GEMV (`qmma_*`).
+    gemv_quant_mma,
+    /// Decode-batch projections of one input on packed weights in fused GEMV launches
+    /// (activations quantized once).
+    gemv_quant_fused,
+    /// Packed GEMV calls (one-token, single or fused) that read the activations as their
+    /// producer (a row norm, the SwiGLU) quantized them, with no `quantize_x` (`quant.rs`).
+    gemv_quant_prequantized,
+    /// Matmuls on packed weights dequantized to bf16 for a GEMM (the GEMM is counted too).
+    gemm_dequant,
+    /// Embedding gathers from a packed table.
+    embed_quant,
+    /// Prepared draws (sampling) finished on the device.
+    sample_device,
+    /// Prepared draws the device kernels leave to the host (a top-p row over few or heavily
+    /// tied logits, `sample.rs`).
+    sample_host,
+    /// Of the device's draws, those with a top-k above the one-block kernel's 1024 and below
+    /// the vocabulary, drawn in sorted order by the full pipeline's radix selects.
+    sample_sorted,
 }
 
 impl std::fmt::Display for PathCounts {
@@ -237,45 +230,6 @@ impl std::fmt::Display for PathCounts {
             self.sample_host
         )
     }
-}
-
-#[derive(Default)]
-struct Counters {
-    gemv: AtomicU64,
-    gemv_mma: AtomicU64,
-    gemv_streamed: AtomicU64,
-    gemv_fused: AtomicU64,
-    gemv_glu: AtomicU64,
-    gemm_cublas: AtomicU64,
-    gemm_cublas_split: AtomicU64,
-    gemm_fallback: AtomicU64,
-    conv_sequential: AtomicU64,
-    conv_parallel: AtomicU64,
-    gdn_recurrent: AtomicU64,
-    gdn_chunked: AtomicU64,
-    gdn_decode_fused: AtomicU64,
-    gdn_chunked_tc: AtomicU64,
-    attention: AtomicU64,
-    flash_attention: AtomicU64,
-    prefill_f32: AtomicU64,
-    attention_multi_split: AtomicU64,
-    batch_rows: AtomicU64,
-    graph_replays: AtomicU64,
-    graph_captures: AtomicU64,
-    steps_eager: AtomicU64,
-    graph_failures: AtomicU64,
-    modules_compiled: AtomicU64,
-    modules_cached: AtomicU64,
-    gemv_quant: AtomicU64,
-    gemv_quant_rows: AtomicU64,
-    gemv_quant_mma: AtomicU64,
-    gemv_quant_fused: AtomicU64,
-    gemv_quant_prequantized: AtomicU64,
-    gemm_dequant: AtomicU64,
-    embed_quant: AtomicU64,
-    sample_device: AtomicU64,
-    sample_host: AtomicU64,
-    sample_sorted: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -488,45 +442,7 @@ impl CudaBackend {
     }
 
     pub fn path_counts(&self) -> PathCounts {
-        let c = &self.counters;
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        PathCounts {
-            gemv: g(&c.gemv),
-            gemv_mma: g(&c.gemv_mma),
-            gemv_streamed: g(&c.gemv_streamed),
-            gemv_fused: g(&c.gemv_fused),
-            gemv_glu: g(&c.gemv_glu),
-            gemm_cublas: g(&c.gemm_cublas),
-            gemm_cublas_split: g(&c.gemm_cublas_split),
-            gemm_fallback: g(&c.gemm_fallback),
-            conv_sequential: g(&c.conv_sequential),
-            conv_parallel: g(&c.conv_parallel),
-            gdn_recurrent: g(&c.gdn_recurrent),
-            gdn_chunked: g(&c.gdn_chunked),
-            gdn_decode_fused: g(&c.gdn_decode_fused),
-            gdn_chunked_tc: g(&c.gdn_chunked_tc),
-            attention: g(&c.attention),
-            flash_attention: g(&c.flash_attention),
-            prefill_f32: g(&c.prefill_f32),
-            attention_multi_split: g(&c.attention_multi_split),
-            batch_rows: g(&c.batch_rows),
-            graph_replays: g(&c.graph_replays),
-            graph_captures: g(&c.graph_captures),
-            steps_eager: g(&c.steps_eager),
-            graph_failures: g(&c.graph_failures),
-            modules_compiled: g(&c.modules_compiled),
-            modules_cached: g(&c.modules_cached),
-            gemv_quant: g(&c.gemv_quant),
-            gemv_quant_rows: g(&c.gemv_quant_rows),
-            gemv_quant_mma: g(&c.gemv_quant_mma),
-            gemv_quant_fused: g(&c.gemv_quant_fused),
-            gemv_quant_prequantized: g(&c.gemv_quant_prequantized),
-            gemm_dequant: g(&c.gemm_dequant),
-            embed_quant: g(&c.embed_quant),
-            sample_device: g(&c.sample_device),
-            sample_host: g(&c.sample_host),
-            sample_sorted: g(&c.sample_sorted),
-        }
+        self.counters.snapshot()
     }
 
     /// Whether the row norms and the SwiGLU of one token also write their output quantized
@@ -581,44 +497,7 @@ impl CudaBackend {
 
     /// Zeroes the op counters (the module counters describe construction and stay).
     pub fn reset_path_counts(&self) {
-        let c = &self.counters;
-        for a in [
-            &c.gemv,
-            &c.gemv_mma,
-            &c.gemv_streamed,
-            &c.gemv_fused,
-            &c.gemv_glu,
-            &c.gemm_cublas,
-            &c.gemm_cublas_split,
-            &c.gemm_fallback,
-            &c.conv_sequential,
-            &c.conv_parallel,
-            &c.gdn_recurrent,
-            &c.gdn_chunked,
-            &c.gdn_decode_fused,
-            &c.gdn_chunked_tc,
-            &c.attention,
-            &c.flash_attention,
-            &c.prefill_f32,
-            &c.attention_multi_split,
-            &c.batch_rows,
-            &c.graph_replays,
-            &c.graph_captures,
-            &c.steps_eager,
-            &c.graph_failures,
-            &c.gemv_quant,
-            &c.gemv_quant_rows,
-            &c.gemv_quant_mma,
-            &c.gemv_quant_fused,
-            &c.gemv_quant_prequantized,
-            &c.gemm_dequant,
-            &c.embed_quant,
-            &c.sample_device,
-            &c.sample_sorted,
-            &c.sample_host,
-        ] {
-            a.store(0, Ordering::Relaxed);
-        }
+        self.counters.reset_all_but(&["modules_compiled", "modules_cached"]);
     }
 
     /// Waits for all queued work; reports a failed kernel as an error.
