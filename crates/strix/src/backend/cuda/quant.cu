@@ -796,6 +796,15 @@ __device__ __forceinline__ float2 qm_xd(const unsigned char* slot, int j, int t,
     return make_float2(d[8 * tok + G], d[8 * (tok + 1) + G]);
 }
 
+// The 16 scale bytes of a stage (`ws`: its weight-scale tile) of this lane's rows: g and g + 8
+// of each of warp `warp`'s two m-tiles, [m-tile][row half].
+__device__ __forceinline__ void qm_row_scales(const unsigned char* ws, int warp, int g, v4u (&sc)[2][2]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) sc[mt][h] = *reinterpret_cast<const v4u*>(ws + 16 * (32 * warp + 16 * mt + 8 * h + g));
+}
+
 // One stage's mmas for warp `warp`: acc[m-tile][n-tile][c].
 template <class F, int NT>
 struct QmCompute;
@@ -807,11 +816,7 @@ struct QmCompute<Q8_0M, NT> {
         using S = QmStage<Q8_0M, NT>;
         const int g = lane >> 2, t = lane & 3;
         v4u sc[2][2];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                sc[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+        qm_row_scales(slot + S::WS, warp, g, sc);
 #pragma unroll QmUnroll<NT>::G
         for (int G = 0; G < 8; G++) {
             u32 b[NT][2];
@@ -845,11 +850,7 @@ struct QmCompute<Q4_0M, NT> {
         using S = QmStage<Q4_0M, NT>;
         const int g = lane >> 2, t = lane & 3;
         v4u sc[2][2];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                sc[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+        qm_row_scales(slot + S::WS, warp, g, sc);
 #pragma unroll QmUnroll<NT>::G / 2
         for (int G2 = 0; G2 < 8; G2 += 2) {
             u32 raw[2][4];
@@ -892,11 +893,7 @@ struct QmCompute<Q4_KM, NT> {
         const int g = lane >> 2, t = lane & 3;
         const int* xsum = reinterpret_cast<const int*>(slot + S::XS);
         v4u meta[2][2];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                meta[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+        qm_row_scales(slot + S::WS, warp, g, meta);
 #pragma unroll QmUnroll<NT>::G / 2
         for (int p = 0; p < 4; p++) {
             // Sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of chunks 2p, 2p + 1.
@@ -970,11 +967,7 @@ struct QmCompute<Q6_KM, NT> {
         const int g = lane >> 2, t = lane & 3;
         const float d[2][2] = {{f16_to_f32(d00), f16_to_f32(d01)}, {f16_to_f32(d10), f16_to_f32(d11)}};
         v4u sc[2][2];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                sc[mt][h] = *reinterpret_cast<const v4u*>(slot + S::WS + 16 * (32 * warp + 16 * mt + 8 * h + g));
+        qm_row_scales(slot + S::WS, warp, g, sc);
 #pragma unroll QmUnroll<NT>::HALVES
         for (int n = 0; n < 2; n++) {
             // Units (n, 0) and (n, 1): chunks 2n, 2n + 1 of each plane.

@@ -485,11 +485,11 @@ impl Kernels {
             return self.one_token(dev, xq, ws, outs);
         }
         // Launch groups: consecutive weights while they fit the segments and the slots.
+        let nsplits: Vec<usize> = ws.iter().map(|w| qm_nsplit(w.rows(), cols, self.sm_count)).collect();
         let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
         let (mut start, mut slots) = (0, 0);
-        for (j, w) in ws.iter().enumerate() {
+        for (j, (w, &nsplit)) in ws.iter().zip(&nsplits).enumerate() {
             assert!(w.dtype() == dtype && w.cols() == cols && self.mma_takes(w), "qmma: weights do not fuse");
-            let nsplit = qm_nsplit(w.rows(), cols, self.sm_count);
             let need = if nsplit > 1 { w.rows().div_ceil(GS_BM) * nsplit } else { 0 };
             assert!(need <= split.slots, "qmma: {need} partial slots, the workspace has {}", split.slots);
             if j > start && (j - start == MAX_SEGMENTS || slots + need > split.slots) {
@@ -507,8 +507,7 @@ impl Kernels {
                 let mut segs = QmSegs::default();
                 let (mut units, mut slot) = ([0; MAX_SEGMENTS], 0);
                 for (k, j) in group.clone().enumerate() {
-                    let w = ws[j];
-                    let nsplit = qm_nsplit(w.rows(), cols, self.sm_count);
+                    let (w, nsplit) = (ws[j], nsplits[j]);
                     units[k] = w.rows().div_ceil(GS_BM) * nsplit;
                     segs.wq[k] = w.ptr();
                     segs.ws[k] = scales_ptr(w);
