@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::sigmoid;
-use super::simd::{axpy, decay_and_read, dot, scale, silu_in_place, update_and_read, Isa};
+use super::simd::{axpy, decay_and_read, dot, scale, silu_in_place, update_and_read, FlushSubnormals, Isa};
 use crate::backend::DeltaNetShape;
 
 /// Tokens per chunk of the chunked form (the reference's `chunk_size`).
@@ -276,6 +276,8 @@ pub fn chunked(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f32
     let (dk, dv) = (shape.k_head_dim, shape.v_head_dim);
     let tokens = inputs.tokens;
     for_each_head(shape, tokens, state, out, |h, s, o| {
+        // Decays underflow into subnormals here, which cost Intel cores an assist each.
+        let _ftz = FlushSubnormals::new();
         let x = inputs.head(shape, h);
         let mut cum = [0.0f32; CHUNK];
         let mut a = vec![0.0f32; CHUNK * CHUNK];
