@@ -330,7 +330,7 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
 /// `i · lrs + p · lcs`, `rhs` element `(p, j)` at `p · rrs + j · rcs`. Single-threaded: the
 /// heads already run in parallel.
 #[allow(clippy::too_many_arguments)]
-fn mm(
+pub(super) fn mm(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
     ldd: usize,
@@ -523,7 +523,7 @@ mod tests {
     }
 
     /// The convolution as first written (every input copied aside, token-parallel): the
-        /// reference the blocked one must match bit for bit.
+    /// reference the blocked one must match bit for bit.
     fn conv_reference(
         shape: &DeltaNetShape,
         qkv: &mut [f32],
@@ -558,7 +558,8 @@ mod tests {
             // The same sum as one accumulator per channel taking the taps in order.
             row.fill(0.0);
             for (j, w) in taps.chunks_exact(channels).enumerate() {
-                for ((o, &w), &x) in row.iter_mut().zip(w).zip(&x[(t + j) * channels..(t + j + 1) * channels]) {
+                for ((o, &w), &x) in row.iter_mut().zip(w).zip(&x[(t + j) * channels..(t + j + 1) * channels])
+                {
                     *o += w * x;
                 }
             }
@@ -596,15 +597,29 @@ mod tests {
                     let mut port = x.clone();
                     let mut st_port = st0.clone();
                     let ptr = SendPtr(port.as_mut_ptr());
-                    for (b, s) in block_states(&mut st_port, kernel - 1, c.div_ceil(CONV_BLOCK)).into_iter().enumerate() {
+                    for (b, s) in
+                        block_states(&mut st_port, kernel - 1, c.div_ceil(CONV_BLOCK)).into_iter().enumerate()
+                    {
                         let c0 = b * CONV_BLOCK;
                         let n = CONV_BLOCK.min(c - c0);
                         // SAFETY: `port` outlives the calls and only this loop touches it.
-                        let rows = |t: usize| unsafe { std::slice::from_raw_parts_mut(ptr.at(t * c + c0), n) };
-                        conv_block(Isa::Portable, kernel, n, tokens, &w[c0 * kernel..(c0 + n) * kernel], s, rows);
+                        let rows =
+                            |t: usize| unsafe { std::slice::from_raw_parts_mut(ptr.at(t * c + c0), n) };
+                        conv_block(
+                            Isa::Portable,
+                            kernel,
+                            n,
+                            tokens,
+                            &w[c0 * kernel..(c0 + n) * kernel],
+                            s,
+                            rows,
+                        );
                     }
                     assert_eq!(st_port, st_want, "{what}: portable state");
-                    assert!(port.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: portable");
+                    assert!(
+                        port.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: portable"
+                    );
                 }
             }
         }
