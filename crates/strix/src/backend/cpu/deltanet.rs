@@ -374,6 +374,8 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
     let tokens = inputs.tokens;
     let isa = Isa::detect();
     for_each_head(shape, tokens, state, out, |h, s, o| {
+        // As in the chunked form: a decaying state drifts into subnormals.
+        let _ftz = FlushSubnormals::new();
         let x = inputs.head(shape, h);
         let mut kv_mem = vec![0.0f32; dv];
         let mut delta = vec![0.0f32; dv];
@@ -394,6 +396,51 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
             for (i, row) in s.chunks_mut(dv).enumerate() {
                 update_and_read(isa, row, k[i], &delta, q[i], ot);
             }
+        }
+    });
+}
+
+/// [`DeltaRuleInputs::prepare`] and [`recurrent`] for one token (a decode row) as one
+/// parallel pass over the value heads: each head normalises its own q and k and reads its
+/// v, β and g where they lie, and writes its slice of `out` directly. The same operations in
+/// the same order as the two calls (bitwise), with one dispatch to the pool instead of three.
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent_one_token(
+    shape: &DeltaNetShape,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let (nv, dk, dv) = (shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
+    let key_dim = shape.key_dim();
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    assert_eq!(state.len(), nv * dk * dv);
+    assert_eq!(out.len(), nv * dv);
+    let isa = Isa::detect();
+    state.par_chunks_mut(dk * dv).zip(out.par_chunks_mut(dv)).enumerate().for_each(|(h, (s, o))| {
+        let _ftz = FlushSubnormals::new();
+        let kh = shape.key_head(h);
+        let mut q = qkv[kh * dk..(kh + 1) * dk].to_vec();
+        l2_normalize(&mut q);
+        scale(&mut q, q_scale);
+        let mut k = qkv[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
+        l2_normalize(&mut k);
+        let v = &qkv[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
+        let beta = sigmoid(b[h]);
+        let g = -a_log[h].exp() * softplus(a[h] + dt_bias[h]);
+        let decay = g.exp();
+        let mut kv_mem = vec![0.0f32; dv];
+        for (i, row) in s.chunks_mut(dv).enumerate() {
+            decay_and_read(isa, row, decay, k[i], &mut kv_mem);
+        }
+        let delta: Vec<f32> = v.iter().zip(&kv_mem).map(|(&v, &m)| (v - m) * beta).collect();
+        o.fill(0.0);
+        for (i, row) in s.chunks_mut(dv).enumerate() {
+            update_and_read(isa, row, k[i], &delta, q[i], o);
         }
     });
 }
@@ -695,6 +742,37 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The fused one-token form is bitwise `prepare` + `recurrent`, grouped and tiled heads.
+    #[test]
+    fn one_token_form_is_bitwise_the_general_one() {
+        for &(nk, nv, dk, dv, tiled) in
+            &[(1, 1, 8, 8, false), (2, 4, 16, 24, false), (2, 4, 16, 24, true), (3, 3, 5, 7, false)]
+        {
+            let mut sh = shape(nk, nv, dk, dv);
+            if tiled {
+                sh.value_head_order = crate::backend::ValueHeadOrder::Tiled;
+            }
+            let mut rng = Rng(nv as u64 * 5 + dk as u64);
+            let qkv = rng.vec(sh.conv_dim(), 1.0);
+            let a = rng.vec(nv, 2.0);
+            let b = rng.vec(nv, 2.0);
+            let a_log = rng.vec(nv, 1.0);
+            let dt_bias = rng.vec(nv, 1.0);
+            let init = rng.vec(sh.state_len(), 0.5);
+            let inputs = DeltaRuleInputs::prepare(&sh, &qkv, &a, &b, &a_log, &dt_bias, 1);
+            let (mut s1, mut s2) = (init.clone(), init.clone());
+            let mut o1 = vec![f32::NAN; sh.value_dim()];
+            let mut o2 = vec![f32::NAN; sh.value_dim()];
+            recurrent(&sh, &inputs, &mut s1, &mut o1);
+            recurrent_one_token(&sh, &qkv, &a, &b, &a_log, &dt_bias, &mut s2, &mut o2);
+            assert!(
+                o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "heads {nk}/{nv} tiled {tiled}"
+            );
+            assert!(s1.iter().zip(&s2).all(|(x, y)| x.to_bits() == y.to_bits()), "state, heads {nk}/{nv}");
         }
     }
 

@@ -370,16 +370,16 @@ impl Backend for CpuBackend {
         let (cd, vd, nv) = (shape.conv_dim(), shape.value_dim(), shape.num_v_heads);
         out[..states.len() * vd].par_chunks_mut(vd).zip(states.par_iter_mut()).enumerate().for_each(
             |(i, (out, state))| {
-                let inputs = deltanet::DeltaRuleInputs::prepare(
+                deltanet::recurrent_one_token(
                     shape,
                     &qkv[i * cd..(i + 1) * cd],
                     &a[i * nv..(i + 1) * nv],
                     &b[i * nv..(i + 1) * nv],
                     a_log,
                     dt_bias,
-                    1,
+                    state,
+                    out,
                 );
-                deltanet::recurrent(shape, &inputs, state, out);
             },
         );
     }
