@@ -191,16 +191,15 @@ fn conv_block<'a>(
             let row = rows(t);
             cur[..n].copy_from_slice(row);
             let mut acc = [0f32; CONV_BLOCK];
-            for i in 0..hist {
+            for (i, tap) in taps.iter().enumerate().take(hist) {
                 // (head + i) % hist without a division: both are below hist.
                 let slot = if head + i >= hist { head + i - hist } else { head + i };
-                let x = &ring[slot];
-                for c in 0..CONV_BLOCK {
-                    acc[c] += taps[i][c] * x[c];
+                for ((a, &w), &x) in acc.iter_mut().zip(tap).zip(&ring[slot]) {
+                    *a += w * x;
                 }
             }
-            for c in 0..CONV_BLOCK {
-                acc[c] += taps[hist][c] * cur[c];
+            for ((a, &w), &x) in acc.iter_mut().zip(&taps[hist]).zip(&cur) {
+                *a += w * x;
             }
             row.copy_from_slice(&acc[..n]);
             silu_in_place(isa, row);
@@ -209,8 +208,7 @@ fn conv_block<'a>(
                 head = if head + 1 == hist { 0 } else { head + 1 };
             }
         }
-        // The ring in age order once, so the per-channel loop below does no index arithmetic
-        // (a division per element there cost more than the whole convolution of a token).
+        // The ring in age order once, so the per-channel loop below reads fixed rows.
         let oldest_first: [[f32; CONV_BLOCK]; 8] =
             std::array::from_fn(|i| if i < hist { ring[(head + i) % hist] } else { [0.0; CONV_BLOCK] });
         for c in 0..n {
