@@ -672,7 +672,7 @@ impl Kernels {
     /// at r rows a warp, `resident[ri]` blocks fitting an SM: the fewest rounds of blocks over
     /// the SMs (ceil(blocks / resident blocks)), 2 rows a warp on a tie. A round costs a memory latency and a block start, so
     /// a matrix that fits the GPU in one round at 4 rows a warp (the 9B's 4096-row matrices)
-    /// takes 4; long ones stream alike at 2 or 4 (measured on an H200: BENCHMARKS.md, session 4).
+    /// takes 4; long ones stream alike at 2 or 4 (measured on an H200: BENCHMARKS-LOG.md, session 4).
     fn rows_index(&self, resident: &[usize; 3], blocks: impl Fn(usize) -> usize) -> usize {
         let forced = QGEMV_ROWS_FORCED.load(Ordering::Relaxed);
         if forced > 0 {
