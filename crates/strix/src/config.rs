@@ -13,9 +13,20 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::backend::ValueHeadOrder;
 use crate::error::{printable, Error, Result};
 use crate::files;
+
+/// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ValueHeadOrder {
+    /// `transformers`' order: value head `h` reads key head `h / (num_v_heads / num_k_heads)`
+    /// (each key head's value heads in one consecutive run).
+    #[default]
+    Grouped,
+    /// llama.cpp's GGUF order: value head `h` reads key head `h % num_k_heads` (its converter
+    /// permutes the value heads so that `ggml_repeat` of the key heads lines up).
+    Tiled,
+}
 
 /// The token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -165,9 +165,7 @@ pub enum Logits {
 /// passes leaves the chunk boundaries where one pass would put them.
 pub const PASS_TOKENS_ALIGN: usize = 64;
 
-/// The pass length a backend prefers unless it says otherwise
-/// ([`Backend::preferred_pass_tokens`]).
-pub const DEFAULT_PASS_TOKENS: usize = 512;
+pub use crate::backend::DEFAULT_PASS_TOKENS;
 
 pub struct Model<B: Backend> {
     pub config: ModelConfig,

@@ -15,17 +15,12 @@ use crate::error::Result;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::tensor::HostTensor;
 
-/// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ValueHeadOrder {
-    /// `transformers`' order: value head `h` reads key head `h / (num_v_heads / num_k_heads)`
-    /// (each key head's value heads in one consecutive run).
-    #[default]
-    Grouped,
-    /// llama.cpp's GGUF order: value head `h` reads key head `h % num_k_heads` (its converter
-    /// permutes the value heads so that `ggml_repeat` of the key heads lines up).
-    Tiled,
-}
+/// The pass length a backend prefers unless it says otherwise
+/// ([`Backend::preferred_pass_tokens`]).
+pub const DEFAULT_PASS_TOKENS: usize = 512;
+
+// Defined beside the rest of the model's configuration; backends read it from the shapes.
+pub use crate::config::ValueHeadOrder;
 
 /// Per-layer shapes of a Gated DeltaNet mixer.
 #[derive(Clone, Copy, Debug)]
@@ -277,7 +272,7 @@ pub trait Backend: Send + Sync {
     /// pass_tokens`]): a multiple of 64. The CPU's 512 keeps a pass's activations in cache; a
     /// GPU's matrix products want more rows.
     fn preferred_pass_tokens(&self) -> usize {
-        crate::model::DEFAULT_PASS_TOKENS
+        DEFAULT_PASS_TOKENS
     }
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
