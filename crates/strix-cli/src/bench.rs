@@ -26,7 +26,9 @@ use strix::session::Session;
 use strix::synthetic::{preset, SyntheticWeights, PRESETS};
 
 use crate::common;
-use crate::device::{self, path_count_delta, path_counts_line, with_backend, DeviceArgs, DeviceInfo};
+use crate::device::{
+    self, path_count_delta, path_counts_line, with_backend, DeviceArgs, DeviceInfo, OpTable,
+};
 use crate::limits;
 
 /// Seed of the synthetic weights and of the prompt ids, so runs compare like with like.
@@ -288,11 +290,15 @@ impl PathWindow {
 }
 
 fn bench_with<B: DeviceInfo>(
-    backend: B,
+    mut backend: B,
     args: &BenchArgs,
     config: ModelConfig,
     source: &Source,
 ) -> Result<()> {
+    // --verbose on the CPU: every op's wall time, read around one extra prefill and decode.
+    if args.verbose {
+        backend.keep_op_times();
+    }
     let plan = Plan::new(args, backend.kind() == "cuda", config.max_position_embeddings);
     let longest = plan.longest_context(args);
     if longest > config.max_position_embeddings {
@@ -396,6 +402,8 @@ fn bench_with<B: DeviceInfo>(
     let prefill_tok_s = median(&prefill);
     let decode_tok_s = median(&decode);
     note(format!("headline: prefill {prefill_tok_s:.1} tok/s, decode {decode_tok_s:.2} tok/s"));
+
+    let profile = if verbose { op_profile(&model, &prompt, args.gen)? } else { None };
 
     let bytes_per_token = model.weight_bytes_per_token();
     // Weights are read once per step whatever the batch, so the roofline is per step.
@@ -538,6 +546,10 @@ fn bench_with<B: DeviceInfo>(
             "paths": paths_json(m),
         })).collect::<Vec<_>>(),
         "headline_paths": paths_json(&headline),
+        "op_times": profile.as_ref().map(|p| json!({
+            "prefill": op_table_json(&p.prefill, p.prefill_seconds, 1),
+            "decode": op_table_json(&p.decode, p.decode_seconds, args.gen),
+        })),
         "path_counts": model.backend().path_counts(),
     });
     println!("{report}");
@@ -627,7 +639,96 @@ fn bench_with<B: DeviceInfo>(
     if let (true, Some(counts)) = (verbose, model.backend().path_counts()) {
         row("kernel paths (all)", path_counts_line(&counts));
     }
+    if let Some(p) = &profile {
+        print_op_table(&format!("prefill of {} tokens", prompt.len()), &p.prefill, p.prefill_seconds, 1);
+        print_op_table(
+            &format!("decode, per token (mean of {})", args.gen),
+            &p.decode,
+            p.decode_seconds,
+            args.gen,
+        );
+    }
     Ok(())
+}
+
+/// Per-op wall times of one prefill and the decode steps after it.
+struct OpProfile {
+    prefill: OpTable,
+    prefill_seconds: f64,
+    decode: OpTable,
+    decode_seconds: f64,
+}
+
+/// One more prefill of `prompt` into a fresh session and `gen` greedy decode steps, with the
+/// backend's op times read around each phase; `None` where the backend keeps none.
+fn op_profile<B: DeviceInfo>(model: &Model<B>, prompt: &[u32], gen: usize) -> Result<Option<OpProfile>> {
+    let Some(t0) = model.backend().op_times() else { return Ok(None) };
+    let mut session = model.new_session(prompt.len() + gen);
+    let start = Instant::now();
+    let logits = model.forward(&mut session, prompt, Logits::Last)?;
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    let t1 = model.backend().op_times().unwrap_or_default();
+    let start = Instant::now();
+    let mut next = argmax(&logits);
+    for _ in 0..gen {
+        next = model.decode_batch_greedy(&mut [&mut session], &[next])?[0];
+    }
+    let decode_seconds = start.elapsed().as_secs_f64();
+    let t2 = model.backend().op_times().unwrap_or_default();
+    Ok(Some(OpProfile {
+        prefill: strix::backend::cpu::optimes::OpTimes::delta(&t0, &t1),
+        prefill_seconds,
+        decode: strix::backend::cpu::optimes::OpTimes::delta(&t1, &t2),
+        decode_seconds,
+    }))
+}
+
+/// A table's rows, the most time first.
+fn op_rows(table: &OpTable) -> Vec<(String, u64, f64)> {
+    let mut rows: Vec<(String, u64, f64)> = table
+        .iter()
+        .map(|(k, t)| {
+            let name = if k.dtype.is_empty() {
+                k.op.to_string()
+            } else {
+                format!("{} {} {}x{}", k.op, k.dtype, k.shape.0, k.shape.1)
+            };
+            (name, t.calls, t.time.as_secs_f64())
+        })
+        .collect();
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    rows
+}
+
+/// `per` divides the times (decode: per token).
+fn op_table_json(table: &OpTable, seconds: f64, per: usize) -> Value {
+    let per = per.max(1) as f64;
+    json!({
+        "wall_ms": 1e3 * seconds / per,
+        "ops": op_rows(table).iter().map(|(name, calls, s)| json!({
+            "op": name,
+            "calls": *calls as f64 / per,
+            "ms": 1e3 * s / per,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn print_op_table(title: &str, table: &OpTable, seconds: f64, per: usize) {
+    let per = per.max(1) as f64;
+    let wall = 1e3 * seconds / per;
+    eprintln!("  op times, {title}: {wall:.2} ms");
+    let mut in_ops = 0.0;
+    for (name, calls, s) in op_rows(table) {
+        let ms = 1e3 * s / per;
+        in_ops += ms;
+        eprintln!(
+            "    {name:<40} {:>8.1} calls {ms:>10.3} ms {:>6.1}%",
+            calls as f64 / per,
+            100.0 * ms / wall
+        );
+    }
+    let rest = wall - in_ops;
+    eprintln!("    {:<40} {:>14} {rest:>10.3} ms {:>6.1}%", "(outside the ops)", "", 100.0 * rest / wall);
 }
 
 /// `1.52 GB`, `345.2 kB`: decimal units, as bandwidth is quoted.

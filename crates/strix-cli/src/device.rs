@@ -10,6 +10,7 @@ use anyhow::{anyhow, Result};
 use clap::Args;
 use rayon::prelude::*;
 use serde_json::{Map, Value};
+use strix::backend::cpu::optimes::{OpKey, OpTimes, OpTotal};
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{self, CudaBackend};
 use strix::backend::{Backend, KvCacheType};
@@ -201,7 +202,21 @@ pub trait DeviceInfo: Backend {
     /// once for many sequences. Either is bitwise batch-invariant on its own, so within a
     /// process a sequence's tokens never depend on the batch. Returns what the report calls it.
     fn tune_for_single_stream(&self, single: bool) -> &'static str;
+
+    /// Starts adding the wall time of every op to a table ([`DeviceInfo::op_times`]); `false`
+    /// where the backend keeps none (CUDA, whose ops return before they run).
+    fn keep_op_times(&mut self) -> bool {
+        false
+    }
+
+    /// The op times kept so far, by op (and weight dtype and shape).
+    fn op_times(&self) -> Option<OpTable> {
+        None
+    }
 }
+
+/// Calls and wall time per op, as [`DeviceInfo::op_times`] reports them.
+pub type OpTable = std::collections::BTreeMap<OpKey, OpTotal>;
 
 impl DeviceInfo for CpuBackend {
     fn kind(&self) -> &'static str {
@@ -238,6 +253,15 @@ impl DeviceInfo for CpuBackend {
 
     fn tune_for_single_stream(&self, _single: bool) -> &'static str {
         "cpu kernels"
+    }
+
+    fn keep_op_times(&mut self) -> bool {
+        *self = CpuBackend::with_op_times(std::sync::Arc::new(OpTimes::new()));
+        true
+    }
+
+    fn op_times(&self) -> Option<OpTable> {
+        CpuBackend::op_times(self).map(|t| t.snapshot())
     }
 }
 

@@ -2,15 +2,18 @@
 //! weights), [`qmatmul`] / [`qpacked`] (GGML block formats, integer dot products) and
 //! [`simd`]. Float weights are read in place from the memory-mapped checkpoint in their
 //! stored dtype; GGML block weights are repacked at load into groups of eight interleaved
-//! rows ([`qpacked::Packed`]).
+//! rows ([`qpacked::Packed`]). [`optimes`] keeps the wall time of every op when asked to.
 
 pub mod attention;
 pub mod deltanet;
 pub mod matmul;
 pub mod moe;
+pub mod optimes;
 pub mod qmatmul;
 pub mod qpacked;
 pub mod simd;
+
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -18,15 +21,42 @@ use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, MoeE
 use crate::error::Result;
 use crate::tensor::{Bytes, DType, HostTensor};
 use matmul::WeightRef;
+use optimes::{OpKey, OpTimer, OpTimes};
 use qpacked::{Packed, PackedKind};
 
 /// Runs every op on the host CPU.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend {
+    /// Where each op's wall time goes, when the caller asked for it.
+    times: Option<Arc<OpTimes>>,
+}
 
 impl CpuBackend {
     pub fn new() -> CpuBackend {
-        CpuBackend
+        CpuBackend { times: None }
+    }
+
+    /// A backend that adds the wall time of every op it runs to `times` (`strix bench
+    /// --verbose`); otherwise the same as [`CpuBackend::new`].
+    pub fn with_op_times(times: Arc<OpTimes>) -> CpuBackend {
+        CpuBackend { times: Some(times) }
+    }
+
+    /// The op times this backend records into, if any.
+    pub fn op_times(&self) -> Option<&Arc<OpTimes>> {
+        self.times.as_ref()
+    }
+
+    /// Times the op until the returned guard drops (nothing when no times are kept).
+    fn timed(&self, op: &'static str) -> Option<OpTimer<'_>> {
+        let key = OpKey { op, dtype: "", shape: (0, 0) };
+        self.times.as_deref().map(|t| OpTimer::start(t, key))
+    }
+
+    /// [`CpuBackend::timed`] for an op on a weight matrix, filed under its dtype and shape.
+    fn timed_weight(&self, op: &'static str, w: &CpuWeight) -> Option<OpTimer<'_>> {
+        let key = OpKey { op, dtype: w.dtype.name(), shape: (w.rows, w.cols) };
+        self.times.as_deref().map(|t| OpTimer::start(t, key))
     }
 }
 
@@ -170,6 +200,7 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
+        let _t = self.timed_weight("embed", table);
         assert_eq!(table.cols, dim);
         let view = table.kernel_view();
         out[..ids.len() * dim].par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(row, &id)| match view {
@@ -179,6 +210,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
+        let _t = self.timed_weight("matmul", w);
         let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
         match w.kernel_view() {
             KernelRef::Float(v) => matmul::matmul(x, tokens, v, w.rows, w.cols, out),
@@ -187,6 +219,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_rows(&self, x: &Vec<f32>, tokens: usize, w: &CpuWeight, out: &mut Vec<f32>) {
+        let _t = self.timed_weight("matmul_rows", w);
         let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
         match w.kernel_view() {
             KernelRef::Float(v) => matmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
@@ -204,10 +237,12 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
         decode_batch: bool,
     ) {
+        let _t = self.timed("moe_experts");
         moe::moe_experts(self, x, tokens, router_logits, experts, top_k, out, decode_batch);
     }
 
     fn add_sigmoid_gated(&self, out: &mut Vec<f32>, x: &Vec<f32>, gate: &Vec<f32>, rows: usize, dim: usize) {
+        let _t = self.timed("add_sigmoid_gated");
         out[..rows * dim]
             .par_chunks_mut(dim)
             .zip(x[..rows * dim].par_chunks(dim))
@@ -226,6 +261,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
+        let _t = self.timed("rms_norm");
         let rows = x.len().min(out.len()) / dim;
         out[..rows * dim]
             .par_chunks_mut(dim * rows_per_task(dim))
@@ -249,6 +285,7 @@ impl Backend for CpuBackend {
         eps: f32,
         out: &mut Vec<f32>,
     ) {
+        let _t = self.timed("add_rms_norm");
         let rows = residual.len().min(x.len()).min(out.len()) / dim;
         let n = dim * rows_per_task(dim);
         residual[..rows * dim]
@@ -269,6 +306,7 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, residual: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        let _t = self.timed("add");
         residual[..len].par_chunks_mut(16384).zip(x[..len].par_chunks(16384)).for_each(|(r, x)| {
             for (r, &x) in r.iter_mut().zip(x) {
                 *r += x;
@@ -277,6 +315,7 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        let _t = self.timed("swiglu");
         out[..len]
             .par_chunks_mut(16384)
             .zip(gate[..len].par_chunks(16384))
@@ -298,6 +337,7 @@ impl Backend for CpuBackend {
         weight: &Vec<f32>,
         state: &mut Vec<f32>,
     ) {
+        let _t = self.timed("causal_conv1d_silu");
         deltanet::causal_conv1d_silu(shape, &mut qkv[..tokens * shape.conv_dim()], tokens, weight, state);
     }
 
@@ -308,6 +348,7 @@ impl Backend for CpuBackend {
         weight: &Vec<f32>,
         states: &mut [&mut Vec<f32>],
     ) {
+        let _t = self.timed("causal_conv1d_silu_rows");
         let dim = shape.conv_dim();
         qkv[..states.len() * dim].par_chunks_mut(dim).zip(states.par_iter_mut()).for_each(|(row, state)| {
             deltanet::causal_conv1d_silu(shape, row, 1, weight, state);
@@ -325,6 +366,7 @@ impl Backend for CpuBackend {
         states: &mut [&mut Vec<f32>],
         out: &mut Vec<f32>,
     ) {
+        let _t = self.timed("gated_delta_rule_rows");
         let (cd, vd, nv) = (shape.conv_dim(), shape.value_dim(), shape.num_v_heads);
         out[..states.len() * vd].par_chunks_mut(vd).zip(states.par_iter_mut()).enumerate().for_each(
             |(i, (out, state))| {
@@ -355,6 +397,10 @@ impl Backend for CpuBackend {
         state: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) {
+        let _t = self.timed(match mode {
+            DeltaRuleMode::Recurrent => "gated_delta_rule (recurrent)",
+            DeltaRuleMode::Chunked => "gated_delta_rule (chunked)",
+        });
         let inputs = deltanet::DeltaRuleInputs::prepare(shape, qkv, a, b, a_log, dt_bias, tokens);
         let out = &mut out[..tokens * shape.value_dim()];
         match mode {
@@ -372,6 +418,7 @@ impl Backend for CpuBackend {
         dim: usize,
         eps: f32,
     ) {
+        let _t = self.timed("gated_rms_norm");
         let n = dim * rows_per_task(dim);
         x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
             for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {
@@ -393,6 +440,7 @@ impl Backend for CpuBackend {
         q: &mut Vec<f32>,
         gate: &mut Vec<f32>,
     ) {
+        let _t = self.timed("attention_prologue");
         attention::prologue(shape, q_and_gate, k, q_norm, k_norm, inv_freq, positions, q, gate);
     }
 
@@ -409,6 +457,7 @@ impl Backend for CpuBackend {
         tokens: usize,
         out: &mut Vec<f32>,
     ) {
+        let _t = self.timed("attention");
         let kv = shape.kv_dim();
         k_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&k[..tokens * kv]);
         v_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&v[..tokens * kv]);
@@ -427,6 +476,7 @@ impl Backend for CpuBackend {
         positions: &[usize],
         out: &mut Vec<f32>,
     ) {
+        let _t = self.timed("attention_rows");
         let kv = shape.kv_dim();
         let qd = shape.num_heads * shape.head_dim;
         out[..positions.len() * qd]
