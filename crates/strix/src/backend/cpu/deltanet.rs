@@ -41,6 +41,9 @@ pub fn causal_conv1d_silu(
     assert_eq!(weight.len(), channels * k);
     assert_eq!(state.len(), channels * (k - 1));
     let isa = Isa::detect();
+    if tokens == 1 {
+        return conv_one_token(isa, k, qkv, weight, state);
+    }
     let blocks = channels.div_ceil(CONV_BLOCK);
     let ptr = SendPtr(qkv.as_mut_ptr());
     let block = |(b, state): (usize, &mut [f32])| {
@@ -67,6 +70,70 @@ fn block_states(state: &mut [f32], hist: usize, blocks: usize) -> Vec<&mut [f32]
         return (0..blocks).map(|_| Default::default()).collect();
     }
     state.chunks_mut(CONV_BLOCK * hist).collect()
+}
+
+/// [`causal_conv1d_silu`] for one token (decode): straight over the channels in their stored
+/// layouts, the same sums as the blocked path (whose per-block set-up would cost more than
+/// the arithmetic of one token).
+fn conv_one_token(isa: Isa, k: usize, x: &mut [f32], weight: &[f32], state: &mut [f32]) {
+    #[inline(always)]
+    fn body(isa: Isa, k: usize, x: &mut [f32], weight: &[f32], state: &mut [f32]) {
+        let hist = k - 1;
+        if hist == 0 {
+            for (x, &w) in x.iter_mut().zip(weight) {
+                *x = 0.0 + w * *x;
+            }
+            return silu_in_place(isa, x);
+        }
+        // Qwen3.5's kernel of 4 as a constant, so the taps unroll with no bounds checks.
+        if k == 4 {
+            taps::<4, 3>(x, weight, state);
+        } else {
+            for ((x, w), s) in x.iter_mut().zip(weight.chunks_exact(k)).zip(state.chunks_exact_mut(hist)) {
+                *x = tap(w, s, *x);
+            }
+        }
+        silu_in_place(isa, x);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn fast(isa: Isa, k: usize, x: &mut [f32], weight: &[f32], state: &mut [f32]) {
+        body(isa, k, x, weight, state)
+    }
+    match isa {
+        // SAFETY: `Isa::Avx2` is only produced after detecting AVX2 and FMA; no contraction.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { fast(isa, k, x, weight, state) },
+        Isa::Portable => body(isa, k, x, weight, state),
+    }
+}
+
+/// One channel of a one-token conv: `0 + w₀s₀ + … + w_{k−1}x` (unfused, in tap order), and
+/// the channel's history shifted by one with `x` as its newest input.
+#[inline(always)]
+fn tap(w: &[f32], s: &mut [f32], x: f32) -> f32 {
+    let hist = s.len();
+    let mut acc = 0f32;
+    for i in 0..hist {
+        acc += w[i] * s[i];
+    }
+    acc += w[hist] * x;
+    // Element by element: `copy_within` became a memmove call per channel.
+    for i in 1..hist {
+        s[i - 1] = s[i];
+    }
+    s[hist - 1] = x;
+    acc
+}
+
+/// [`tap`] over every channel with the kernel width `K` (history `H = K − 1`) known.
+#[inline(always)]
+fn taps<const K: usize, const H: usize>(x: &mut [f32], weight: &[f32], state: &mut [f32]) {
+    let (w, _) = weight.as_chunks::<K>();
+    let (s, _) = state.as_chunks_mut::<H>();
+    for ((x, w), s) in x.iter_mut().zip(w).zip(s) {
+        *x = tap(w, s, *x);
+    }
 }
 
 /// `*mut f32` that the conv's blocks share (each touches its own channels only).
@@ -125,7 +192,9 @@ fn conv_block<'a>(
             cur[..n].copy_from_slice(row);
             let mut acc = [0f32; CONV_BLOCK];
             for i in 0..hist {
-                let x = &ring[(head + i) % hist];
+                // (head + i) % hist without a division: both are below hist.
+                let slot = if head + i >= hist { head + i - hist } else { head + i };
+                let x = &ring[slot];
                 for c in 0..CONV_BLOCK {
                     acc[c] += taps[i][c] * x[c];
                 }
@@ -137,12 +206,16 @@ fn conv_block<'a>(
             silu_in_place(isa, row);
             if hist > 0 {
                 ring[head] = cur;
-                head = (head + 1) % hist;
+                head = if head + 1 == hist { 0 } else { head + 1 };
             }
         }
+        // The ring in age order once, so the per-channel loop below does no index arithmetic
+        // (a division per element there cost more than the whole convolution of a token).
+        let oldest_first: [[f32; CONV_BLOCK]; 8] =
+            std::array::from_fn(|i| if i < hist { ring[(head + i) % hist] } else { [0.0; CONV_BLOCK] });
         for c in 0..n {
             for i in 0..hist {
-                state[c * hist + i] = ring[(head + i) % hist][c];
+                state[c * hist + i] = oldest_first[i][c];
             }
         }
     }
@@ -301,6 +374,8 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
     let tokens = inputs.tokens;
     let isa = Isa::detect();
     for_each_head(shape, tokens, state, out, |h, s, o| {
+        // As in the chunked form: a decaying state drifts into subnormals.
+        let _ftz = FlushSubnormals::new();
         let x = inputs.head(shape, h);
         let mut kv_mem = vec![0.0f32; dv];
         let mut delta = vec![0.0f32; dv];
@@ -321,6 +396,51 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
             for (i, row) in s.chunks_mut(dv).enumerate() {
                 update_and_read(isa, row, k[i], &delta, q[i], ot);
             }
+        }
+    });
+}
+
+/// [`DeltaRuleInputs::prepare`] and [`recurrent`] for one token (a decode row) as one
+/// parallel pass over the value heads: each head normalises its own q and k and reads its
+/// v, β and g where they lie, and writes its slice of `out` directly. The same operations in
+/// the same order as the two calls (bitwise), with one dispatch to the pool instead of three.
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent_one_token(
+    shape: &DeltaNetShape,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let (nv, dk, dv) = (shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
+    let key_dim = shape.key_dim();
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    assert_eq!(state.len(), nv * dk * dv);
+    assert_eq!(out.len(), nv * dv);
+    let isa = Isa::detect();
+    state.par_chunks_mut(dk * dv).zip(out.par_chunks_mut(dv)).enumerate().for_each(|(h, (s, o))| {
+        let _ftz = FlushSubnormals::new();
+        let kh = shape.key_head(h);
+        let mut q = qkv[kh * dk..(kh + 1) * dk].to_vec();
+        l2_normalize(&mut q);
+        scale(&mut q, q_scale);
+        let mut k = qkv[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
+        l2_normalize(&mut k);
+        let v = &qkv[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
+        let beta = sigmoid(b[h]);
+        let g = -a_log[h].exp() * softplus(a[h] + dt_bias[h]);
+        let decay = g.exp();
+        let mut kv_mem = vec![0.0f32; dv];
+        for (i, row) in s.chunks_mut(dv).enumerate() {
+            decay_and_read(isa, row, decay, k[i], &mut kv_mem);
+        }
+        let delta: Vec<f32> = v.iter().zip(&kv_mem).map(|(&v, &m)| (v - m) * beta).collect();
+        o.fill(0.0);
+        for (i, row) in s.chunks_mut(dv).enumerate() {
+            update_and_read(isa, row, k[i], &delta, q[i], o);
         }
     });
 }
@@ -622,6 +742,37 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The fused one-token form is bitwise `prepare` + `recurrent`, grouped and tiled heads.
+    #[test]
+    fn one_token_form_is_bitwise_the_general_one() {
+        for &(nk, nv, dk, dv, tiled) in
+            &[(1, 1, 8, 8, false), (2, 4, 16, 24, false), (2, 4, 16, 24, true), (3, 3, 5, 7, false)]
+        {
+            let mut sh = shape(nk, nv, dk, dv);
+            if tiled {
+                sh.value_head_order = crate::backend::ValueHeadOrder::Tiled;
+            }
+            let mut rng = Rng(nv as u64 * 5 + dk as u64);
+            let qkv = rng.vec(sh.conv_dim(), 1.0);
+            let a = rng.vec(nv, 2.0);
+            let b = rng.vec(nv, 2.0);
+            let a_log = rng.vec(nv, 1.0);
+            let dt_bias = rng.vec(nv, 1.0);
+            let init = rng.vec(sh.state_len(), 0.5);
+            let inputs = DeltaRuleInputs::prepare(&sh, &qkv, &a, &b, &a_log, &dt_bias, 1);
+            let (mut s1, mut s2) = (init.clone(), init.clone());
+            let mut o1 = vec![f32::NAN; sh.value_dim()];
+            let mut o2 = vec![f32::NAN; sh.value_dim()];
+            recurrent(&sh, &inputs, &mut s1, &mut o1);
+            recurrent_one_token(&sh, &qkv, &a, &b, &a_log, &dt_bias, &mut s2, &mut o2);
+            assert!(
+                o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "heads {nk}/{nv} tiled {tiled}"
+            );
+            assert!(s1.iter().zip(&s2).all(|(x, y)| x.to_bits() == y.to_bits()), "state, heads {nk}/{nv}");
         }
     }
 

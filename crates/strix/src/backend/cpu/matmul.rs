@@ -18,9 +18,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::simd::Isa;
 #[cfg(target_arch = "x86_64")]
 use super::simd::LANES;
+use super::simd::{prefetch, prefetch_distance, Isa};
 
 /// A weight matrix stored row-major as `rows` rows of `cols` elements, in its checkpoint dtype.
 #[derive(Clone, Copy)]
@@ -235,7 +235,12 @@ impl Problem<'_> {
             // Memory-bound: one row at a time keeps each thread on a single sequential
             // stream (interleaving rows measured 2× slower from DRAM); eight accumulators
             // along the row cover the FMA latency.
+            let pf = prefetch_distance();
+            let row_bytes = cols * std::mem::size_of::<W::Raw>();
             for r in r0..r1 {
+                if pf > 0 {
+                    prefetch((row(r).as_ptr() as *const u8).wrapping_add(pf), row_bytes);
+                }
                 self.tile::<K, W, 1, 1, 8>([row(r)], r, 0);
             }
             return;

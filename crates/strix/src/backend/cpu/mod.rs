@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, MoeExperts};
 use crate::error::Result;
+use crate::sampling::NonFiniteLogits;
 use crate::tensor::{Bytes, DType, HostTensor};
 use matmul::WeightRef;
 use optimes::{OpKey, OpTimer, OpTimes};
@@ -199,6 +200,12 @@ impl Backend for CpuBackend {
         (w.rows, w.cols)
     }
 
+    // The logits are already host memory: read them in place rather than copy a row of the
+    // whole vocabulary (1 MB for Qwen3.5) every decode step.
+    fn argmax_rows(&self, x: &Vec<f32>, rows: usize, cols: usize) -> Vec<Result<u32, NonFiniteLogits>> {
+        x[..rows * cols].chunks(cols.max(1)).take(rows).map(crate::sampling::greedy).collect()
+    }
+
     fn embed(&self, table: &CpuWeight, ids: &[u32], dim: usize, out: &mut Vec<f32>) {
         let _t = self.timed_weight("embed", table);
         assert_eq!(table.cols, dim);
@@ -370,16 +377,16 @@ impl Backend for CpuBackend {
         let (cd, vd, nv) = (shape.conv_dim(), shape.value_dim(), shape.num_v_heads);
         out[..states.len() * vd].par_chunks_mut(vd).zip(states.par_iter_mut()).enumerate().for_each(
             |(i, (out, state))| {
-                let inputs = deltanet::DeltaRuleInputs::prepare(
+                deltanet::recurrent_one_token(
                     shape,
                     &qkv[i * cd..(i + 1) * cd],
                     &a[i * nv..(i + 1) * nv],
                     &b[i * nv..(i + 1) * nv],
                     a_log,
                     dt_bias,
-                    1,
+                    state,
+                    out,
                 );
-                deltanet::recurrent(shape, &inputs, state, out);
             },
         );
     }

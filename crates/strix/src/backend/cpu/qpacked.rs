@@ -41,6 +41,7 @@ use rayon::prelude::*;
 
 use super::matmul::for_each_block;
 use super::qmatmul::{ActRow, Acts, Kern};
+use super::simd::{prefetch, prefetch_distance};
 use crate::quant::blocks::{
     q4_k_scale_min, Q4_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK4_0, QK8_0, QK_K,
 };
@@ -217,6 +218,9 @@ impl Packed {
         let per_thread = groups.div_ceil(2 * rayon::current_num_threads()).max(1);
         let block = (block_bytes / group_bytes).clamp(1, per_thread);
         let parallel = groups * group_bytes * tokens >= PARALLEL_MIN_WORK;
+        // One token streams the weights from memory once: there the kernels prefetch ahead
+        // (where the CPU wants it); several tokens reuse each block from cache.
+        let pf = if tokens == 1 { prefetch_distance() } else { 0 };
         let out = OutPtr(out.as_mut_ptr());
         for_each_block(groups, block, parallel, |g0, g1| {
             let write = |g: usize, t: usize, v: &[f32; GROUP]| {
@@ -230,7 +234,7 @@ impl Packed {
             while t + TILE_TOKENS <= tokens {
                 let xs: [ActRow; TILE_TOKENS] = std::array::from_fn(|i| acts.row(t + i));
                 for g in g0..g1 {
-                    let sums = F::tile::<TILE_TOKENS>(isa, self.group(g), nb, &xs);
+                    let sums = F::tile::<TILE_TOKENS>(isa, self.group(g), nb, &xs, 0);
                     for (i, s) in sums.iter().enumerate() {
                         write(g, t + i, s);
                     }
@@ -240,7 +244,7 @@ impl Packed {
             for t in t..tokens {
                 let xs = [acts.row(t)];
                 for g in g0..g1 {
-                    let [s] = F::tile::<1>(isa, self.group(g), nb, &xs);
+                    let [s] = F::tile::<1>(isa, self.group(g), nb, &xs, pf);
                     write(g, t, &s);
                 }
             }
@@ -450,21 +454,30 @@ trait Kernels {
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn avx2<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T];
+    unsafe fn avx2<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T], pf: usize) -> [[f32; GROUP]; T];
     /// # Safety
     /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn vnni<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T];
+    unsafe fn vnni<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T], pf: usize) -> [[f32; GROUP]; T];
 
+    /// `pf`: how far ahead of each block (bytes) the x86 kernels prefetch the weights, 0 for
+    /// not at all. A hint only: the results never depend on it.
     #[inline]
-    fn tile<const T: usize>(isa: Kern, w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
+    fn tile<const T: usize>(
+        isa: Kern,
+        w: &[u8],
+        nb: usize,
+        xs: &[ActRow; T],
+        pf: usize,
+    ) -> [[f32; GROUP]; T] {
+        let _ = pf;
         match isa {
             // SAFETY: `Kern::Avx2` is only produced after detecting AVX2, FMA and F16C.
             #[cfg(target_arch = "x86_64")]
-            Kern::Avx2 => unsafe { Self::avx2::<T>(w, nb, xs) },
+            Kern::Avx2 => unsafe { Self::avx2::<T>(w, nb, xs, pf) },
             // SAFETY: `Kern::Vnni` additionally needs AVX-512 VNNI and VL, detected likewise.
             #[cfg(target_arch = "x86_64")]
-            Kern::Vnni => unsafe { Self::vnni::<T>(w, nb, xs) },
+            Kern::Vnni => unsafe { Self::vnni::<T>(w, nb, xs, pf) },
             Kern::Portable => Self::portable::<T>(w, nb, xs),
         }
     }
@@ -624,6 +637,7 @@ macro_rules! x86_kernels {
                 w: &[u8],
                 nb: usize,
                 xs: &[ActRow; T],
+                pf: usize,
             ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q8_0.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
@@ -631,6 +645,9 @@ macro_rules! x86_kernels {
                 let flip = _mm256_set1_epi8(-128);
                 for b in 0..nb {
                     let p = w.as_ptr().add(b * gb);
+                    if pf > 0 {
+                        prefetch(p.wrapping_add(pf), gb);
+                    }
                     let mut t = [_mm256_setzero_si256(); T];
                     if $vnni {
                         for (t, x) in t.iter_mut().zip(xs) {
@@ -670,12 +687,16 @@ macro_rules! x86_kernels {
                 w: &[u8],
                 nb: usize,
                 xs: &[ActRow; T],
+                pf: usize,
             ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q4_0.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
                 let low = _mm256_set1_epi8(0x0f);
                 for b in 0..nb {
                     let p = w.as_ptr().add(b * gb);
+                    if pf > 0 {
+                        prefetch(p.wrapping_add(pf), gb);
+                    }
                     let mut t = [_mm256_setzero_si256(); T];
                     for (t, x) in t.iter_mut().zip(xs) {
                         *t = _mm256_set1_epi32(-8 * *x.sums.get_unchecked(b) as i32);
@@ -703,6 +724,7 @@ macro_rules! x86_kernels {
                 w: &[u8],
                 nb: usize,
                 xs: &[ActRow; T],
+                pf: usize,
             ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q4_K.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
@@ -710,6 +732,9 @@ macro_rules! x86_kernels {
                 let low = _mm256_set1_epi8(0x0f);
                 for b in 0..nb {
                     let p = w.as_ptr().add(b * gb);
+                    if pf > 0 {
+                        prefetch(p.wrapping_add(pf), gb);
+                    }
                     let mut sumi = [_mm256_setzero_si256(); T];
                     for g in 0..4 {
                         let mut tl = [_mm256_setzero_si256(); T];
@@ -759,6 +784,7 @@ macro_rules! x86_kernels {
                 w: &[u8],
                 nb: usize,
                 xs: &[ActRow; T],
+                pf: usize,
             ) -> [[f32; GROUP]; T] {
                 let gb = PackedKind::Q6_K.group_block_bytes();
                 let mut acc = [_mm256_setzero_ps(); T];
@@ -766,6 +792,9 @@ macro_rules! x86_kernels {
                 let top = _mm256_set1_epi8(0x30);
                 for b in 0..nb {
                     let p = w.as_ptr().add(b * gb);
+                    if pf > 0 {
+                        prefetch(p.wrapping_add(pf), gb);
+                    }
                     let mut sumi = [_mm256_setzero_si256(); T];
                     for pair in 0..4 {
                         let (ca, cb) = q6_pair(pair);
@@ -841,12 +870,22 @@ macro_rules! impl_kernels {
                 portable_generic::<T>($kind, w, nb, xs)
             }
             #[cfg(target_arch = "x86_64")]
-            unsafe fn avx2<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
-                k_avx2::$f::<T>(w, nb, xs)
+            unsafe fn avx2<const T: usize>(
+                w: &[u8],
+                nb: usize,
+                xs: &[ActRow; T],
+                pf: usize,
+            ) -> [[f32; GROUP]; T] {
+                k_avx2::$f::<T>(w, nb, xs, pf)
             }
             #[cfg(target_arch = "x86_64")]
-            unsafe fn vnni<const T: usize>(w: &[u8], nb: usize, xs: &[ActRow; T]) -> [[f32; GROUP]; T] {
-                k_vnni::$f::<T>(w, nb, xs)
+            unsafe fn vnni<const T: usize>(
+                w: &[u8],
+                nb: usize,
+                xs: &[ActRow; T],
+                pf: usize,
+            ) -> [[f32; GROUP]; T] {
+                k_vnni::$f::<T>(w, nb, xs, pf)
             }
         }
     };

@@ -41,6 +41,64 @@ impl Isa {
     }
 }
 
+/// Whether the CPU says it is an Intel one (CPUID leaf 0 vendor string), for the tuning
+/// choices that differ between Intel and AMD cores; never for correctness.
+pub(crate) fn cpu_vendor_is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let r = std::arch::x86_64::__cpuid(0);
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        &vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// How far ahead (bytes) the one-token GEMVs prefetch their weights: 2 KiB on Intel CPUs,
+/// none elsewhere. Decode streams every weight from memory once, and on a 2-core Xeon (KVM)
+/// the packed GEMVs streamed Q6_K at ~8.5 GB/s without it and 11.6–13.3 GB/s with it
+/// (`examples/qmatmul_bench.rs`, 6144 × 1024, cold); the AMD EPYC the kernels were tuned on
+/// keeps what was measured there. A hint only: results never depend on it.
+/// `STRIX_PREFETCH=BYTES` overrides it, to measure one setting against another.
+pub(crate) fn prefetch_distance() -> usize {
+    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PF.get_or_init(|| {
+        if let Some(v) = std::env::var("STRIX_PREFETCH").ok().and_then(|v| v.parse().ok()) {
+            return v;
+        }
+        if cpu_vendor_is_intel() {
+            2048
+        } else {
+            0
+        }
+    })
+}
+
+/// Asks for the `bytes` from `p` on (every cache line) to come into L1. `p` may point past
+/// the end of the data (the look-ahead of the last rows): a prefetch never faults, and the
+/// address is only computed, never dereferenced.
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut o = 0;
+        while o < bytes {
+            // SAFETY: PREFETCHT0 (SSE) is a hint that never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    p.wrapping_add(o).cast(),
+                )
+            };
+            o += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+}
+
 /// Σ a[i]·b[i], accumulated in f32.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
