@@ -191,12 +191,12 @@ fn conv_block<'a>(
             let row = rows(t);
             cur[..n].copy_from_slice(row);
             let mut acc = [0f32; CONV_BLOCK];
-            for i in 0..hist {
+            for (i, tap) in taps.iter().enumerate().take(hist) {
                 // (head + i) % hist without a division: both are below hist.
                 let slot = if head + i >= hist { head + i - hist } else { head + i };
                 let x = &ring[slot];
                 for c in 0..CONV_BLOCK {
-                    acc[c] += taps[i][c] * x[c];
+                    acc[c] += tap[c] * x[c];
                 }
             }
             for c in 0..CONV_BLOCK {
