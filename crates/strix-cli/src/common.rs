@@ -9,17 +9,16 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
-use strix::backend::Backend;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use strix::gguf::GgufFile;
 use strix::hub::{fetch_model, HubOptions, DEFAULT_ENDPOINT, DEFAULT_MODEL};
-use strix::model::{is_gguf_path, Model};
+use strix::model::is_gguf_path;
 use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 
 use crate::device::DeviceArgs;
 use crate::limits::{self, Seed};
+pub use crate::loading::{load_model, progress_bar, with_progress};
 
 /// Context used when `--ctx` is not given, unless the prompt and its completion need more
 /// (and the model allows it).
@@ -342,37 +341,6 @@ pub fn hub_options(var: impl Fn(&str) -> Option<String>) -> Result<HubOptions> {
         options.timeout = std::time::Duration::from_secs_f64(seconds.min(86_400.0));
     }
     Ok(options)
-}
-
-/// A progress bar on stderr counting `unit`s ("bytes" shows sizes); indicatif draws nothing
-/// when stderr is not a terminal.
-pub fn progress_bar(message: &'static str, unit: &str) -> ProgressBar {
-    let counts =
-        if unit == "bytes" { "{bytes}/{total_bytes}".to_string() } else { format!("{{pos}}/{{len}} {unit}") };
-    let template = format!("{{msg}} [{{bar:40}}] {counts} ({{elapsed}})");
-    let style = ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar());
-    ProgressBar::new(0).with_style(style.progress_chars("=> ")).with_message(message)
-}
-
-/// Runs `f` with a progress callback drawing a bar, cleared when `f` returns.
-pub fn with_progress<T>(message: &'static str, unit: &str, f: impl FnOnce(&dyn Fn(u64, u64)) -> T) -> T {
-    let bar = progress_bar(message, unit);
-    let progress = |done: u64, total: u64| {
-        bar.set_length(total);
-        bar.set_position(done);
-    };
-    let out = f(&progress);
-    bar.finish_and_clear();
-    out
-}
-
-/// Loads a model directory's weights (or a GGUF file's) onto `backend`, with a progress bar
-/// over the read of the files (`Model::load` reports bytes read; a GGUF load, layers).
-pub fn load_model<B: Backend>(path: &Path, backend: B) -> Result<Model<B>> {
-    if is_gguf_path(path) {
-        return Ok(with_progress("loading", "layers", |p| Model::load_path(path, backend, Some(p)))?);
-    }
-    Ok(with_progress("loading", "bytes", |p| Model::load(path, backend, Some(p)))?)
 }
 
 /// The directory holding the model's side files: the model directory itself, or the folder a

@@ -7,6 +7,7 @@ mod chat;
 mod common;
 mod device;
 mod limits;
+mod loading;
 mod logits;
 mod perplexity;
 mod quant_flag;

@@ -10,7 +10,7 @@ use strix::backend::Backend;
 use strix::model::Model;
 use strix::quant::on_load::{load_quantized, QuantScheme};
 
-use crate::common;
+use crate::loading;
 
 #[derive(Args, Debug, Default)]
 pub struct QuantArgs {
@@ -20,10 +20,10 @@ pub struct QuantArgs {
     pub quant: Option<QuantScheme>,
 }
 
-/// [`common::load_model`], quantizing on the way when `quant` is given.
+/// [`loading::load_model`], quantizing on the way when `quant` is given.
 pub fn load_model<B: Backend>(dir: &Path, backend: B, quant: Option<QuantScheme>) -> Result<Model<B>> {
     match quant {
-        None => common::load_model(dir, backend),
+        None => loading::load_model(dir, backend),
         Some(scheme) => {
             if !dir.join("config.json").is_file() {
                 anyhow::bail!(
@@ -31,7 +31,7 @@ pub fn load_model<B: Backend>(dir: &Path, backend: B, quant: Option<QuantScheme>
                     dir.display()
                 );
             }
-            Ok(common::with_progress("loading", "bytes", |p| load_quantized(dir, backend, scheme, Some(p)))?)
+            Ok(loading::with_progress("loading", "bytes", |p| load_quantized(dir, backend, scheme, Some(p)))?)
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `strix quantize`: a Hugging Face Qwen3.5 checkpoint written as a llama.cpp `qwen35` GGUF,
+//! `strix quantize`: a Hugging Face Qwen3.5 checkpoint written as a llama.cpp `qwen35` GGUF
+//! (`qwen35moe` for the mixture-of-experts models),
 //! its matrices encoded with strix's GGML-exact quantizers: what llama.cpp's converter plus
 //! `llama-quantize` make of it (`strix::gguf::qwen35::write_gguf`;
 //! scripts/check_gguf_with_llama_cpp.py compares the two tensor by tensor).

@@ -114,9 +114,10 @@ fn bad_arguments_are_one_clean_error() {
 }
 
 /// A `qwen35moe` file from llama.cpp's converter runs like the MoE directory it came from
-/// (tokenizer and template from its metadata); `strix quantize` refuses a MoE model by name.
+/// (tokenizer and template from its metadata). `strix quantize` writes MoE files too: at Q8_0
+/// the converter's own (so the same tokens), and a Q4_K_M mixture that runs.
 #[test]
-fn moe_gguf_runs_like_its_directory_and_quantize_refuses_moe() {
+fn moe_gguf_runs_like_its_directory_and_quantize_writes_one() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = fixtures().join("moe-models/moe-causal-bf16-sharded");
     let file = alone(&fixtures().join("moe-gguf/moe-causal-bf16-sharded.bf16.gguf"), tmp.path());
@@ -124,10 +125,17 @@ fn moe_gguf_runs_like_its_directory_and_quantize_refuses_moe() {
     assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
     assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
 
-    let out = tmp.path().join("moe.gguf");
-    let run = strix(&["quantize", "--model", &dir, "--quant", "q8_0", "--out", &out.to_string_lossy()]);
-    assert!(!run.status.success());
-    let err = String::from_utf8_lossy(&run.stderr);
-    assert!(err.contains("mixture-of-experts") && err.contains("qwen35moe"), "{err}");
-    assert!(!out.exists(), "nothing written");
+    let src = fixtures().join("moe-models/moe-causal-f32-top1");
+    let src = src.to_string_lossy();
+    let q8 = tmp.path().join("moe-q8.gguf");
+    let run = strix(&["quantize", "--model", &src, "--quant", "q8_0", "--out", &q8.to_string_lossy()]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let theirs = fixtures().join("moe-gguf/moe-causal-f32-top1.q8_0.gguf");
+    assert_eq!(greedy(&q8.to_string_lossy(), &[]), greedy(&theirs.to_string_lossy(), &[]));
+
+    let q4 = tmp.path().join("moe-q4k.gguf");
+    let run = strix(&["quantize", "--model", &src, "--quant", "q4_k", "--out", &q4.to_string_lossy()]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let (_, ids) = greedy(&q4.to_string_lossy(), &[]);
+    assert_eq!(ids.as_array().map(Vec::len), Some(12), "{ids}");
 }

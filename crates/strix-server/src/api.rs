@@ -11,10 +11,9 @@
 //! stream, the receiver goes with it, and the engine cancels the sequence at its next step.
 
 use std::convert::Infallible;
-use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -36,6 +35,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::engine::{EngineHandle, Event, Job};
 use crate::error::ApiError;
 use crate::guard::{self, BrowserPolicy};
+pub use crate::ids::{fresh_id, unix_time};
 use crate::metrics::Metrics;
 use crate::output::{Delta, OutputParser, ToolCall};
 use crate::request::{self, GenOptions, Prompt};
@@ -787,21 +787,6 @@ fn byte_decoder() -> &'static [char; 256] {
         }
         table
     })
-}
-
-/// A unique id with a prefix (`chatcmpl-`, `call_`): a per-process random salt and a counter.
-pub fn fresh_id(prefix: &str) -> String {
-    static SALT: OnceLock<u64> = OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let salt = *SALT.get_or_init(|| std::collections::hash_map::RandomState::new().build_hasher().finish());
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(salt ^ n);
-    format!("{prefix}{:016x}{:08x}", h.finish(), n as u32)
-}
-
-pub fn unix_time() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 
 use strix::backend::Backend;
 use strix::config::LayerKind;
-use strix::generate::FinishReason;
+use strix::generate::{FinishReason, Sequence};
 use strix::model::{attention_shape, deltanet_shape, Logits, Model};
 use strix::sampling::{sample_prepared, Draw, NonFiniteLogits, Sampler, StopMatcher, TokenLogprobs};
 use strix::session::Session;
-use strix::tokenizer::{StreamDecoder, Tokenizer};
+use strix::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
@@ -188,9 +188,8 @@ impl EngineHandle {
 struct Seq<B: Backend> {
     job: Job,
     session: Session<B>,
-    decoder: StreamDecoder,
-    stops: StopMatcher,
-    generated: Vec<u32>,
+    /// Its tokens and text, and the rules that end it (the library's, as `generate` runs them).
+    sequence: Sequence,
     /// Prompt tokens fed so far.
     fed: usize,
     /// The last sampled token, fed at the next decode step.
@@ -360,9 +359,13 @@ impl<B: Backend> Engine<B> {
             self.reserved += need;
             let seq = Seq {
                 session: self.model.new_session(self.config.context),
-                decoder: self.tokenizer.stream_decoder(true),
-                stops: job.stops.clone(),
-                generated: Vec::with_capacity(job.max_tokens.min(1024)),
+                sequence: Sequence::new(
+                    Some(self.tokenizer.stream_decoder(true)),
+                    job.stops.clone(),
+                    &self.eos,
+                    job.ignore_eos,
+                    job.max_tokens,
+                ),
                 fed: 0,
                 next: 0,
                 reserved: need,
@@ -435,7 +438,7 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let mut seq = self.prefilling.remove(i).expect("index checked by the loop");
-            let row = seq.job.sampler.prepare(&seq.job.prompt, &seq.generated, seq.job.logprobs);
+            let row = seq.job.sampler.prepare(&seq.job.prompt, seq.sequence.generated(), seq.job.logprobs);
             let draw = sample_prepared(&mut logits, &row);
             self.take(seq, draw);
         }
@@ -451,7 +454,7 @@ impl<B: Backend> Engine<B> {
         let rows: Vec<_> = self
             .decoding
             .iter_mut()
-            .map(|s| s.job.sampler.prepare(&s.job.prompt, &s.generated, s.job.logprobs))
+            .map(|s| s.job.sampler.prepare(&s.job.prompt, s.sequence.generated(), s.job.logprobs))
             .collect();
         let mut sessions: Vec<&mut Session<B>> = self.decoding.iter_mut().map(|s| &mut s.session).collect();
         let called = Instant::now();
@@ -496,49 +499,29 @@ impl<B: Backend> Engine<B> {
     /// Takes `token` as the sequence's next and streams its text; returns why the sequence
     /// ends, if it does.
     fn accept(&self, seq: &mut Seq<B>, token: u32, logprobs: Option<TokenLogprobs>) -> Option<FinishReason> {
-        let job = &seq.job;
         let now = Instant::now();
         match seq.last_token {
-            None => self.metrics.ttft.observe(now - job.submitted),
+            None => self.metrics.ttft.observe(now - seq.job.submitted),
             Some(last) => self.metrics.itl.observe(now - last),
         }
         seq.last_token = Some(now);
-        seq.generated.push(token);
         seq.next = token;
         self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
-
-        if !job.ignore_eos && self.eos.contains(&token) {
-            return Some(FinishReason::Eos);
+        let accepted = seq.sequence.accept(token, seq.session.remaining());
+        if let Some(text) = accepted.text {
+            seq.send(Event::Token { text, logprobs });
         }
-        let piece = seq.decoder.push_sampled(token).unwrap_or_default();
-        let (text, hit) = seq.stops.push(&piece);
-        seq.send(Event::Token { text, logprobs });
-        if hit {
-            Some(FinishReason::Stop)
-        } else if seq.generated.len() >= seq.job.max_tokens {
-            Some(FinishReason::Length)
-        } else if seq.session.remaining() == 0 {
-            Some(FinishReason::Context)
-        } else {
-            None
-        }
+        accepted.finish
     }
 
     /// Releases the text held back, reports the end, and drops the sequence's state.
-    fn finish(&mut self, mut seq: Seq<B>, mut finish: FinishReason) {
-        if finish != FinishReason::Stop {
-            let (mut text, hit) = seq.stops.push(&seq.decoder.flush().unwrap_or_default());
-            if hit {
-                finish = FinishReason::Stop;
-            } else {
-                text.push_str(&seq.stops.finish());
-            }
-            if !text.is_empty() {
-                seq.send(Event::Token { text, logprobs: None });
-            }
+    fn finish(&mut self, mut seq: Seq<B>, finish: FinishReason) {
+        let (text, finish) = seq.sequence.finish(finish);
+        if !text.is_empty() {
+            seq.send(Event::Token { text, logprobs: None });
         }
         let prompt_tokens = seq.job.prompt.len();
-        let completion_tokens = seq.generated.len();
+        let completion_tokens = seq.sequence.generated().len();
         seq.send(Event::Done { finish, prompt_tokens, completion_tokens });
         self.metrics.finished.fetch_add(1, Ordering::Relaxed);
         self.release(&seq);

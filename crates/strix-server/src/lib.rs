@@ -19,6 +19,7 @@ pub mod connection;
 pub mod engine;
 pub mod error;
 pub mod guard;
+pub mod ids;
 pub mod metrics;
 pub mod output;
 pub mod request;

@@ -237,7 +237,7 @@ pub fn parse_tool_call(body: &str, tools: Option<&Value>) -> Option<ToolCall> {
     if name.is_empty() {
         return None;
     }
-    Some(ToolCall { id: crate::api::fresh_id("call_"), name, arguments })
+    Some(ToolCall { id: crate::ids::fresh_id("call_"), name, arguments })
 }
 
 /// `<function=NAME><parameter=ARG>\nvalue\n</parameter>…</function>`.

@@ -13,9 +13,104 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::backend::ValueHeadOrder;
 use crate::error::{printable, Error, Result};
 use crate::files;
+
+/// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ValueHeadOrder {
+    /// `transformers`' order: value head `h` reads key head `h / (num_v_heads / num_k_heads)`
+    /// (each key head's value heads in one consecutive run).
+    #[default]
+    Grouped,
+    /// llama.cpp's GGUF order: value head `h` reads key head `h % num_k_heads` (its converter
+    /// permutes the value heads so that `ggml_repeat` of the key heads lines up).
+    Tiled,
+}
+
+/// Per-layer shapes of a Gated DeltaNet mixer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetShape {
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+    pub eps: f32,
+    pub value_head_order: ValueHeadOrder,
+}
+
+impl DeltaNetShape {
+    /// The key head value head `h` reads: `(h / key_head_divisor()) % num_k_heads`.
+    pub fn key_head(&self, h: usize) -> usize {
+        (h / self.key_head_divisor()) % self.num_k_heads
+    }
+    /// The divisor in [`DeltaNetShape::key_head`]: value heads per key head when grouped, 1 when tiled.
+    pub fn key_head_divisor(&self) -> usize {
+        match self.value_head_order {
+            ValueHeadOrder::Grouped => (self.num_v_heads / self.num_k_heads).max(1),
+            ValueHeadOrder::Tiled => 1,
+        }
+    }
+    pub fn key_dim(&self) -> usize {
+        self.num_k_heads * self.k_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_v_heads * self.v_head_dim
+    }
+    /// Channels of the causal convolution: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Floats of recurrent state: one `k_head_dim x v_head_dim` matrix per value head.
+    pub fn state_len(&self) -> usize {
+        self.num_v_heads * self.k_head_dim * self.v_head_dim
+    }
+    /// Floats of convolution state: the last `conv_kernel - 1` inputs of every channel.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1)
+    }
+}
+
+/// Per-layer shapes of a gated attention mixer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub eps: f32,
+}
+
+impl AttentionShape {
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// The Gated DeltaNet mixers' shape in `c`.
+pub fn deltanet_shape(c: &ModelConfig) -> DeltaNetShape {
+    DeltaNetShape {
+        num_k_heads: c.linear_num_k_heads,
+        num_v_heads: c.linear_num_v_heads,
+        k_head_dim: c.linear_k_head_dim,
+        v_head_dim: c.linear_v_head_dim,
+        conv_kernel: c.conv_kernel,
+        eps: c.rms_norm_eps,
+        value_head_order: c.linear_value_head_order,
+    }
+}
+
+/// The attention mixers' shape in `c`.
+pub fn attention_shape(c: &ModelConfig) -> AttentionShape {
+    AttentionShape {
+        num_heads: c.num_heads,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        rotary_dim: c.rotary_dim,
+        eps: c.rms_norm_eps,
+    }
+}
 
 /// The token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,6 +1,7 @@
 //! The decode loop: prefill a prompt into a session, then sample one token at a time until an
 //! end-of-sequence token, a stop string, the token budget or the context runs out — streaming
-//! the text as it completes.
+//! the text as it completes. [`Sequence`] holds those rules for one sequence; [`generate`] is a
+//! batch of one, and the server's engine runs every sequence of its batches through it too.
 
 use std::time::Instant;
 
@@ -11,7 +12,7 @@ use crate::error::Result;
 use crate::model::{Logits, Model};
 use crate::sampling::{sample_prepared, Sampler, SamplingParams, StopMatcher};
 use crate::session::Session;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug)]
@@ -84,6 +85,92 @@ pub struct Generated {
     pub timings: Timings,
 }
 
+/// One sequence's generated side: the tokens sampled so far, their text as it becomes final
+/// (complete UTF-8 that cannot be the start of a stop string), and why the sequence ends.
+pub struct Sequence {
+    decoder: Option<StreamDecoder>,
+    stops: StopMatcher,
+    /// End-of-sequence ids (none when they are ignored).
+    eos: Vec<u32>,
+    max_tokens: usize,
+    generated: Vec<u32>,
+}
+
+/// What [`Sequence::accept`] made of a token.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Accepted {
+    /// The text the token completes (often empty: part of a character, or of what may be a
+    /// stop string); `None` for an end-of-sequence token, which has none.
+    pub text: Option<String>,
+    /// Why the sequence ends with this token, if it does.
+    pub finish: Option<FinishReason>,
+}
+
+impl Sequence {
+    /// `decoder`: `None` when there is no tokenizer (ids only, no text and no stop strings).
+    pub fn new(
+        decoder: Option<StreamDecoder>,
+        stops: StopMatcher,
+        eos: &[u32],
+        ignore_eos: bool,
+        max_tokens: usize,
+    ) -> Sequence {
+        Sequence {
+            decoder,
+            stops,
+            eos: if ignore_eos { Vec::new() } else { eos.to_vec() },
+            max_tokens,
+            generated: Vec::with_capacity(max_tokens.min(1024)),
+        }
+    }
+
+    /// The tokens accepted so far, an end-of-sequence token included.
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    /// Takes `token` as the sequence's next; `context_left` is how many more tokens the
+    /// session can hold. Ends on an end-of-sequence token, then a stop string, then the token
+    /// budget, then the context. A piece the tokenizer cannot decode carries no text (ids a
+    /// model can sample past the tokenizer's vocabulary are not errors either).
+    pub fn accept(&mut self, token: u32, context_left: usize) -> Accepted {
+        self.generated.push(token);
+        if self.eos.contains(&token) {
+            return Accepted { text: None, finish: Some(FinishReason::Eos) };
+        }
+        let piece = match self.decoder.as_mut() {
+            Some(decoder) => decoder.push_sampled(token).unwrap_or_default(),
+            None => String::new(),
+        };
+        let (text, hit) = self.stops.push(&piece);
+        let finish = if hit {
+            Some(FinishReason::Stop)
+        } else if self.generated.len() >= self.max_tokens {
+            Some(FinishReason::Length)
+        } else if context_left == 0 {
+            Some(FinishReason::Context)
+        } else {
+            None
+        };
+        Accepted { text: Some(text), finish }
+    }
+
+    /// The end of the sequence: the text held back (released unless a stop string is found in
+    /// it, which makes the reason `Stop`) and the final reason.
+    pub fn finish(&mut self, finish: FinishReason) -> (String, FinishReason) {
+        if finish == FinishReason::Stop {
+            return (String::new(), finish);
+        }
+        let held = self.decoder.as_mut().map(|d| d.flush().unwrap_or_default()).unwrap_or_default();
+        let (mut text, hit) = self.stops.push(&held);
+        if hit {
+            return (text, FinishReason::Stop);
+        }
+        text.push_str(&self.stops.finish());
+        (text, finish)
+    }
+}
+
 /// Feeds `prompt` to `session` and samples a continuation, calling `on_text` with each piece
 /// of text as soon as it is complete UTF-8 and cannot be the start of a stop string.
 ///
@@ -99,8 +186,14 @@ pub fn generate<B: Backend>(
 ) -> Result<Generated> {
     let mut sampler = Sampler::new(params.sampling.clone())?;
     params.sampling.validate_vocab(model.config.vocab_size)?;
-    let mut decoder = tokenizer.map(|t| t.stream_decoder(true));
-    let mut stops = StopMatcher::new(params.stop.clone());
+    let decoder = tokenizer.map(|t| t.stream_decoder(true));
+    let mut seq = Sequence::new(
+        decoder,
+        StopMatcher::new(params.stop.clone()),
+        &model.config.eos_token_ids,
+        params.ignore_eos,
+        params.max_tokens,
+    );
     let mut history = session.tokens().to_vec();
     history.extend_from_slice(prompt);
 
@@ -113,57 +206,92 @@ pub fn generate<B: Backend>(
     // argmax, any other draw finished next to the logits (`Model::decode_batch_prepared`).
     let plain_greedy = params.sampling.is_greedy() && !params.sampling.adjusts_logits();
     let mut picked: Option<u32> = None;
-    let mut ids = Vec::new();
     let mut text = String::new();
     let decode_start = Instant::now();
-    let mut finish = loop {
-        if ids.len() >= params.max_tokens {
+    let finish = loop {
+        if seq.generated().len() >= params.max_tokens {
             break FinishReason::Length;
         }
         let token = match picked.take() {
             Some(token) => token,
-            None => sample_prepared(&mut logits, &sampler.prepare(&history, &ids, None))?.token,
+            None => sample_prepared(&mut logits, &sampler.prepare(&history, seq.generated(), None))?.token,
         };
-        ids.push(token);
-        if !params.ignore_eos && model.config.eos_token_ids.contains(&token) {
-            break FinishReason::Eos;
-        }
-        if let Some(decoder) = decoder.as_mut() {
-            let piece = decoder.push_sampled(token)?;
-            let (emit, hit) = stops.push(&piece);
+        let accepted = seq.accept(token, session.remaining());
+        if let Some(emit) = accepted.text {
             on_text(&emit);
             text.push_str(&emit);
-            if hit {
-                break FinishReason::Stop;
-            }
         }
-        if ids.len() >= params.max_tokens {
-            break FinishReason::Length;
-        }
-        if session.remaining() == 0 {
-            break FinishReason::Context;
+        if let Some(finish) = accepted.finish {
+            break finish;
         }
         picked = Some(if plain_greedy {
             model.decode_batch_greedy(&mut [&mut *session], &[token])?[0]
         } else {
-            let row = sampler.prepare(&history, &ids, None);
+            let row = sampler.prepare(&history, seq.generated(), None);
             let draw = model.decode_batch_prepared(&mut [&mut *session], &[token], &[row])?.remove(0);
             draw?.token
         });
         timings.decode_tokens += 1;
     };
     timings.decode_seconds = decode_start.elapsed().as_secs_f64();
-    if finish != FinishReason::Stop {
-        if let Some(decoder) = decoder.as_mut() {
-            let (mut emit, hit) = stops.push(&decoder.flush()?);
-            if hit {
-                finish = FinishReason::Stop;
-            } else {
-                emit.push_str(&stops.finish());
-            }
-            on_text(&emit);
-            text.push_str(&emit);
-        }
-    }
+    let (emit, finish) = seq.finish(finish);
+    on_text(&emit);
+    text.push_str(&emit);
+    let ids = seq.generated().to_vec();
     Ok(Generated { ids, text, finish, timings })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/vlm-f32-gdn2x");
+        Tokenizer::from_model_dir(&dir).unwrap().unwrap()
+    }
+
+    /// The order in which a sequence ends: end-of-sequence, then a stop string, then the token
+    /// budget, then the context; ids alone without a tokenizer.
+    #[test]
+    fn a_sequence_ends_by_its_rules_in_order() {
+        let none = || StopMatcher::new(Vec::new());
+        let mut s = Sequence::new(None, none(), &[7], false, 3);
+        assert_eq!(s.accept(5, 10), Accepted { text: Some(String::new()), finish: None });
+        assert_eq!(s.accept(7, 10), Accepted { text: None, finish: Some(FinishReason::Eos) });
+        assert_eq!(s.generated(), &[5, 7]);
+        // Ignored end-of-sequence ids; the budget comes before the context.
+        let mut s = Sequence::new(None, none(), &[7], true, 2);
+        assert_eq!(s.accept(7, 1).finish, None);
+        assert_eq!(s.accept(7, 0).finish, Some(FinishReason::Length));
+        let mut s = Sequence::new(None, none(), &[], false, 9);
+        assert_eq!(s.accept(1, 0).finish, Some(FinishReason::Context));
+        assert_eq!(s.finish(FinishReason::Context), (String::new(), FinishReason::Context));
+    }
+
+    /// Text streams as it becomes final; a stop string ends the sequence and is not emitted, also
+    /// when it only completes in the text held back at the end.
+    #[test]
+    fn a_sequence_streams_text_and_stops_on_stop_strings() {
+        let t = tokenizer();
+        let ids = t.encode("Hello world, again", false).unwrap();
+        let text_of = |stops: Vec<String>, max: usize| {
+            let mut s = Sequence::new(Some(t.stream_decoder(true)), StopMatcher::new(stops), &[], false, max);
+            let mut text = String::new();
+            let mut finish = None;
+            for &id in &ids {
+                let a = s.accept(id, 100);
+                text.push_str(&a.text.unwrap());
+                if a.finish.is_some() {
+                    finish = a.finish;
+                    break;
+                }
+            }
+            let (rest, finish) = s.finish(finish.unwrap_or(FinishReason::Length));
+            (text + &rest, finish)
+        };
+        assert_eq!(text_of(Vec::new(), 100), ("Hello world, again".to_string(), FinishReason::Length));
+        assert_eq!(text_of(vec!["world".into()], 100), ("Hello ".to_string(), FinishReason::Stop));
+        assert_eq!(text_of(vec!["again".into()], 100), ("Hello world, ".to_string(), FinishReason::Stop));
+    }
 }

@@ -2,8 +2,9 @@
 //!
 //! The layers, from the file on disk to the sampled token (see ARCHITECTURE.md):
 //! [`checkpoint`] reads safetensors → [`config`] and [`model::Weights`] describe the model →
-//! [`model`] is the forward pass, written once against the [`backend::Backend`] ops →
-//! [`backend::cpu`] implements those ops → [`session`] holds the per-sequence state and
+//! [`gguf`] reads llama.cpp files → [`model`] is the forward pass, written once against the
+//! [`backend::Backend`] ops → [`backend::cpu`] and [`backend::cuda`] implement those ops →
+//! [`session`] holds the per-sequence state and
 //! [`generate`] drives decoding with [`sampling`], [`tokenizer`] and [`chat`].
 
 pub mod backend;

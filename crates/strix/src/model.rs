@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, MoeExperts};
+use crate::backend::{Backend, DeltaRuleMode, MoeExperts};
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
@@ -165,9 +165,8 @@ pub enum Logits {
 /// passes leaves the chunk boundaries where one pass would put them.
 pub const PASS_TOKENS_ALIGN: usize = 64;
 
-/// The pass length a backend prefers unless it says otherwise
-/// ([`Backend::preferred_pass_tokens`]).
-pub const DEFAULT_PASS_TOKENS: usize = 512;
+pub use crate::backend::DEFAULT_PASS_TOKENS;
+pub use crate::config::{attention_shape, deltanet_shape};
 
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
@@ -979,28 +978,6 @@ fn scratch_widths(c: &ModelConfig) -> [usize; 20] {
         at * a.kv_dim(),
         at * q_dim,
     ]
-}
-
-pub fn deltanet_shape(c: &ModelConfig) -> DeltaNetShape {
-    DeltaNetShape {
-        num_k_heads: c.linear_num_k_heads,
-        num_v_heads: c.linear_num_v_heads,
-        k_head_dim: c.linear_k_head_dim,
-        v_head_dim: c.linear_v_head_dim,
-        conv_kernel: c.conv_kernel,
-        eps: c.rms_norm_eps,
-        value_head_order: c.linear_value_head_order,
-    }
-}
-
-pub fn attention_shape(c: &ModelConfig) -> AttentionShape {
-    AttentionShape {
-        num_heads: c.num_heads,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        rotary_dim: c.rotary_dim,
-        eps: c.rms_norm_eps,
-    }
 }
 
 /// `1 / theta^(2i / rotary_dim)`, in f32 as the reference computes it.

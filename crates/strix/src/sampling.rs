@@ -219,6 +219,28 @@ pub struct Sampler {
     /// first use, so samplers without penalties never allocate it.
     counts: Vec<u32>,
     scratch: Scratch,
+    /// [`Sampler::prepare`]'s penalty list of the history it last saw, so that the next call
+    /// folds in only the tokens generated since (a long prompt is hashed once, not every step).
+    history: PenaltyHistory,
+}
+
+/// The penalised tokens of a history (`prompt` then `generated`): each id once, in order of
+/// first appearance, with its flags, and which history it describes.
+#[derive(Clone, Default)]
+struct PenaltyHistory {
+    /// `(id, flags)` as [`PreparedSample::penalties`] holds them, before dropping zero flags.
+    entries: Vec<(u32, u32)>,
+    at: std::collections::HashMap<u32, usize>,
+    /// The prompt's length and fingerprint, and the generated tokens folded in.
+    prompt_len: usize,
+    prompt_hash: u64,
+    generated: Vec<u32>,
+}
+
+/// A cheap fingerprint of a token sequence (not for security: it only tells [`Sampler::prepare`]
+/// whether it is still looking at the history it folded).
+fn fingerprint(ids: &[u32]) -> u64 {
+    ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ t as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Buffers for top-p, kept between calls.
@@ -240,6 +262,7 @@ impl Sampler {
             candidates: Vec::new(),
             counts: Vec::new(),
             scratch: Scratch::default(),
+            history: PenaltyHistory::default(),
         })
     }
 
@@ -294,26 +317,46 @@ impl Sampler {
     /// would take (none when greedy), and whether to report log-probabilities with `logprobs`
     /// alternatives.
     pub fn prepare(&mut self, prompt: &[u32], generated: &[u32], logprobs: Option<usize>) -> PreparedSample {
-        let p = &self.params;
-        let mut penalties = Vec::new();
-        if p.penalises() {
-            let mut at = std::collections::HashMap::new();
-            let repeated = if p.repetition_penalty != 1.0 { PENALTY_REPEATED } else { 0 };
-            for &t in prompt.iter().chain(generated) {
-                at.entry(t).or_insert_with(|| {
-                    penalties.push((t, repeated));
-                    penalties.len() - 1
-                });
-            }
-            if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-                for t in generated {
-                    penalties[at[t]].1 += 1;
-                }
-            }
-            penalties.retain(|&(_, flags)| flags != 0);
-        }
+        let penalties = if self.params.penalises() { self.penalties(prompt, generated) } else { Vec::new() };
         let uniform = self.take_uniform();
         PreparedSample { params: self.params.clone(), uniform, penalties, logprobs }
+    }
+
+    /// The penalty list of `prompt` then `generated` (see [`PreparedSample::penalties`]). The
+    /// history of the last call is extended when this one continues it (same prompt, the
+    /// tokens generated then still at the front), else rebuilt.
+    fn penalties(&mut self, prompt: &[u32], generated: &[u32]) -> Vec<(u32, u32)> {
+        let p = &self.params;
+        let repeated = if p.repetition_penalty != 1.0 { PENALTY_REPEATED } else { 0 };
+        let counted = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let h = &mut self.history;
+        let prompt_hash = fingerprint(prompt);
+        let continues = h.prompt_len == prompt.len()
+            && h.prompt_hash == prompt_hash
+            && generated.starts_with(&h.generated);
+        if !continues {
+            h.entries.clear();
+            h.at.clear();
+            h.generated.clear();
+            (h.prompt_len, h.prompt_hash) = (prompt.len(), prompt_hash);
+            for &t in prompt {
+                h.at.entry(t).or_insert_with(|| {
+                    h.entries.push((t, repeated));
+                    h.entries.len() - 1
+                });
+            }
+        }
+        for &t in &generated[h.generated.len()..] {
+            let i = *h.at.entry(t).or_insert_with(|| {
+                h.entries.push((t, repeated));
+                h.entries.len() - 1
+            });
+            if counted {
+                h.entries[i].1 += 1;
+            }
+        }
+        h.generated.extend_from_slice(&generated[h.generated.len()..]);
+        h.entries.iter().copied().filter(|&(_, flags)| flags != 0).collect()
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
@@ -983,6 +1026,47 @@ mod tests {
                 generated.push(want);
             }
         }
+    }
+
+    /// `prepare` keeps the penalty list of the history it saw and folds in only new tokens: its
+    /// list equals a fresh sampler's over a growing history, and after the history changes
+    /// under it (another prompt of the same length, generated tokens taken back or replaced).
+    #[test]
+    fn prepared_penalties_follow_the_history() {
+        let params = SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..seeded(0.8, 3)
+        };
+        let fresh = |prompt: &[u32], generated: &[u32]| {
+            sampler(params.clone()).prepare(prompt, generated, None).penalties
+        };
+        let mut kept = sampler(params.clone());
+        let mut check = |prompt: &[u32], generated: &[u32]| {
+            assert_eq!(
+                kept.prepare(prompt, generated, None).penalties,
+                fresh(prompt, generated),
+                "{prompt:?} {generated:?}"
+            );
+        };
+        let prompt = [7u32, 3, 7, 9, 1];
+        let mut generated = Vec::new();
+        for t in [3u32, 11, 11, 7, 2, 11] {
+            check(&prompt, &generated);
+            generated.push(t);
+        }
+        check(&prompt, &generated);
+        check(&[7, 3, 7, 9, 2], &generated);
+        check(&[7, 3, 7, 9, 2], &generated[..3]);
+        check(&[7, 3, 7, 9, 2], &[3, 11, 5]);
+        check(&[], &[4, 4]);
+        // Only the presence and frequency penalties: prompt tokens carry no flags.
+        let params = SamplingParams { repetition_penalty: 1.0, ..params };
+        let mut kept = sampler(params.clone());
+        let row = kept.prepare(&prompt, &[9, 9, 4], None);
+        assert_eq!(row.penalties, vec![(9, 2), (4, 1)]);
+        assert_eq!(kept.prepare(&prompt, &[9, 9, 4, 7], None).penalties, vec![(7, 1), (9, 2), (4, 1)]);
     }
 
     /// Rows with NaN, +∞ or nothing above −∞ are refused by `sample_prepared` (before or after

@@ -1,6 +1,6 @@
 //! Qwen3.5 MoE GGUF files as llama.cpp's converter makes them (`qwen35moe`,
 //! `tests/fixtures/moe-gguf/`, written by `scripts/make_moe_gguf_fixtures.py` from the MoE
-//! fixtures), run on the CPU.
+//! fixtures), run on the CPU, and the same files written by strix's own writer.
 //!
 //! Tolerances (max |Δ| / max |reference|): a float GGUF against its source checkpoint's
 //! transformers goldens ≤ 1e-4, as for the safetensors checkpoint (the only loss is the
@@ -242,4 +242,63 @@ fn broken_moe_files_are_errors_naming_the_problem() {
     w.write(&q).unwrap();
     let e = load_err(&q);
     assert!(e.contains("expert_weights_scale is 2.5"), "{e}");
+}
+
+/// `write_gguf` (`strix quantize`) of each MoE fixture holds exactly the tensors llama.cpp's
+/// converter wrote for it, the committed files: names, types, dims and bytes, for f32, bf16
+/// and Q8_0 (the converter's `--outtype q8_0`: the shared expert's 16-wide down rows fall back
+/// to F16, the routers stay F32), per-expert and fused expert layouts, the vision-language
+/// prefix, and the experts' metadata.
+#[test]
+fn written_moe_ggufs_hold_the_converters_tensors() {
+    use strix::checkpoint::Checkpoint;
+    use strix::gguf::qwen35::{write_gguf, GgufTypes};
+    use strix::quant::on_load::QuantScheme;
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root().join("moe-gguf/manifest.json")).unwrap())
+            .unwrap();
+    let files = manifest["files"].as_object().unwrap();
+    assert_eq!(files.len(), 4);
+    for (file, entry) in files {
+        let (fixture, outtype) = (entry["fixture"].as_str().unwrap(), entry["outtype"].as_str().unwrap());
+        let types = match outtype {
+            "f32" => GgufTypes::Uniform(QuantType::F32),
+            "bf16" => GgufTypes::Uniform(QuantType::BF16),
+            "q8_0" => GgufTypes::Scheme(QuantScheme::Q8_0),
+            other => panic!("{file}: outtype {other}"),
+        };
+        let dir = model_dir(fixture);
+        let config = ModelConfig::from_model_dir(&dir).unwrap();
+        let ckpt = Checkpoint::open_dir(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("written.gguf");
+        write_gguf(&config, &ckpt, types, Vec::new(), fixture, &out, None).unwrap();
+        let (ours, theirs) = (GgufFile::open(&out).unwrap(), GgufFile::open(gguf(file)).unwrap());
+        let names = |f: &GgufFile| {
+            let mut v: Vec<String> = f.tensors().iter().map(|t| t.name.clone()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&ours), names(&theirs), "{file}: tensor names");
+        for t in theirs.tensors() {
+            let o = ours.tensor_info(&t.name).unwrap();
+            assert_eq!((o.ty, &o.dims), (t.ty, &t.dims), "{file}: {} type and dims", t.name);
+            assert!(
+                ours.tensor_bytes(&t.name).unwrap() == theirs.tensor_bytes(&t.name).unwrap(),
+                "{file}: {} bytes differ",
+                t.name
+            );
+        }
+        assert_eq!(ours.get_str("general.architecture").unwrap(), "qwen35moe");
+        for key in [
+            "expert_count",
+            "expert_used_count",
+            "expert_feed_forward_length",
+            "expert_shared_feed_forward_length",
+        ] {
+            let key = format!("qwen35moe.{key}");
+            assert_eq!(ours.get_usize(&key).unwrap(), theirs.get_usize(&key).unwrap(), "{file}: {key}");
+        }
+        assert!(ours.metadata("qwen35moe.feed_forward_length").is_none(), "{file}: no dense width");
+    }
 }

@@ -15,77 +15,12 @@ use crate::error::Result;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::tensor::HostTensor;
 
-/// How a Gated DeltaNet's value heads map onto its key heads when there are more of them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ValueHeadOrder {
-    /// `transformers`' order: value head `h` reads key head `h / (num_v_heads / num_k_heads)`
-    /// (each key head's value heads in one consecutive run).
-    #[default]
-    Grouped,
-    /// llama.cpp's GGUF order: value head `h` reads key head `h % num_k_heads` (its converter
-    /// permutes the value heads so that `ggml_repeat` of the key heads lines up).
-    Tiled,
-}
+/// The pass length a backend prefers unless it says otherwise
+/// ([`Backend::preferred_pass_tokens`]).
+pub const DEFAULT_PASS_TOKENS: usize = 512;
 
-/// Per-layer shapes of a Gated DeltaNet mixer.
-#[derive(Clone, Copy, Debug)]
-pub struct DeltaNetShape {
-    pub num_k_heads: usize,
-    pub num_v_heads: usize,
-    pub k_head_dim: usize,
-    pub v_head_dim: usize,
-    pub conv_kernel: usize,
-    pub eps: f32,
-    pub value_head_order: ValueHeadOrder,
-}
-
-impl DeltaNetShape {
-    /// The key head value head `h` reads: `(h / key_head_divisor()) % num_k_heads`.
-    pub fn key_head(&self, h: usize) -> usize {
-        (h / self.key_head_divisor()) % self.num_k_heads
-    }
-    /// The divisor in [`DeltaNetShape::key_head`]: value heads per key head when grouped, 1 when tiled.
-    pub fn key_head_divisor(&self) -> usize {
-        match self.value_head_order {
-            ValueHeadOrder::Grouped => (self.num_v_heads / self.num_k_heads).max(1),
-            ValueHeadOrder::Tiled => 1,
-        }
-    }
-    pub fn key_dim(&self) -> usize {
-        self.num_k_heads * self.k_head_dim
-    }
-    pub fn value_dim(&self) -> usize {
-        self.num_v_heads * self.v_head_dim
-    }
-    /// Channels of the causal convolution: q, k and v side by side.
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-    /// Floats of recurrent state: one `k_head_dim x v_head_dim` matrix per value head.
-    pub fn state_len(&self) -> usize {
-        self.num_v_heads * self.k_head_dim * self.v_head_dim
-    }
-    /// Floats of convolution state: the last `conv_kernel - 1` inputs of every channel.
-    pub fn conv_state_len(&self) -> usize {
-        self.conv_dim() * (self.conv_kernel - 1)
-    }
-}
-
-/// Per-layer shapes of a gated attention mixer.
-#[derive(Clone, Copy, Debug)]
-pub struct AttentionShape {
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub rotary_dim: usize,
-    pub eps: f32,
-}
-
-impl AttentionShape {
-    pub fn kv_dim(&self) -> usize {
-        self.num_kv_heads * self.head_dim
-    }
-}
+// The mixers' shapes are part of the model's configuration (config.rs); the ops take them.
+pub use crate::config::{AttentionShape, DeltaNetShape, ValueHeadOrder};
 
 /// The element type of a KV cache (llama.cpp's `--cache-type-k/v`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -277,7 +212,7 @@ pub trait Backend: Send + Sync {
     /// pass_tokens`]): a multiple of 64. The CPU's 512 keeps a pass's activations in cache; a
     /// GPU's matrix products want more rows.
     fn preferred_pass_tokens(&self) -> usize {
-        crate::model::DEFAULT_PASS_TOKENS
+        DEFAULT_PASS_TOKENS
     }
     /// Bytes read from memory per decoded token for a weight (for roofline figures).
     fn weight_bytes(&self, w: &Self::Weight) -> usize;

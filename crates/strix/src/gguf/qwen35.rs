@@ -30,7 +30,9 @@
 //! expert handed to the model as its 2-D slice (whole rows of blocks, so packed formats slice
 //! as well as floats), the router `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its
 //! gate `ffn_gate_inp_shexp` (`{hidden, 1}`, or a vector `{hidden}`, read as a `[1, hidden]`
-//! matrix).
+//! matrix). [`write_gguf`] writes them as the converter does: separate `ffn_{gate,up,down}_exps`,
+//! routers in F32, the experts' widths in `expert_feed_forward_length` and
+//! `expert_shared_feed_forward_length`.
 //!
 //! Quantized matrices are handed to the model packed, as stored (Q8_0, Q4_0, Q4_K, Q6_K);
 //! Q5_0, which llama-quantize writes for rows that are not whole Q4_K super-blocks, is decoded
@@ -154,6 +156,13 @@ pub fn gguf_name(hf: &str) -> Option<(String, Transform)> {
     }
     let &(_, g, t) = LAYER_TENSORS.iter().find(|(h, _, _)| *h == suffix)?;
     Some((format!("blk.{layer}.{g}"), t))
+}
+
+/// The layer and projection (`gate`, `up`, `down`) of the writer's merged-experts entry
+/// `model.layers.N.mlp.experts.{proj}` (see [`write_gguf`]).
+fn experts_of(hf: &str) -> Option<(&str, &str)> {
+    let (layer, proj) = hf.strip_prefix("model.layers.")?.split_once(".mlp.experts.")?;
+    matches!(proj, "gate" | "up" | "down").then_some((layer, proj))
 }
 
 /// Permutes `rows` rows of `row_len` values each (a flat row-major slice), grouped as
@@ -706,29 +715,33 @@ pub fn write_gguf(
     progress: Option<&dyn Fn(u64, u64)>,
 ) -> Result<WriteReport> {
     let c = config;
-    if c.moe.is_some() {
-        return Err(Error::input(
-            "writing a mixture-of-experts model (llama.cpp's qwen35moe) to GGUF is not implemented; \
-             llama.cpp's convert_hf_to_gguf.py writes one that strix reads",
-        ));
-    }
     if c.linear_value_head_order != ValueHeadOrder::Grouped {
         return Err(Error::input(
             "write_gguf takes a checkpoint in transformers' (grouped) value-head order",
         ));
     }
     let mut w = super::GgufWriter::new();
-    let k = |s: &str| format!("{ARCH}.{s}");
+    let arch = if c.moe.is_some() { ARCH_MOE } else { ARCH };
+    let k = |s: &str| format!("{arch}.{s}");
     let u = |v: usize| -> Result<u32> {
         u32::try_from(v).map_err(|_| Error::input(format!("{v} does not fit a GGUF u32 field")))
     };
-    w.add_metadata("general.architecture", ARCH)?;
+    w.add_metadata("general.architecture", arch)?;
     w.add_metadata("general.type", "model")?;
     w.add_metadata("general.name", name)?;
     w.add_metadata(&k("block_count"), u(c.num_layers)?)?;
     w.add_metadata(&k("context_length"), u(c.max_position_embeddings)?)?;
     w.add_metadata(&k("embedding_length"), u(c.hidden_size)?)?;
-    w.add_metadata(&k("feed_forward_length"), u(c.intermediate_size)?)?;
+    match &c.moe {
+        // As the converter writes a MoE model: the experts' widths, no feed_forward_length.
+        Some(moe) => {
+            w.add_metadata(&k("expert_count"), u(moe.num_experts)?)?;
+            w.add_metadata(&k("expert_used_count"), u(moe.num_experts_per_tok)?)?;
+            w.add_metadata(&k("expert_feed_forward_length"), u(moe.moe_intermediate_size)?)?;
+            w.add_metadata(&k("expert_shared_feed_forward_length"), u(moe.shared_expert_intermediate_size)?)?;
+        }
+        None => w.add_metadata(&k("feed_forward_length"), u(c.intermediate_size)?)?,
+    }
     w.add_metadata(&k("attention.head_count"), u(c.num_heads)?)?;
     w.add_metadata(&k("attention.head_count_kv"), u(c.num_kv_heads)?)?;
     w.add_metadata(&k("rope.freq_base"), c.rope_theta as f32)?;
@@ -765,7 +778,9 @@ pub fn write_gguf(
     let q_dim = c.num_heads * c.head_dim;
     let kv_dim = c.num_kv_heads * c.head_dim;
 
-    // (HF name, shape) in the order the converter writes them.
+    // (HF name, shape) in the order the converter writes them; a MoE layer's routed experts
+    // are one entry per projection, `mlp.experts.{proj}` of shape [experts, rows, cols], that
+    // becomes the merged `ffn_{proj}_exps`.
     let mut wanted: Vec<(String, Vec<usize>)> = Vec::new();
     wanted.push(("model.embed_tokens.weight".into(), vec![c.vocab_size, h]));
     if !c.tie_word_embeddings {
@@ -797,9 +812,25 @@ pub fn write_gguf(
                 add("self_attn.k_norm.weight", vec![c.head_dim]);
             }
         }
-        add("mlp.gate_proj.weight", vec![c.intermediate_size, h]);
-        add("mlp.up_proj.weight", vec![c.intermediate_size, h]);
-        add("mlp.down_proj.weight", vec![h, c.intermediate_size]);
+        match &c.moe {
+            None => {
+                add("mlp.gate_proj.weight", vec![c.intermediate_size, h]);
+                add("mlp.up_proj.weight", vec![c.intermediate_size, h]);
+                add("mlp.down_proj.weight", vec![h, c.intermediate_size]);
+            }
+            Some(moe) => {
+                let (e, i, s) =
+                    (moe.num_experts, moe.moe_intermediate_size, moe.shared_expert_intermediate_size);
+                add("mlp.experts.gate", vec![e, i, h]);
+                add("mlp.experts.up", vec![e, i, h]);
+                add("mlp.experts.down", vec![e, h, i]);
+                add("mlp.gate.weight", vec![e, h]);
+                add("mlp.shared_expert.gate_proj.weight", vec![s, h]);
+                add("mlp.shared_expert.up_proj.weight", vec![s, h]);
+                add("mlp.shared_expert.down_proj.weight", vec![h, s]);
+                add("mlp.shared_expert_gate.weight", vec![1, h]);
+            }
+        }
     }
     wanted.push(("model.norm.weight".into(), vec![h]));
 
@@ -811,14 +842,29 @@ pub fn write_gguf(
     // Declare every tensor first (the header comes before the data), then stream the data.
     let mut plan = Vec::with_capacity(wanted.len());
     for (hf, shape) in &wanted {
-        let (gname, transform) = gguf_name(hf).expect("the table covers every tensor the model reads");
+        let (gname, transform) = match experts_of(hf) {
+            Some((layer, proj)) => (format!("blk.{layer}.ffn_{proj}_exps.weight"), Transform::Plain),
+            None => gguf_name(hf).expect("the table covers every tensor the model reads"),
+        };
         let stored: Vec<usize> = match transform {
             Transform::Squeeze => vec![shape[0], shape[2]],
             _ => shape.clone(),
         };
-        let float_only = stored.len() == 1 || transform != Transform::Plain;
-        let ty =
-            if float_only { QuantType::F32 } else { types.choose(&chooser, hf, stored[stored.len() - 1]) };
+        // A router's few rows decide which experts run: the converter and llama-quantize keep
+        // them (and the shared expert's gate) in F32.
+        let router = hf.ends_with("mlp.gate.weight") || hf.ends_with("mlp.shared_expert_gate.weight");
+        let float_only = stored.len() == 1 || transform != Transform::Plain || router;
+        // The merged experts take the type of their first expert's matrix (the schemes choose by
+        // layer and projection, so every expert of a layer agrees).
+        let chosen_as = match experts_of(hf) {
+            Some((layer, proj)) => format!("model.layers.{layer}.mlp.experts.0.{proj}_proj.weight"),
+            None => hf.clone(),
+        };
+        let ty = if float_only {
+            QuantType::F32
+        } else {
+            types.choose(&chooser, &chosen_as, stored[stored.len() - 1])
+        };
         let dims: Vec<u64> = stored.iter().rev().map(|&d| d as u64).collect();
         w.add_tensor_info(&gname, &dims, ty)?;
         plan.push((hf.clone(), shape.clone(), gname, transform, ty));
@@ -831,6 +877,21 @@ pub fn write_gguf(
             Some(rest) => format!("{prefix}{rest}"),
             None => hf.clone(),
         };
+        if let Some((layer, proj)) = experts_of(hf) {
+            // Each expert's rows in expert order: GGML blocks never cross a row, so the
+            // encodings of the experts one after another are the merged tensor's.
+            let mut bytes = Vec::new();
+            for e in 0..shape[0] {
+                let name = format!("{prefix}layers.{layer}.mlp.experts.{e}.{proj}_proj.weight");
+                let x = src.tensor(&name, &shape[1..])?.to_f32_vec();
+                bytes.extend(encode(*ty, &x).map_err(|e| Error::input(format!("tensor `{gname}`: {e}")))?);
+            }
+            report.tensors.push((gname.clone(), *ty));
+            if let Some(p) = progress {
+                p(i as u64 + 1, total);
+            }
+            return Ok(bytes);
+        }
         let mut x = src.tensor(&src_name, shape)?.to_f32_vec();
         let is = |s: &str| hf.ends_with(s);
         if per_k > 1 {

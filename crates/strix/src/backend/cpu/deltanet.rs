@@ -194,12 +194,13 @@ fn conv_block<'a>(
             for (i, tap) in taps.iter().enumerate().take(hist) {
                 // (head + i) % hist without a division: both are below hist.
                 let slot = if head + i >= hist { head + i - hist } else { head + i };
-                for ((a, &w), &x) in acc.iter_mut().zip(tap).zip(&ring[slot]) {
-                    *a += w * x;
+                let x = &ring[slot];
+                for c in 0..CONV_BLOCK {
+                    acc[c] += tap[c] * x[c];
                 }
             }
-            for ((a, &w), &x) in acc.iter_mut().zip(&taps[hist]).zip(&cur) {
-                *a += w * x;
+            for c in 0..CONV_BLOCK {
+                acc[c] += taps[hist][c] * cur[c];
             }
             row.copy_from_slice(&acc[..n]);
             silu_in_place(isa, row);
@@ -208,7 +209,8 @@ fn conv_block<'a>(
                 head = if head + 1 == hist { 0 } else { head + 1 };
             }
         }
-        // The ring in age order once, so the per-channel loop below reads fixed rows.
+        // The ring in age order once, so the per-channel loop below does no index arithmetic
+        // (a division per element there cost more than the whole convolution of a token).
         let oldest_first: [[f32; CONV_BLOCK]; 8] =
             std::array::from_fn(|i| if i < hist { ring[(head + i) % hist] } else { [0.0; CONV_BLOCK] });
         for c in 0..n {

@@ -61,20 +61,11 @@ pub(crate) fn cpu_vendor_is_intel() -> bool {
 /// none elsewhere. Decode streams every weight from memory once, and on a 2-core Xeon (KVM)
 /// the packed GEMVs streamed Q6_K at ~8.5 GB/s without it and 11.6–13.3 GB/s with it
 /// (`examples/qmatmul_bench.rs`, 6144 × 1024, cold); the AMD EPYC the kernels were tuned on
-/// keeps what was measured there. A hint only: results never depend on it.
-/// `STRIX_PREFETCH=BYTES` overrides it, to measure one setting against another.
+/// keeps what was measured there. A hint only: results never depend on it. Chosen by the CPU
+/// alone (the library reads no environment variables).
 pub(crate) fn prefetch_distance() -> usize {
     static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PF.get_or_init(|| {
-        if let Some(v) = std::env::var("STRIX_PREFETCH").ok().and_then(|v| v.parse().ok()) {
-            return v;
-        }
-        if cpu_vendor_is_intel() {
-            2048
-        } else {
-            0
-        }
-    })
+    *PF.get_or_init(|| if cpu_vendor_is_intel() { 2048 } else { 0 })
 }
 
 /// Asks for the `bytes` from `p` on (every cache line) to come into L1. `p` may point past

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use super::quant::XQuant;
+use super::xquant::XQuant;
 use crate::backend::{AttentionShape, KvCacheType};
 use crate::error::Result;
 

@@ -8,7 +8,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use super::quant::XQuant;
+use super::xquant::XQuant;
 use crate::backend::{DeltaNetShape, DeltaRuleMode};
 use crate::error::Result;
 

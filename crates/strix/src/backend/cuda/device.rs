@@ -477,12 +477,12 @@ impl Device {
     }
 
     /// A `[rows, cols]` weight: the GGML block formats stay packed (regrouped for the kernels
-    /// by [`super::quant::repack`], the same bytes); bf16 tensors are copied as they are, f16
+    /// by [`super::packed::repack`], the same bytes); bf16 tensors are copied as they are, f16
     /// and f32 ones rounded to bf16 (nearest even) on the host (all cores) first.
     pub fn upload_weight(&self, t: &HostTensor, rows: usize, cols: usize) -> Result<CudaWeight> {
         t.check_matrix(rows, cols)?;
         if t.dtype.is_quantized() {
-            let packed = super::quant::repack(t.dtype, t.bytes.as_slice(), rows, cols);
+            let packed = super::packed::repack(t.dtype, t.bytes.as_slice(), rows, cols);
             let (data, ptr) = self.alloc_raw::<u16>(packed.len().div_ceil(2))?;
             self.copy_htod(ptr, &packed)?;
             return Ok(CudaWeight { _data: data, ptr, rows, cols, dtype: t.dtype });

@@ -7,7 +7,7 @@
 use cudarc::driver::CudaFunction;
 
 use super::device::{kernel_args, CudaBuf, CudaWeight, Device};
-use super::quant::XQuant;
+use super::xquant::XQuant;
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = include_str!("elementwise.cu");

@@ -37,8 +37,10 @@ mod elementwise;
 mod flash_attention;
 mod graph;
 mod matmul;
+mod packed;
 mod quant;
 mod sample;
+mod xquant;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -468,7 +470,7 @@ impl CudaBackend {
         out: &mut CudaBuf,
         n: usize,
         wanted: bool,
-        launch: impl FnOnce(&mut CudaBuf, Option<&quant::XQuant>) -> bool,
+        launch: impl FnOnce(&mut CudaBuf, Option<&xquant::XQuant>) -> bool,
     ) {
         let side = if wanted { self.q.producer_side(&self.dev, out, n) } else { None };
         if launch(out, side.as_ref()) {
@@ -479,7 +481,7 @@ impl CudaBackend {
     /// The producer's quantization of `x` for a packed GEMV of `tokens` rows of `cols`, if the
     /// last kernel on the device wrote it (quant.rs); called first in an op, before `bind`.
     /// `use_it` false only drops the record.
-    fn prequantized(&self, x: &CudaBuf, tokens: usize, cols: usize, use_it: bool) -> Option<quant::XQuant> {
+    fn prequantized(&self, x: &CudaBuf, tokens: usize, cols: usize, use_it: bool) -> Option<xquant::XQuant> {
         let pre = self.q.take_prequantized(&self.dev, x, tokens, cols).filter(|_| use_it);
         if pre.is_some() {
             bump(&self.counters.gemv_quant_prequantized);

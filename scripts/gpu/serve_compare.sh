@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# `strix serve` beside llama-server on the same GGUF files, under `strix bench-serve`: the
+# served table of BENCHMARKS.md (issue 16). Runs on the CUDA machine, from the prebuilt
+# binaries of scripts/gpu/build.sh (GPU_DIR, default .gpu) and llama.cpp sources.
+#
+# Usage: scripts/gpu/serve_compare.sh LLAMA_SRC_TARBALL TOKENIZER_JSON[.gz] LOGDIR [MODELS]
+#   LLAMA_SRC_TARBALL  a .tar.xz/.tar.gz of a llama.cpp tree (llama-cpp-python's sdist
+#                      vendors one under vendor/llama.cpp; tar that folder, docs/models/tests
+#                      pruned, to keep it small)
+#   TOKENIZER_JSON     the Qwen3.5 tokenizer.json the random checkpoints get
+#   MODELS             which of 0.8b and 9b (default "0.8b 9b")
+# Environment: CLIENTS (default "1 16 64"), MIXES (default "greedy temperature"),
+# JOBS (build jobs, default 12), WORK (scratch, default /tmp/serve-compare).
+#
+# What it does: builds llama-server, llama-quantize and llama-batched-bench; writes a random
+# checkpoint of each model's published shape (scripts/make_random_checkpoint.py, which needs
+# torch and transformers), converts it to a bf16 GGUF with `strix quantize` and to Q4_K_M
+# with llama-quantize, then for each file starts `strix serve` (--max-seqs 64) and
+# llama-server (-np 64, 512 tokens a slot), and runs `strix bench-serve` at each client
+# count and request mix: streaming /v1/completions, prompts of 100 random ids, --max-tokens
+# 256 (0.8B) or 128 (9B), 3 requests a client (8 for one client) after a warm-up round.
+# Results: LOGDIR/bs-<server>-<model>-<format>-<clients>-<mix>.json (one object each) and
+# a summary line per run in LOGDIR/summary.txt.
+#
+# The binaries are copied to WORK first, so the run survives its checkout being replaced
+# (the device tool re-sends the working tree with each call; run this detached with setsid
+# and poll LOGDIR/summary.txt).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+src=${1:?usage: serve_compare.sh LLAMA_SRC_TARBALL TOKENIZER_JSON LOGDIR [MODELS]}
+tok=${2:?tokenizer.json}
+logs=${3:?log folder}
+models=${4:-0.8b 9b}
+clients=${CLIENTS:-1 16 64}
+mixes=${MIXES:-greedy temperature}
+work=${WORK:-/tmp/serve-compare}
+mkdir -p "$logs" "$work/bin"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export STRIX_KERNEL_CACHE=${STRIX_KERNEL_CACHE:-$work/kernels}
+summary=$logs/summary.txt
+start=$(date +%s)
+note() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$summary"; }
+
+cp "${GPU_DIR:-.gpu}/strix" "$work/bin/" || { note "no strix binary in ${GPU_DIR:-.gpu}"; exit 1; }
+cp scripts/make_random_checkpoint.py "$work/"
+strix=$work/bin/strix
+case $tok in
+*.gz) gunzip -c "$tok" > "$work/tokenizer.json" ;;
+*) cp "$tok" "$work/tokenizer.json" ;;
+esac
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  lscpu | grep 'Model name'
+} > "$logs/machine.txt" 2>&1
+
+# llama.cpp, built in the background while the checkpoints are written.
+(
+  mkdir -p "$work/llama" && tar xf "$src" -C "$work/llama" --strip-components=1 &&
+    cmake -S "$work/llama" -B "$work/llama/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_APP=OFF > "$logs/llama-cmake.log" 2>&1 &&
+    cmake --build "$work/llama/build" -j "${JOBS:-12}" --target llama-server llama-quantize llama-batched-bench \
+      > "$logs/llama-build.log" 2>&1
+  echo $? > "$work/llama.rc"
+) &
+llama_pid=$!
+
+for m in $models; do
+  note "checkpoint $m"
+  python3 "$work/make_random_checkpoint.py" "$work/ckpt-$m" "$work/tokenizer.json" --preset "$m" \
+    > "$logs/checkpoint-$m.log" 2>&1 || { note "checkpoint $m failed"; exit 1; }
+  "$strix" quantize --model "$work/ckpt-$m" --quant bf16 --out "$work/$m-bf16.gguf" > "$logs/gguf-$m.log" 2>&1 ||
+    { note "strix quantize $m failed"; exit 1; }
+  rm -rf "$work/ckpt-$m"
+done
+wait $llama_pid
+if [ "$(cat "$work/llama.rc")" != 0 ]; then
+  note "llama.cpp build failed (llama-build.log)"
+  exit 1
+fi
+llama=$work/llama/build/bin
+for m in $models; do
+  "$llama/llama-quantize" "$work/$m-bf16.gguf" "$work/$m-q4km.gguf" Q4_K_M "${JOBS:-12}" > "$logs/q4km-$m.log" 2>&1 ||
+    { note "llama-quantize $m failed"; exit 1; }
+done
+note "files ready: $(cd "$work" && ls -s --block-size=M ./*.gguf | tr '\n' ' ')"
+
+# One server on one file, every client count and mix.
+serve() { # server model format max_tokens
+  local server=$1 m=$2 f=$3 mt=$4 port=8090 file=$work/$2-$3.gguf tag=$1-$2-$3
+  if [ "$server" = strix ]; then
+    "$strix" serve --device cuda --model "$file" --port $port --max-seqs 64 --ctx 4096 > "$logs/serve-$tag.log" 2>&1 &
+  else
+    "$llama/llama-server" -m "$file" --port $port -np 64 -c 32768 -ngl 99 > "$logs/serve-$tag.log" 2>&1 &
+  fi
+  local pid=$! up=
+  for _ in $(seq 1 600); do
+    curl -sf http://127.0.0.1:$port/health > /dev/null && up=1 && break
+    kill -0 $pid 2> /dev/null || break
+    sleep 0.5
+  done
+  if [ -z "$up" ]; then
+    note "$tag did not come up (serve-$tag.log)"
+    kill -9 $pid 2> /dev/null
+    return
+  fi
+  for c in $clients; do
+    for mix in $mixes; do
+      local n=$((c < 4 ? 8 : 3 * c)) out=$logs/bs-$tag-$c-$mix
+      timeout 300 "$strix" bench-serve --url http://127.0.0.1:$port --clients "$c" --requests $n --max-tokens "$mt" \
+        --prompt-len 100 --mix "$mix" --seed 1 > "$out.json" 2> "$out.log"
+      python3 - "$out.json" "$tag c=$c $mix" >> "$summary" 2>&1 << 'EOF' || tail -2 "$out.log" >> "$summary"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(sys.argv[2], f"{d['output_tok_s']:.1f} tok/s; ttft p50 {d['ttft_ms']['p50']:.1f} ms, itl p50 {d['itl_ms']['p50']:.2f} p99 {d['itl_ms']['p99']:.2f} ms; failed {d['failed']}")
+EOF
+    done
+  done
+  curl -s http://127.0.0.1:$port/metrics > "$logs/metrics-$tag.txt"
+  kill -INT $pid
+  for _ in $(seq 1 20); do kill -0 $pid 2> /dev/null || break; sleep 0.5; done
+  kill -9 $pid 2> /dev/null
+  wait $pid 2> /dev/null
+}
+for m in $models; do
+  mt=$([ "$m" = 9b ] && echo 128 || echo 256)
+  for f in bf16 q4km; do
+    serve strix "$m" $f "$mt"
+    serve llama "$m" $f "$mt"
+  done
+  # llama.cpp's own decode batches on the Q4_K_M file, for the kernel comparison.
+  timeout 300 "$llama/llama-batched-bench" -m "$work/$m-q4km.gguf" -c 32768 -npp 128 -ntg 64 -npl 1,16,64 -ngl 99 \
+    > "$logs/batched-bench-$m-q4km.log" 2>&1
+done
+note "done"
