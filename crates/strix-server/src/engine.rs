@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use strix::backend::Backend;
 use strix::config::LayerKind;
 use strix::generate::{FinishReason, Sequence};
-use strix::model::{attention_shape, deltanet_shape, Logits, Model};
-use strix::sampling::{sample_prepared, Draw, NonFiniteLogits, Sampler, StopMatcher, TokenLogprobs};
+use strix::model::{attention_shape, deltanet_shape, Model};
+use strix::sampling::{Draw, NonFiniteLogits, Sampler, StopMatcher, TokenLogprobs};
 use strix::session::Session;
 use strix::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
@@ -418,14 +418,23 @@ impl<B: Backend> Engine<B> {
             let start = seq.fed;
             let pass = self.model.pass_tokens();
             let end = seq.job.prompt.len().min((start / pass + 1) * pass);
+            // The last piece finishes the first token's draw next to the logits, as a decode
+            // step does: only the token leaves the backend.
+            let piece = &seq.job.prompt[start..end];
             let called = Instant::now();
-            let result = self.model.forward(&mut seq.session, &seq.job.prompt[start..end], Logits::Last);
+            let result = if end == seq.job.prompt.len() {
+                let row =
+                    seq.job.sampler.prepare(&seq.job.prompt, seq.sequence.generated(), seq.job.logprobs);
+                self.model.prefill_draw(&mut seq.session, piece, &row).map(Some)
+            } else {
+                self.model.prefill(&mut seq.session, piece).map(|()| None)
+            };
             self.in_model += called.elapsed();
             budget = budget.saturating_sub(end - start);
             self.metrics.prompt_tokens.fetch_add((end - start) as u64, Ordering::Relaxed);
             seq.fed = end;
-            let mut logits = match result {
-                Ok(logits) => logits,
+            let draw = match result {
+                Ok(draw) => draw,
                 Err(e) => {
                     let mut seq = self.prefilling.remove(i).expect("index checked by the loop");
                     seq.send(Event::Error(ApiError::internal(format!("prefill failed: {e}"))));
@@ -433,13 +442,11 @@ impl<B: Backend> Engine<B> {
                     continue;
                 }
             };
-            if end < seq.job.prompt.len() {
+            let Some(draw) = draw else {
                 i += 1;
                 continue;
-            }
-            let mut seq = self.prefilling.remove(i).expect("index checked by the loop");
-            let row = seq.job.sampler.prepare(&seq.job.prompt, seq.sequence.generated(), seq.job.logprobs);
-            let draw = sample_prepared(&mut logits, &row);
+            };
+            let seq = self.prefilling.remove(i).expect("index checked by the loop");
             self.take(seq, draw);
         }
     }

@@ -9,8 +9,8 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::model::{Logits, Model};
-use crate::sampling::{sample_prepared, Sampler, SamplingParams, StopMatcher};
+use crate::model::Model;
+use crate::sampling::{Sampler, SamplingParams, StopMatcher};
 use crate::session::Session;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -199,23 +199,20 @@ pub fn generate<B: Backend>(
 
     let mut timings = Timings { prefill_tokens: prompt.len(), ..Timings::default() };
     let start = Instant::now();
-    let mut logits = model.forward(session, prompt, Logits::Last)?;
+    // Only tokens come back from the backend: the first drawn next to the prompt's last
+    // logits, then greedy decoding as an argmax and any other draw finished next to the
+    // logits (`Model::decode_batch_prepared`).
+    let first = sampler.prepare(&history, seq.generated(), None);
+    let first = model.prefill_draw(session, prompt, &first)?;
     timings.prefill_seconds = start.elapsed().as_secs_f64();
-
-    // Only the token comes back from the backend after the first: greedy decoding as an
-    // argmax, any other draw finished next to the logits (`Model::decode_batch_prepared`).
     let plain_greedy = params.sampling.is_greedy() && !params.sampling.adjusts_logits();
-    let mut picked: Option<u32> = None;
+    let mut token = first?.token;
     let mut text = String::new();
     let decode_start = Instant::now();
     let finish = loop {
         if seq.generated().len() >= params.max_tokens {
             break FinishReason::Length;
         }
-        let token = match picked.take() {
-            Some(token) => token,
-            None => sample_prepared(&mut logits, &sampler.prepare(&history, seq.generated(), None))?.token,
-        };
         let accepted = seq.accept(token, session.remaining());
         if let Some(emit) = accepted.text {
             on_text(&emit);
@@ -224,13 +221,13 @@ pub fn generate<B: Backend>(
         if let Some(finish) = accepted.finish {
             break finish;
         }
-        picked = Some(if plain_greedy {
+        token = if plain_greedy {
             model.decode_batch_greedy(&mut [&mut *session], &[token])?[0]
         } else {
             let row = sampler.prepare(&history, seq.generated(), None);
             let draw = model.decode_batch_prepared(&mut [&mut *session], &[token], &[row])?.remove(0);
             draw?.token
-        });
+        };
         timings.decode_tokens += 1;
     };
     timings.decode_seconds = decode_start.elapsed().as_secs_f64();

@@ -463,6 +463,76 @@ impl<B: Backend> Model<B> {
     /// Feeds `ids` to the session and returns logits (`Logits::Last`: `[vocab]`,
     /// `Logits::All`: `[ids.len(), vocab]`). The session advances by `ids.len()` tokens.
     pub fn forward(&self, session: &mut Session<B>, ids: &[u32], want: Logits) -> Result<Vec<f32>> {
+        self.check_feed(session, ids)?;
+        if ids.len() == 1 && want == Logits::Last {
+            // One token: the decode-step path, which a backend may record and replay.
+            let mut one = [session];
+            return self.decode_batch(&mut one, ids);
+        }
+        let b = &self.backend;
+        let vocab = self.config.vocab_size;
+        let mut logits = Vec::with_capacity(match want {
+            Logits::Last => vocab,
+            Logits::All => ids.len() * vocab,
+        });
+        let pieces: Vec<&[u32]> = ids.chunks(self.pass_tokens).collect();
+        for (n, piece) in pieces.iter().enumerate() {
+            let scratch = self.forward_pass(session, piece);
+            let t = piece.len();
+            match want {
+                Logits::All => {
+                    let mut out = b.scratch(t * vocab);
+                    b.matmul(&scratch.x, t, self.lm_head(), &mut out);
+                    logits.extend(b.download(&out, 0, t * vocab));
+                }
+                Logits::Last if n + 1 == pieces.len() => {
+                    let out = self.last_row_logits(&scratch, t);
+                    logits.extend(b.download(&out, 0, vocab));
+                }
+                Logits::Last => {}
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Feeds `ids` (a piece of a prompt) to the session and makes no logits.
+    pub fn prefill(&self, session: &mut Session<B>, ids: &[u32]) -> Result<()> {
+        self.check_feed(session, ids)?;
+        for piece in ids.chunks(self.pass_tokens) {
+            self.forward_pass(session, piece);
+        }
+        Ok(())
+    }
+
+    /// Feeds `ids` (a prompt, or its last piece) to the session and finishes `row`'s draw
+    /// from the last position's logits next to them, as [`Model::decode_batch_prepared`] does
+    /// for a decode step: the result is what `sampling::sample_prepared` makes of
+    /// `forward(session, ids, Logits::Last)` with `row`, and only the token (and the
+    /// log-probabilities asked for) leaves the backend.
+    pub fn prefill_draw(
+        &self,
+        session: &mut Session<B>,
+        ids: &[u32],
+        row: &PreparedSample,
+    ) -> Result<std::result::Result<Draw, NonFiniteLogits>> {
+        self.check_feed(session, ids)?;
+        if ids.len() == 1 {
+            // One token: the decode-step path, which a backend may record and replay.
+            let mut one = [session];
+            let mut draws = self.decode_batch_prepared(&mut one, ids, std::slice::from_ref(row))?;
+            return Ok(draws.remove(0));
+        }
+        let (head, last) = ids.split_at((ids.len() - 1) / self.pass_tokens * self.pass_tokens);
+        for piece in head.chunks(self.pass_tokens) {
+            self.forward_pass(session, piece);
+        }
+        let scratch = self.forward_pass(session, last);
+        let logits = self.last_row_logits(&scratch, last.len());
+        Ok(self.backend.sample_rows(&logits, self.config.vocab_size, &[(0, row)]).remove(0))
+    }
+
+    /// What every feed checks first: tokens to feed, in the vocabulary, room in the session.
+    fn check_feed(&self, session: &Session<B>, ids: &[u32]) -> Result<()> {
         if ids.is_empty() {
             return Err(Error::input("no tokens to process"));
         }
@@ -479,22 +549,7 @@ impl<B: Backend> Model<B> {
                 session.max_context()
             )));
         }
-        if ids.len() == 1 && want == Logits::Last {
-            // One token: the decode-step path, which a backend may record and replay.
-            let mut one = [session];
-            return self.decode_batch(&mut one, ids);
-        }
-        let mut logits = Vec::with_capacity(match want {
-            Logits::Last => vocab,
-            Logits::All => ids.len() * vocab,
-        });
-        let pieces: Vec<&[u32]> = ids.chunks(self.pass_tokens).collect();
-        for (n, piece) in pieces.iter().enumerate() {
-            let last_piece = n + 1 == pieces.len();
-            let out = self.forward_pass(session, piece, want, last_piece);
-            logits.extend(out);
-        }
-        Ok(logits)
+        Ok(())
     }
 
     /// One decode step for several sequences at once: feeds `tokens[i]` to `sessions[i]` and
@@ -608,14 +663,9 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// One pass of at most [`Model::pass_tokens`] tokens through every layer.
-    fn forward_pass(
-        &self,
-        session: &mut Session<B>,
-        ids: &[u32],
-        want: Logits,
-        last_piece: bool,
-    ) -> Vec<f32> {
+    /// One pass of at most [`Model::pass_tokens`] tokens through every layer; returns the
+    /// scratch whose `x` holds the final-normed hidden states.
+    fn forward_pass(&self, session: &mut Session<B>, ids: &[u32]) -> Scratch<B> {
         let b = &self.backend;
         let c = &self.config;
         let t = ids.len();
@@ -625,22 +675,18 @@ impl<B: Backend> Model<B> {
         let mut scratch = Scratch::new(b, c, t);
         self.layers(&mut Sequences::One(session), ids, &positions, &mut scratch);
         session.advance(ids);
+        scratch
+    }
 
-        match want {
-            Logits::All => {
-                let mut logits = b.scratch(t * c.vocab_size);
-                b.matmul(&scratch.x, t, self.lm_head(), &mut logits);
-                b.download(&logits, 0, t * c.vocab_size)
-            }
-            Logits::Last if !last_piece => Vec::new(),
-            Logits::Last => {
-                let mut row = b.scratch(c.hidden_size);
-                b.copy_row(&scratch.x, t - 1, c.hidden_size, &mut row);
-                let mut logits = b.scratch(c.vocab_size);
-                b.matmul(&row, 1, self.lm_head(), &mut logits);
-                b.download(&logits, 0, c.vocab_size)
-            }
-        }
+    /// The logits of the last of a pass's `t` positions, `[vocab]`, on the backend.
+    fn last_row_logits(&self, scratch: &Scratch<B>, t: usize) -> B::Buf {
+        let b = &self.backend;
+        let c = &self.config;
+        let mut row = b.scratch(c.hidden_size);
+        b.copy_row(&scratch.x, t - 1, c.hidden_size, &mut row);
+        let mut logits = b.scratch(c.vocab_size);
+        b.matmul(&row, 1, self.lm_head(), &mut logits);
+        logits
     }
 
     fn lm_head(&self) -> &B::Weight {

@@ -2764,3 +2764,55 @@ fn prompt_projections_and_mlp_equal_the_separate_ops_bitwise() {
     }
     g.set_gemm_path(GemmPath::Auto);
 }
+
+/// A prompt's first token drawn on the device (`Model::prefill_draw`, the server's and
+/// `generate`'s path) is what the host sampler draws from the same model's `Logits::Last`,
+/// log-probabilities included, for temperature alone, top-p with min-p and penalties, and
+/// greedy, at prompt lengths of one token, inside a pass and across passes.
+#[test]
+fn prefill_draws_on_the_device_match_the_host() {
+    use strix::sampling::{sample_prepared, Sampler, SamplingParams};
+    let Some(g) = gpu() else { return };
+    if !g.has_cublas() {
+        println!("skipped: cuBLAS is not installed");
+        return;
+    }
+    let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
+    let mut model = Model::load(&dir, g, None).unwrap();
+    model.set_pass_tokens(64).unwrap();
+    let settings = [
+        (SamplingParams { temperature: 0.7, seed: Some(4), ..SamplingParams::default() }, Some(3)),
+        (SamplingParams::greedy(), None),
+        (
+            SamplingParams {
+                temperature: 1.1,
+                top_p: 0.8,
+                min_p: 0.01,
+                repetition_penalty: 1.2,
+                presence_penalty: 0.4,
+                seed: Some(9),
+                ..SamplingParams::default()
+            },
+            Some(0),
+        ),
+    ];
+    for len in [1, 9, 64, 130] {
+        let prompt: Vec<u32> = (0..len).map(|i| (i * 29 + 3) % 300).collect();
+        for (params, logprobs) in &settings {
+            let (mut host, mut drawn) = (Sampler::new(params.clone()).unwrap(), Sampler::new(params.clone()).unwrap());
+            let mut logits = model.forward(&mut model.new_session(256), &prompt, Logits::Last).unwrap();
+            let want = sample_prepared(&mut logits, &host.prepare(&prompt, &[], *logprobs));
+            let row = drawn.prepare(&prompt, &[], *logprobs);
+            let got = model.prefill_draw(&mut model.new_session(256), &prompt, &row).unwrap();
+            match (&got, &want) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!(a.token, b.token, "len {len}, {params:?}");
+                    if let (Some(a), Some(b)) = (&a.logprobs, &b.logprobs) {
+                        assert!((a.logprob - b.logprob).abs() <= 1e-5, "len {len}: {a:?} vs {b:?}");
+                    }
+                }
+                _ => assert_eq!(got, want, "len {len}, {params:?}"),
+            }
+        }
+    }
+}

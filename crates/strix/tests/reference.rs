@@ -241,3 +241,65 @@ fn prepared_draws_equal_host_sampling() {
     let mut s = model.new_session(8);
     assert!(model.decode_batch_prepared(&mut [&mut s], &[1], &[]).is_err());
 }
+
+/// A prompt's first token drawn next to its last logits (`Model::prefill_draw`, as the server
+/// and `generate` draw it) is what the host sampler draws from `forward`'s `Logits::Last`,
+/// with the same log-probabilities, at prompt lengths inside one pass, at a pass's end and
+/// across passes, for a prompt fed whole or its head fed first (`Model::prefill`); the
+/// session is left where `forward` leaves it.
+#[test]
+fn prefill_draws_equal_host_sampling() {
+    use strix::sampling::{sample_prepared, Sampler, SamplingParams};
+    let dir = &fixtures()[0];
+    let mut model = Model::load(dir, CpuBackend::new(), None).unwrap();
+    model.set_pass_tokens(64).unwrap();
+    let settings = [
+        (SamplingParams { temperature: 0.7, seed: Some(4), ..SamplingParams::default() }, Some(3)),
+        (SamplingParams::greedy(), None),
+        (
+            SamplingParams {
+                temperature: 1.1,
+                top_p: 0.8,
+                min_p: 0.01,
+                repetition_penalty: 1.2,
+                presence_penalty: 0.4,
+                seed: Some(9),
+                ..SamplingParams::default()
+            },
+            Some(0),
+        ),
+    ];
+    for len in [1, 2, 9, 64, 65, 130] {
+        let prompt: Vec<u32> = (0..len).map(|i| (i * 29 + 3) % 300).collect();
+        for (params, logprobs) in &settings {
+            let (mut host, mut drawn) =
+                (Sampler::new(params.clone()).unwrap(), Sampler::new(params.clone()).unwrap());
+            let mut host_session = model.new_session(256);
+            let mut logits = model.forward(&mut host_session, &prompt, Logits::Last).unwrap();
+            let want = sample_prepared(&mut logits, &host.prepare(&prompt, &[], *logprobs));
+            let mut session = model.new_session(256);
+            let got =
+                model.prefill_draw(&mut session, &prompt, &drawn.prepare(&prompt, &[], *logprobs)).unwrap();
+            assert_eq!(got, want, "len {len}, {params:?}");
+            // Fed as the server feeds it: a pass-sized head without logits, then the rest.
+            if len > 64 {
+                let mut split = model.new_session(256);
+                let mut again = Sampler::new(params.clone()).unwrap();
+                model.prefill(&mut split, &prompt[..64]).unwrap();
+                let row = again.prepare(&prompt, &[], *logprobs);
+                assert_eq!(
+                    model.prefill_draw(&mut split, &prompt[64..], &row).unwrap(),
+                    want,
+                    "len {len} split"
+                );
+            }
+            let next = want.unwrap().token;
+            let a = model.forward(&mut host_session, &[next], Logits::Last).unwrap();
+            let b = model.forward(&mut session, &[next], Logits::Last).unwrap();
+            assert_eq!(a, b, "len {len}: the sessions differ after the prefill");
+        }
+    }
+    let mut s = model.new_session(8);
+    assert!(model.prefill(&mut s, &[]).is_err());
+    assert!(model.prefill(&mut s, &[1; 9]).unwrap_err().to_string().contains("do not fit"));
+}
