@@ -2799,7 +2799,8 @@ fn prefill_draws_on_the_device_match_the_host() {
     for len in [1, 9, 64, 130] {
         let prompt: Vec<u32> = (0..len).map(|i| (i * 29 + 3) % 300).collect();
         for (params, logprobs) in &settings {
-            let (mut host, mut drawn) = (Sampler::new(params.clone()).unwrap(), Sampler::new(params.clone()).unwrap());
+            let (mut host, mut drawn) =
+                (Sampler::new(params.clone()).unwrap(), Sampler::new(params.clone()).unwrap());
             let mut logits = model.forward(&mut model.new_session(256), &prompt, Logits::Last).unwrap();
             let want = sample_prepared(&mut logits, &host.prepare(&prompt, &[], *logprobs));
             let row = drawn.prepare(&prompt, &[], *logprobs);
