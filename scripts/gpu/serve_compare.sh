@@ -7,30 +7,35 @@
 #   LLAMA_SRC_TARBALL  a .tar.xz/.tar.gz of a llama.cpp tree (llama-cpp-python's sdist
 #                      vendors one under vendor/llama.cpp; tar that folder, docs/models/tests
 #                      pruned, to keep it small)
-#   TOKENIZER_JSON     the Qwen3.5 tokenizer.json the random checkpoints get
-#   MODELS             which of 0.8b and 9b (default "0.8b 9b")
+#   TOKENIZER_JSON     the Qwen3.5 tokenizer.json the random weights' files carry
+#   MODELS             which of 9b and 0.8b, in that order (default "9b 0.8b": the 9B rows
+#                      are the ones issue 16's targets name, so they come first)
 # Environment: CLIENTS (default "1 16 64"), MIXES (default "greedy temperature"),
 # JOBS (build jobs, default 12), WORK (scratch, default /tmp/serve-compare).
 #
-# What it does: builds llama-server, llama-quantize and llama-batched-bench; writes a random
-# checkpoint of each model's published shape (scripts/make_random_checkpoint.py, which needs
-# torch and transformers), converts it to a bf16 GGUF with `strix quantize` and to Q4_K_M
-# with llama-quantize, then for each file starts `strix serve` (--max-seqs 64) and
-# llama-server (-np 64, 512 tokens a slot), and runs `strix bench-serve` at each client
-# count and request mix: streaming /v1/completions, prompts of 100 random ids, --max-tokens
-# 256 (0.8B) or 128 (9B), 3 requests a client (8 for one client) after a warm-up round.
+# What it does: builds llama-server, llama-quantize and llama-batched-bench; writes random
+# weights of each model's published shape as a bf16 GGUF (`strix quantize --preset`, the
+# weights `strix bench --preset` runs; a 9B file in a few minutes, no torch needed) and
+# converts it to Q4_K_M with llama-quantize, then for each file starts `strix serve`
+# (--max-seqs 64) and llama-server (-np 64, 512 tokens a slot), and runs `strix bench-serve`
+# at each client count and request mix: streaming /v1/completions, prompts of 100 random
+# ids, --max-tokens 256 (0.8B) or 128 (9B), 2 requests a client (8 for one client) after a
+# warm-up round; then `strix bench` (batches 1, 16, 64) and llama-batched-bench on the
+# Q4_K_M file.
 # Results: LOGDIR/bs-<server>-<model>-<format>-<clients>-<mix>.json (one object each) and
 # a summary line per run in LOGDIR/summary.txt.
 #
 # The binaries are copied to WORK first, so the run survives its checkout being replaced
 # (the device tool re-sends the working tree with each call; run this detached with setsid
-# and poll LOGDIR/summary.txt).
+# and poll LOGDIR/summary.txt). Keep a poll call running the whole time: a lent machine
+# goes back ~30 s after a call ends, and with it everything the run wrote. The whole plan
+# takes ~25 minutes of device time (llama-server is slow at 16+ clients on 0.8B).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 src=${1:?usage: serve_compare.sh LLAMA_SRC_TARBALL TOKENIZER_JSON LOGDIR [MODELS]}
 tok=${2:?tokenizer.json}
 logs=${3:?log folder}
-models=${4:-0.8b 9b}
+models=${4:-9b 0.8b}
 clients=${CLIENTS:-1 16 64}
 mixes=${MIXES:-greedy temperature}
 work=${WORK:-/tmp/serve-compare}
@@ -42,18 +47,18 @@ start=$(date +%s)
 note() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$summary"; }
 
 cp "${GPU_DIR:-.gpu}/strix" "$work/bin/" || { note "no strix binary in ${GPU_DIR:-.gpu}"; exit 1; }
-cp scripts/make_random_checkpoint.py "$work/"
 strix=$work/bin/strix
+mkdir -p "$work/tokenizer"
 case $tok in
-*.gz) gunzip -c "$tok" > "$work/tokenizer.json" ;;
-*) cp "$tok" "$work/tokenizer.json" ;;
+*.gz) gunzip -c "$tok" > "$work/tokenizer/tokenizer.json" ;;
+*) cp "$tok" "$work/tokenizer/tokenizer.json" ;;
 esac
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   lscpu | grep 'Model name'
 } > "$logs/machine.txt" 2>&1
 
-# llama.cpp, built in the background while the checkpoints are written.
+# llama.cpp, built in the background while the bf16 files are written.
 (
   mkdir -p "$work/llama" && tar xf "$src" -C "$work/llama" --strip-components=1 &&
     cmake -S "$work/llama" -B "$work/llama/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -66,12 +71,9 @@ esac
 llama_pid=$!
 
 for m in $models; do
-  note "checkpoint $m"
-  python3 "$work/make_random_checkpoint.py" "$work/ckpt-$m" "$work/tokenizer.json" --preset "$m" \
-    > "$logs/checkpoint-$m.log" 2>&1 || { note "checkpoint $m failed"; exit 1; }
-  "$strix" quantize --model "$work/ckpt-$m" --quant bf16 --out "$work/$m-bf16.gguf" > "$logs/gguf-$m.log" 2>&1 ||
-    { note "strix quantize $m failed"; exit 1; }
-  rm -rf "$work/ckpt-$m"
+  note "bf16 file $m"
+  "$strix" quantize --preset "qwen3.5-$m" --tokenizer "$work/tokenizer" --quant bf16 --out "$work/$m-bf16.gguf" \
+    > "$logs/gguf-$m.log" 2>&1 || { note "strix quantize --preset $m failed"; exit 1; }
 done
 wait $llama_pid
 if [ "$(cat "$work/llama.rc")" != 0 ]; then
@@ -106,8 +108,8 @@ serve() { # server model format max_tokens
   fi
   for c in $clients; do
     for mix in $mixes; do
-      local n=$((c < 4 ? 8 : 3 * c)) out=$logs/bs-$tag-$c-$mix
-      timeout 300 "$strix" bench-serve --url http://127.0.0.1:$port --clients "$c" --requests $n --max-tokens "$mt" \
+      local n=$((c < 4 ? 8 : 2 * c)) out=$logs/bs-$tag-$c-$mix
+      timeout 200 "$strix" bench-serve --url http://127.0.0.1:$port --clients "$c" --requests $n --max-tokens "$mt" \
         --prompt-len 100 --mix "$mix" --seed 1 > "$out.json" 2> "$out.log"
       python3 - "$out.json" "$tag c=$c $mix" >> "$summary" 2>&1 << 'EOF' || tail -2 "$out.log" >> "$summary"
 import json, sys
@@ -128,8 +130,11 @@ for m in $models; do
     serve strix "$m" $f "$mt"
     serve llama "$m" $f "$mt"
   done
-  # llama.cpp's own decode batches on the Q4_K_M file, for the kernel comparison.
-  timeout 300 "$llama/llama-batched-bench" -m "$work/$m-q4km.gguf" -c 32768 -npp 128 -ntg 64 -npl 1,16,64 -ngl 99 \
+  # Both engines' decode batches on the Q4_K_M file, for the kernel comparison.
+  timeout 200 "$strix" bench --device cuda --model "$work/$m-q4km.gguf" --prompt-lens none --contexts 128 \
+    --batches 1,16,64 > "$logs/bench-$m-q4km.json" 2> "$logs/bench-$m-q4km.log"
+  grep -E "batch" "$logs/bench-$m-q4km.log" | grep -v '^    ' | sed "s/^/strix bench $m q4km: /" >> "$summary"
+  timeout 200 "$llama/llama-batched-bench" -m "$work/$m-q4km.gguf" -c 32768 -npp 128 -ntg 64 -npl 1,16,64 -ngl 99 \
     > "$logs/batched-bench-$m-q4km.log" 2>&1
 done
 note "done"

@@ -105,6 +105,50 @@ fn bad_arguments_are_one_clean_error() {
             vec!["run", "--model", dir.join("config.json").to_str().unwrap(), "hi"],
             "give the directory that holds it",
         ),
+        (
+            vec!["quantize", "--preset", "qwen3.5-1b", "--quant", "bf16", "--out", out.to_str().unwrap()],
+            "known:",
+        ),
+        (
+            vec![
+                "quantize",
+                "--preset",
+                "qwen3.5-0.8b",
+                "--model",
+                dir.to_str().unwrap(),
+                "--quant",
+                "bf16",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec![
+                "quantize",
+                "--tokenizer",
+                dir.to_str().unwrap(),
+                "--quant",
+                "bf16",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            "--preset",
+        ),
+        (
+            vec![
+                "quantize",
+                "--preset",
+                "qwen3.5-0.8b",
+                "--tokenizer",
+                dir.join("tokenizer.json").to_str().unwrap(),
+                "--quant",
+                "bf16",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            "not a directory",
+        ),
     ] {
         let o = strix(&args);
         let err = String::from_utf8_lossy(&o.stderr);

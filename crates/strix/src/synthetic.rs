@@ -94,6 +94,10 @@ fn qwen35_35b_a3b() -> ModelConfig {
     }
 }
 
+/// The seed of the presets' weights wherever strix makes them (`strix bench --preset`,
+/// `strix quantize --preset`), so a file holds the weights the bench of that preset runs.
+pub const PRESET_SEED: u64 = 0x5EED;
+
 /// A [`TensorSource`] that makes every tensor a model of `config` asks for, on demand, with
 /// the `model.` prefix of a `Qwen3_5ForCausalLM` checkpoint.
 pub struct SyntheticWeights {
