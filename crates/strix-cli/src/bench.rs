@@ -12,7 +12,6 @@
 //! Every timed region ends with logits copied to the host (`Model::forward` and
 //! `Model::decode_batch` return them), which waits for the device, so host clocks are honest.
 
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
@@ -230,24 +229,19 @@ fn bench_on_pool(args: BenchArgs) -> Result<()> {
     let (config, source) = match (&args.preset, &args.model) {
         (Some(name), _) => (preset(name)?, Source::Preset(name.clone())),
         (None, Some(m)) => {
-            let dir = common::resolve_model(Some(m))?;
-            let config = if strix::model::is_gguf_path(&dir) {
-                strix::gguf::Qwen35Gguf::open(&dir)?.config().clone()
-            } else {
-                ModelConfig::from_model_dir(&dir)?
-            };
-            (config, Source::Dir(dir))
+            let files = common::resolve_model(Some(m))?;
+            (files.config()?, Source::Files(files))
         }
         (None, None) => bail!("give --model PATH or --preset NAME ({})", PRESETS.join(", ")),
     };
     let opened = device::open(&args.device, args.verbose)?;
-    with_backend!(opened, backend => bench_with(backend, &args, config, &source))
+    with_backend!(opened, backend => bench_with(backend, &args, config, source))
 }
 
 /// Where the weights come from.
 enum Source {
     Preset(String),
-    Dir(std::path::PathBuf),
+    Files(strix::model::ModelFiles),
 }
 
 /// Memory in use, the largest of the samples taken while sessions were alive.
@@ -293,7 +287,7 @@ fn bench_with<B: DeviceInfo>(
     mut backend: B,
     args: &BenchArgs,
     config: ModelConfig,
-    source: &Source,
+    source: Source,
 ) -> Result<()> {
     // --verbose on the CPU: every op's wall time, read around one extra prefill and decode.
     if args.verbose {
@@ -350,13 +344,14 @@ fn bench_with<B: DeviceInfo>(
             let dtype = args.quant.quant.map_or("bf16".to_string(), |q| q.name().to_string());
             (model, name.clone(), "synthetic", dtype)
         }
-        Source::Dir(dir) => {
-            let model = crate::quant_flag::load_model(dir, backend, args.quant.quant)?;
+        Source::Files(files) => {
             let dtype = match args.quant.quant {
                 Some(q) => q.name().to_string(),
-                None => checkpoint_dtype(dir, &model.config),
+                None => checkpoint_dtype(&files, &config),
             };
-            (model, dir.display().to_string(), "checkpoint", dtype)
+            let name = files.path().display().to_string();
+            let model = crate::quant_flag::load_model(files, backend, args.quant.quant)?;
+            (model, name, "checkpoint", dtype)
         }
     };
     args.device.configure(&mut model)?;
@@ -926,8 +921,7 @@ pub(crate) fn cpu_name() -> String {
 /// The dtype of a checkpoint's MLP weights (the bulk of the bytes), e.g. `bf16`.
 /// A GGUF file's main type: that of layer 0's `ffn_gate` (Q4_K_M promotes some `ffn_down`
 /// matrices to Q6_K, never `ffn_gate`).
-fn gguf_dtype(path: &Path) -> Result<String> {
-    let file = strix::gguf::GgufFile::open(path)?;
+fn gguf_dtype(file: &strix::gguf::GgufFile) -> Result<String> {
     let info = ["blk.0.ffn_gate.weight", "blk.0.ffn_down.weight"]
         .into_iter()
         .find_map(|n| file.tensor_info(n).ok())
@@ -935,10 +929,13 @@ fn gguf_dtype(path: &Path) -> Result<String> {
     Ok(info.ty.name().to_ascii_lowercase())
 }
 
-fn checkpoint_dtype(dir: &Path, c: &ModelConfig) -> String {
-    if strix::model::is_gguf_path(dir) {
-        return gguf_dtype(dir).unwrap_or_else(|_| "unknown".to_string());
-    }
+fn checkpoint_dtype(files: &strix::model::ModelFiles, c: &ModelConfig) -> String {
+    let dir = match files {
+        strix::model::ModelFiles::Gguf(g) => {
+            return gguf_dtype(g.file()).unwrap_or_else(|_| "unknown".to_string())
+        }
+        strix::model::ModelFiles::Directory(dir) => dir,
+    };
     let dtype = || -> Result<String> {
         let ckpt = Checkpoint::open_dir(dir)?;
         // The dense MLP's down_proj, or a MoE model's shared expert's.

@@ -94,15 +94,16 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     common::init_threads(args.model.threads)?;
     // Validate the flags before the (possibly long) load.
     args.sampling.params()?;
-    let dir = common::resolve_model(args.model.model.as_deref())?;
-    let tokenizer = common::load_tokenizer(&dir)?
+    let files = common::resolve_model(args.model.model.as_deref())?;
+    let dir = files.path().to_path_buf();
+    let tokenizer = common::load_tokenizer(&files)?
         .ok_or_else(|| anyhow!("{} has no tokenizer.json, which chat needs", dir.display()))?;
-    let template = common::require_template(&dir)?;
+    let template = common::require_template(&files)?;
     let opened = device::open(&args.model.device, args.verbose)?;
     with_backend!(opened, backend => {
         // One sequence at a time: the GEMV that streams fastest at batch 1.
         backend.tune_for_single_stream(true);
-        let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        let mut model = crate::quant_flag::load_model(files, backend, args.model.quant.quant)?;
         args.model.device.configure(&mut model)?;
         chat_with(&model, &args, &dir, &tokenizer, &template)
     })

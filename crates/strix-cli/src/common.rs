@@ -10,9 +10,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
-use strix::gguf::GgufFile;
 use strix::hub::{fetch_model, HubOptions, DEFAULT_ENDPOINT, DEFAULT_MODEL};
-use strix::model::is_gguf_path;
+use strix::model::{is_gguf_path, ModelFiles};
 use strix::sampling::SamplingParams;
 use strix::tokenizer::Tokenizer;
 
@@ -215,9 +214,17 @@ fn looks_like_repo_id(s: &str) -> bool {
     ok(owner) && ok(name)
 }
 
-/// The model `--model` names: a model directory, a GGUF file, else a Hugging Face repo id to
-/// fetch; no `--model` fetches the default model. Anything else is refused with what it is.
-pub fn resolve_model(arg: Option<&str>) -> Result<PathBuf> {
+/// The model `--model` names, opened once (`ModelFiles`: a GGUF file's metadata is read from
+/// this one opening by every later step): a model directory, a GGUF file, else a Hugging Face
+/// repo id to fetch; no `--model` fetches the default model. Anything else is refused with
+/// what it is.
+pub fn resolve_model(arg: Option<&str>) -> Result<ModelFiles> {
+    let path = model_path(arg)?;
+    Ok(ModelFiles::open(&path)?)
+}
+
+/// Where the model `--model` names is (fetched first for a repo id), checked for what it is.
+fn model_path(arg: Option<&str>) -> Result<PathBuf> {
     let Some(arg) = arg else {
         eprintln!("strix: no --model given, using {DEFAULT_MODEL} (fetched from the Hugging Face Hub once)");
         return fetch_model(DEFAULT_MODEL, &hub_options(env_var)?)
@@ -343,27 +350,16 @@ pub fn hub_options(var: impl Fn(&str) -> Option<String>) -> Result<HubOptions> {
     Ok(options)
 }
 
-/// The directory holding the model's side files: the model directory itself, or the folder a
-/// GGUF file is in.
-fn side_dir(path: &Path) -> &Path {
-    if is_gguf_path(path) {
-        path.parent().unwrap_or(Path::new("."))
-    } else {
-        path
-    }
-}
-
 /// The tokenizer of a model directory; `None` when it ships none. For a GGUF file: the
 /// `tokenizer.json` beside it when there is one, else the one in its `tokenizer.ggml.*` metadata.
-pub fn load_tokenizer(path: &Path) -> Result<Option<Tokenizer>> {
-    if let Some(t) = Tokenizer::from_model_dir(side_dir(path))? {
+pub fn load_tokenizer(files: &ModelFiles) -> Result<Option<Tokenizer>> {
+    if let Some(t) = Tokenizer::from_model_dir(files.side_dir())? {
         return Ok(Some(t));
     }
-    if is_gguf_path(path) {
-        let file = GgufFile::open(path)?;
-        return Ok(Some(Tokenizer::from_gguf(&file)?));
+    match files.gguf() {
+        Some(gguf) => Ok(Some(Tokenizer::from_gguf(gguf.file())?)),
+        None => Ok(None),
     }
-    Ok(None)
 }
 
 /// The tokenizer, or an error saying why `what` needs one.
@@ -382,25 +378,26 @@ pub fn require_tokenizer<'a>(
 
 /// The chat template: a model directory's, or for a GGUF file its `tokenizer.chat_template`
 /// (with the BOS/EOS token texts of its metadata), else the template files beside it.
-pub fn require_template(path: &Path) -> Result<ChatTemplate> {
-    if is_gguf_path(path) {
-        let file = GgufFile::open(path)?;
+pub fn require_template(files: &ModelFiles) -> Result<ChatTemplate> {
+    if let Some(file) = files.gguf().map(|g| g.file()) {
         if file.metadata("tokenizer.chat_template").is_some() {
             let token = |key: &str| -> Option<String> {
                 let id = file.get_u32(key).ok()? as usize;
                 file.get_str_array("tokenizer.ggml.tokens").ok()?.get(id).cloned()
             };
             let template = ChatTemplate::from_source(file.get_str("tokenizer.chat_template")?)
-                .with_context(|| format!("{}: tokenizer.chat_template", path.display()))?;
+                .with_context(|| format!("{}: tokenizer.chat_template", files.path().display()))?;
             return Ok(template.with_special_tokens(
                 token("tokenizer.ggml.bos_token_id"),
                 token("tokenizer.ggml.eos_token_id"),
             ));
         }
     }
-    let dir = side_dir(path);
-    ChatTemplate::from_model_dir(dir)?.ok_or_else(|| {
-        anyhow!("{} has no chat template (chat_template.jinja or tokenizer_config.json)", path.display())
+    ChatTemplate::from_model_dir(files.side_dir())?.ok_or_else(|| {
+        anyhow!(
+            "{} has no chat template (chat_template.jinja or tokenizer_config.json)",
+            files.path().display()
+        )
     })
 }
 

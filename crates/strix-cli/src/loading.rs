@@ -1,12 +1,10 @@
 //! Loading a model with a progress bar on stderr: what every command that loads one shares,
 //! `--quant`'s loader included (so it sits below both `common` and `quant_flag`).
 
-use std::path::Path;
-
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use strix::backend::Backend;
-use strix::model::{is_gguf_path, Model};
+use strix::model::{Model, ModelFiles};
 
 /// A progress bar on stderr counting `unit`s ("bytes" shows sizes); indicatif draws nothing
 /// when stderr is not a terminal.
@@ -31,10 +29,8 @@ pub fn with_progress<T>(message: &'static str, unit: &str, f: impl FnOnce(&dyn F
 }
 
 /// Loads a model directory's weights (or a GGUF file's) onto `backend`, with a progress bar
-/// over the read of the files (`Model::load` reports bytes read; a GGUF load, layers).
-pub fn load_model<B: Backend>(path: &Path, backend: B) -> Result<Model<B>> {
-    if is_gguf_path(path) {
-        return Ok(with_progress("loading", "layers", |p| Model::load_path(path, backend, Some(p)))?);
-    }
-    Ok(with_progress("loading", "bytes", |p| Model::load(path, backend, Some(p)))?)
+/// over the read of the files (a directory's load reports bytes read; a GGUF load, layers).
+pub fn load_model<B: Backend>(files: ModelFiles, backend: B) -> Result<Model<B>> {
+    let unit = if files.gguf().is_some() { "layers" } else { "bytes" };
+    Ok(with_progress("loading", unit, |p| Model::load_files(files, backend, Some(p)))?)
 }

@@ -49,11 +49,12 @@ pub struct LogitsArgs {
 
 pub fn logits(args: LogitsArgs) -> Result<()> {
     common::init_threads(args.threads)?;
-    let dir = common::resolve_model(Some(&args.model))?;
+    let files = common::resolve_model(Some(&args.model))?;
+    let dir = files.path().to_path_buf();
     let ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => common::parse_ids(ids)?,
         (None, Some(text)) => {
-            let tokenizer = common::load_tokenizer(&dir)?;
+            let tokenizer = common::load_tokenizer(&files)?;
             let tokenizer = common::require_tokenizer(tokenizer.as_ref(), &dir, "--prompt")?;
             tokenizer.encode(text, true)?
         }
@@ -61,7 +62,7 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
     };
     let opened = device::open(&args.device, args.verbose)?;
     let logits = with_backend!(opened, backend => {
-        let mut model = common::load_model(&dir, backend)?;
+        let mut model = common::load_model(files, backend)?;
         args.device.configure(&mut model)?;
         prompt_logits(&model, &ids)?
     });

@@ -100,9 +100,9 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
                 common::read_text(opened, crate::limits::MAX_TEXT_FILE_BYTES, &file.display().to_string())?;
             let tokenizer = match (&args.tokenizer, &dir) {
                 (Some(path), _) => Tokenizer::from_file(path)?,
-                (None, Some(dir)) => {
-                    let t = common::load_tokenizer(dir)?;
-                    common::require_tokenizer(t.as_ref(), dir, "the text file")?.clone()
+                (None, Some(files)) => {
+                    let t = common::load_tokenizer(files)?;
+                    common::require_tokenizer(t.as_ref(), files.path(), "the text file")?.clone()
                 }
                 (None, None) => bail!("--preset has no tokenizer: give --tokenizer tokenizer.json"),
             };
@@ -113,7 +113,7 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
     let opened = device::open(&args.model.device, false)?;
     let quant = args.model.quant.quant;
     with_backend!(opened, backend => {
-        let mut model = match (&args.preset, &dir) {
+        let mut model = match (&args.preset, dir) {
             (Some(name), _) => {
                 let config = preset(name)?;
                 let weights = SyntheticWeights::new(config.clone(), PRESET_SEED);
@@ -125,7 +125,7 @@ fn perplexity_on_pool(args: PerplexityArgs) -> Result<()> {
                     }
                 })?
             }
-            (None, Some(dir)) => crate::quant_flag::load_model(dir, backend, quant)?,
+            (None, Some(files)) => crate::quant_flag::load_model(files, backend, quant)?,
             (None, None) => unreachable!("a model directory is resolved unless --preset is given"),
         };
         args.model.device.configure(&mut model)?;

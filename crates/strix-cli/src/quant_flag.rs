@@ -2,12 +2,10 @@
 //! block format as they are loaded (`strix::quant::on_load`), for every command that loads a
 //! model.
 
-use std::path::Path;
-
 use anyhow::Result;
 use clap::Args;
 use strix::backend::Backend;
-use strix::model::Model;
+use strix::model::{Model, ModelFiles};
 use strix::quant::on_load::{load_quantized, QuantScheme};
 
 use crate::loading;
@@ -21,17 +19,15 @@ pub struct QuantArgs {
 }
 
 /// [`loading::load_model`], quantizing on the way when `quant` is given.
-pub fn load_model<B: Backend>(dir: &Path, backend: B, quant: Option<QuantScheme>) -> Result<Model<B>> {
-    match quant {
-        None => loading::load_model(dir, backend),
-        Some(scheme) => {
-            if !dir.join("config.json").is_file() {
-                anyhow::bail!(
-                    "--quant {scheme} quantizes a safetensors checkpoint, and {} has no config.json",
-                    dir.display()
-                );
-            }
-            Ok(loading::with_progress("loading", "bytes", |p| load_quantized(dir, backend, scheme, Some(p)))?)
-        }
+pub fn load_model<B: Backend>(files: ModelFiles, backend: B, quant: Option<QuantScheme>) -> Result<Model<B>> {
+    match (quant, files) {
+        (None, files) => loading::load_model(files, backend),
+        (Some(scheme), ModelFiles::Directory(dir)) => Ok(loading::with_progress("loading", "bytes", |p| {
+            load_quantized(&dir, backend, scheme, Some(p))
+        })?),
+        (Some(scheme), files) => anyhow::bail!(
+            "--quant {scheme} quantizes a safetensors checkpoint, and {} has no config.json",
+            files.path().display()
+        ),
     }
 }

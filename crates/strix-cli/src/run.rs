@@ -89,18 +89,18 @@ fn run_on_pool(args: RunArgs) -> Result<()> {
         bail!("--system, --think and --no-think apply to the chat template: add --chat");
     }
     let sampling = args.sampling.params()?;
-    let dir = common::resolve_model(args.model.model.as_deref())?;
-    let tokenizer = common::load_tokenizer(&dir)?;
+    let files = common::resolve_model(args.model.model.as_deref())?;
+    let tokenizer = common::load_tokenizer(&files)?;
     if !args.stop.is_empty() && tokenizer.is_none() {
-        bail!("--stop matches text, and {} has no tokenizer.json to decode ids with", dir.display());
+        bail!("--stop matches text, and {} has no tokenizer.json to decode ids with", files.path().display());
     }
 
     let prompt_ids = match &args.prompt_ids {
         Some(ids) => common::parse_ids(ids)?,
         None => {
             let text = prompt_text(&args)?;
-            let tokenizer = common::require_tokenizer(tokenizer.as_ref(), &dir, "a text prompt")?;
-            encode_prompt(&args, &dir, tokenizer, &text)?
+            let tokenizer = common::require_tokenizer(tokenizer.as_ref(), files.path(), "a text prompt")?;
+            encode_prompt(&args, &files, tokenizer, &text)?
         }
     };
 
@@ -108,7 +108,7 @@ fn run_on_pool(args: RunArgs) -> Result<()> {
     with_backend!(opened, backend => {
         // One sequence at a time: the GEMV that streams fastest at batch 1.
         backend.tune_for_single_stream(true);
-        let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        let mut model = crate::quant_flag::load_model(files, backend, args.model.quant.quant)?;
         args.model.device.configure(&mut model)?;
         run_with(&model, &args, tokenizer.as_ref(), &prompt_ids, &sampling)
     })
@@ -206,12 +206,12 @@ fn prompt_text(args: &RunArgs) -> Result<String> {
 /// The ids of a text prompt, through the chat template with `--chat`.
 fn encode_prompt(
     args: &RunArgs,
-    dir: &std::path::Path,
+    files: &strix::model::ModelFiles,
     tokenizer: &Tokenizer,
     text: &str,
 ) -> Result<Vec<u32>> {
     let ids = if args.chat {
-        let template = common::require_template(dir)?;
+        let template = common::require_template(files)?;
         let mut messages = args.template.system_messages();
         messages.push(strix::chat::ChatMessage::user(text));
         let rendered = template.render(&messages, &args.template.options(true))?;

@@ -3,7 +3,10 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use strix::model::is_gguf_path;
+use strix::chat::ChatTemplate;
+use strix::model::ModelFiles;
+use strix::sampling::SamplingParams;
+use strix::tokenizer::Tokenizer;
 use strix_server::{ConnectionLimits, ServedModel, Server, ServerConfig};
 
 use crate::common::{self, ModelArgs};
@@ -103,15 +106,16 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     options.validate().map_err(anyhow::Error::msg)?;
     // Every connection is an open file: the soft limit (often 1024) would cap them early.
     strix_server::connection::raise_open_file_limit();
-    let dir = common::resolve_model(args.model.model.as_deref())?;
+    let files = common::resolve_model(args.model.model.as_deref())?;
+    let side = ServedSide::read(&files)?;
     let opened = device::open(&args.model.device, false)?;
     with_backend!(opened, backend => {
-        let mut model = crate::quant_flag::load_model(&dir, backend, args.model.quant.quant)?;
+        let mut model = crate::quant_flag::load_model(files, backend, args.model.quant.quant)?;
         if args.model.device.ubatch.is_none() {
             model.set_pass_tokens(serve_pass_tokens(args.prefill_chunk))?;
         }
         args.model.device.configure(&mut model)?;
-        serve_with(&args, &dir, model)
+        serve_with(&args, side, model)
     })
 }
 
@@ -137,26 +141,51 @@ fn serve_pass_tokens(prefill_chunk: usize) -> usize {
     prefill_chunk.max(1).next_multiple_of(strix::model::PASS_TOKENS_ALIGN)
 }
 
+/// What the server needs beside the weights, read before they load: a model directory's side
+/// files are read by `ServedModel::with_model`; a GGUF file's come from its one opening.
+struct ServedSide {
+    path: std::path::PathBuf,
+    gguf: Option<GgufSide>,
+}
+
+/// A GGUF file carries its tokenizer and chat template (unless files beside it override them),
+/// and the sampling defaults come from the folder it is in.
+struct GgufSide {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    defaults: SamplingParams,
+}
+
+impl ServedSide {
+    fn read(files: &ModelFiles) -> Result<ServedSide> {
+        let path = files.path().to_path_buf();
+        if files.gguf().is_none() {
+            return Ok(ServedSide { path, gguf: None });
+        }
+        let tokenizer = common::load_tokenizer(files)?
+            .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer; the server needs one", path.display()))?;
+        let template = common::require_template(files).ok();
+        let defaults = strix_server::sampling_defaults(files.side_dir())?;
+        Ok(ServedSide { path, gguf: Some(GgufSide { tokenizer, template, defaults }) })
+    }
+}
+
 /// Starts the server on whichever backend the model was loaded on and waits for it to stop.
 fn serve_with<B: strix::backend::Backend + 'static>(
     args: &ServeArgs,
-    dir: &std::path::Path,
+    side: ServedSide,
     model: strix::model::Model<B>,
 ) -> Result<()> {
     let context = common::context_size(args.ctx, 0, model.config.max_position_embeddings)?;
     if context < 2 {
         bail!("--ctx must be at least 2 (a prompt token and a generated one)");
     }
-    let served = if is_gguf_path(dir) {
-        // A GGUF file carries its tokenizer and chat template (unless files beside it override
-        // them), and the sampling defaults come from the folder it is in.
-        let tokenizer = common::load_tokenizer(dir)?
-            .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer; the server needs one", dir.display()))?;
-        let template = common::require_template(dir).ok();
-        let defaults = strix_server::sampling_defaults(dir.parent().unwrap_or(std::path::Path::new(".")))?;
-        ServedModel { model, tokenizer, template, defaults }
-    } else {
-        ServedModel::with_model(dir, model)?
+    let dir = side.path;
+    let served = match side.gguf {
+        Some(GgufSide { tokenizer, template, defaults }) => {
+            ServedModel { model, tokenizer, template, defaults }
+        }
+        None => ServedModel::with_model(&dir, model)?,
     };
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         args.model

@@ -6,12 +6,13 @@
 //! picks a few SwiGLU experts per token, plus a shared expert behind its own sigmoid gate).
 //! Norms are the zero-centred `(1 + w)` RMSNorm; residual adds are fused into the next norm.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::backend::{Backend, DeltaRuleMode, MoeExperts};
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
+use crate::gguf::Qwen35Gguf;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::session::{LayerState, Session};
 use crate::tensor::HostTensor;
@@ -86,6 +87,60 @@ pub fn model_format(path: &Path) -> Result<ModelFormat> {
         path,
         "not a model: neither a model directory (config.json and *.safetensors weights) nor a GGUF file",
     ))
+}
+
+/// A model's files, told apart and opened once: a Hugging Face model directory, or a
+/// llama.cpp `qwen35` GGUF file opened and checked ([`Qwen35Gguf`]), whose metadata (shape,
+/// tokenizer, chat template) every later step reads from that one opening. Loading the weights
+/// ([`Model::load_files`]) consumes it, so a GGUF file's mapping is gone once they are on the
+/// backend.
+pub enum ModelFiles {
+    Directory(PathBuf),
+    Gguf(Box<Qwen35Gguf>),
+}
+
+impl ModelFiles {
+    /// Opens what `path` holds as a model ([`model_format`] says what it is, and its errors are
+    /// the first a user sees).
+    pub fn open(path: &Path) -> Result<ModelFiles> {
+        Ok(match model_format(path)? {
+            ModelFormat::Directory => ModelFiles::Directory(path.to_path_buf()),
+            ModelFormat::Gguf => ModelFiles::Gguf(Box::new(Qwen35Gguf::open(path)?)),
+        })
+    }
+
+    /// The path the model was opened from.
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelFiles::Directory(dir) => dir,
+            ModelFiles::Gguf(g) => g.file().path(),
+        }
+    }
+
+    /// Where the side files (`tokenizer.json`, the chat template, `generation_config.json`) are
+    /// looked for: the model directory, or the folder a GGUF file is in.
+    pub fn side_dir(&self) -> &Path {
+        match self {
+            ModelFiles::Directory(dir) => dir,
+            ModelFiles::Gguf(g) => g.file().path().parent().unwrap_or(Path::new(".")),
+        }
+    }
+
+    /// The GGUF file, when the model is one.
+    pub fn gguf(&self) -> Option<&Qwen35Gguf> {
+        match self {
+            ModelFiles::Directory(_) => None,
+            ModelFiles::Gguf(g) => Some(g),
+        }
+    }
+
+    /// The model's shape: `config.json`, or the GGUF file's metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self {
+            ModelFiles::Directory(dir) => ModelConfig::from_model_dir(dir),
+            ModelFiles::Gguf(g) => Ok(g.config().clone()),
+        }
+    }
 }
 
 pub struct DeltaNetWeights<B: Backend> {
@@ -192,14 +247,18 @@ impl<B: Backend> Model<B> {
         Model::from_source(config, &ckpt, backend, None)
     }
 
-    /// Loads a model directory ([`Model::load`]) or a llama.cpp `qwen35` GGUF file (a path that
-    /// [`is_gguf_path`] accepts). For a GGUF file `progress` counts layers, not bytes.
+    /// Loads a model directory ([`Model::load`]) or a llama.cpp `qwen35` GGUF file: what
+    /// [`ModelFiles::open`] finds at `path`, through [`Model::load_files`].
     pub fn load_path(path: &Path, backend: B, progress: Option<Progress>) -> Result<Model<B>> {
-        if is_gguf_path(path) {
-            let gguf = crate::gguf::Qwen35Gguf::open(path)?;
-            Model::from_source(gguf.config().clone(), &gguf, backend, progress)
-        } else {
-            Model::load(path, backend, progress)
+        Model::load_files(ModelFiles::open(path)?, backend, progress)
+    }
+
+    /// Loads the weights of opened model files. `progress` counts bytes read for a directory,
+    /// layers for a GGUF file.
+    pub fn load_files(files: ModelFiles, backend: B, progress: Option<Progress>) -> Result<Model<B>> {
+        match files {
+            ModelFiles::Directory(dir) => Model::load(&dir, backend, progress),
+            ModelFiles::Gguf(gguf) => Model::from_source(gguf.config().clone(), &*gguf, backend, progress),
         }
     }
 

@@ -538,3 +538,27 @@ fn synthetic_weights_written_as_gguf_run_as_in_memory() {
         assert!(e <= 1e-6, "{}: rel err {e:.2e}", ty.name());
     }
 }
+
+/// `ModelFiles` tells a model directory from a GGUF file once: the path, where side files are
+/// looked for, the shape (config.json, or the file's metadata), and the weights it loads are
+/// those `Model::load_path` loads. A path that is neither is refused as `model_format` refuses it.
+#[test]
+fn model_files_open_a_directory_or_a_gguf_file_once() {
+    use strix::model::ModelFiles;
+    let dir = model_dir("causal-bf16-gdn3x");
+    let file = gguf("causal-bf16-gdn3x.bf16.gguf");
+    let d = ModelFiles::open(&dir).unwrap();
+    assert!(d.gguf().is_none());
+    assert_eq!((d.path(), d.side_dir()), (dir.as_path(), dir.as_path()));
+    assert_eq!(d.config().unwrap(), ModelConfig::from_model_dir(&dir).unwrap());
+    let g = ModelFiles::open(&file).unwrap();
+    assert!(g.gguf().is_some());
+    assert_eq!((g.path(), g.side_dir()), (file.as_path(), file.parent().unwrap()));
+    assert_eq!(g.config().unwrap(), *Qwen35Gguf::open(&file).unwrap().config());
+    let ids: Vec<u32> = (0..20).map(|i| (i * 7 + 1) % 300).collect();
+    let logits = |m: &Model<CpuBackend>| m.forward(&mut m.new_session(32), &ids, Logits::All).unwrap();
+    let from_files = Model::load_files(g, CpuBackend::new(), None).unwrap();
+    assert_eq!(logits(&from_files), logits(&load(&file)));
+    let e = ModelFiles::open(&root()).err().expect("the fixtures folder is not a model").to_string();
+    assert!(e.contains("config.json"), "{e}");
+}
