@@ -11,7 +11,7 @@ use clap::Args;
 use rayon::prelude::*;
 use serde_json::{Map, Value};
 use strix::backend::cpu::optimes::{OpKey, OpTimes, OpTotal};
-use strix::backend::cpu::CpuBackend;
+use strix::backend::cpu::{CpuBackend, CpuOptions};
 use strix::backend::cuda::{self, CudaBackend};
 use strix::backend::{Backend, KvCacheType};
 use strix::model::Model;
@@ -125,13 +125,20 @@ pub fn open(args: &DeviceArgs, verbose: bool) -> Result<Opened> {
     Ok(opened)
 }
 
+/// The CPU backend, with its options from the environment: `STRIX_NO_VNNI=1` keeps the packed
+/// int8 kernels on AVX2 where the CPU has AVX-512 VNNI (to measure one against the other).
+fn cpu_backend() -> CpuBackend {
+    let no_vnni = std::env::var_os("STRIX_NO_VNNI").is_some_and(|v| !v.is_empty() && v != "0");
+    CpuBackend::with_options(CpuOptions { no_vnni })
+}
+
 fn open_device(device: Device, verbose: bool) -> Result<Opened> {
     let opened = match device {
         Device::Cpu => {
             if verbose {
                 eprintln!("strix: device: cpu (--device cpu)");
             }
-            return Ok(Opened::Cpu(CpuBackend::new()));
+            return Ok(Opened::Cpu(cpu_backend()));
         }
         Device::Cuda(n) => {
             let backend =
@@ -145,7 +152,7 @@ fn open_device(device: Device, verbose: bool) -> Result<Opened> {
                 if verbose {
                     eprintln!("strix: device: cpu (no CUDA device found)");
                 }
-                return Ok(Opened::Cpu(CpuBackend::new()));
+                return Ok(Opened::Cpu(cpu_backend()));
             }
             match CudaBackend::new(0) {
                 Ok(backend) => Opened::Cuda(backend),
@@ -154,7 +161,7 @@ fn open_device(device: Device, verbose: bool) -> Result<Opened> {
                         "strix: warning: a CUDA device is present but cannot be used ({}); running on the CPU",
                         cuda_reason(&e)
                     );
-                    return Ok(Opened::Cpu(CpuBackend::new()));
+                    return Ok(Opened::Cpu(cpu_backend()));
                 }
             }
         }
@@ -256,7 +263,7 @@ impl DeviceInfo for CpuBackend {
     }
 
     fn keep_op_times(&mut self) -> bool {
-        *self = CpuBackend::with_op_times(std::sync::Arc::new(OpTimes::new()));
+        *self = self.clone().with_op_times(std::sync::Arc::new(OpTimes::new()));
         true
     }
 

@@ -562,3 +562,21 @@ fn model_files_open_a_directory_or_a_gguf_file_once() {
     let e = ModelFiles::open(&root()).err().expect("the fixtures folder is not a model").to_string();
     assert!(e.contains("config.json"), "{e}");
 }
+
+/// `CpuOptions::no_vnni` is a value the backend is built with (the library reads no
+/// environment): the AVX2 kernels it keeps give the VNNI kernels' bits on packed weights.
+#[test]
+fn cpu_options_choose_the_int8_kernels_without_changing_a_bit() {
+    use strix::backend::cpu::CpuOptions;
+    for file in ["causal-bf16-gdn3x.q8_0.gguf", "causal-bf16-gdn3x.q4_k_m.gguf"] {
+        let path = gguf(file);
+        let ids: Vec<u32> = (0..24).map(|i| (i * 11 + 2) % 300).collect();
+        let logits = |b: CpuBackend| {
+            let m = Model::load_path(&path, b, None).unwrap();
+            m.forward(&mut m.new_session(32), &ids, Logits::All).unwrap()
+        };
+        let best = logits(CpuBackend::new());
+        let avx2 = logits(CpuBackend::with_options(CpuOptions { no_vnni: true }));
+        assert!(best.iter().zip(&avx2).all(|(a, b)| a.to_bits() == b.to_bits()), "{file}");
+    }
+}

@@ -26,21 +26,43 @@ use optimes::{OpKey, OpTimer, OpTimes};
 use qpacked::{Packed, PackedKind};
 
 /// Runs every op on the host CPU.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CpuBackend {
     /// Where each op's wall time goes, when the caller asked for it.
     times: Option<Arc<OpTimes>>,
+    /// The packed int8 kernels, chosen when the backend is built.
+    kern: qmatmul::Kern,
+}
+
+/// The CPU backend's choices, made once when it is built (the CLI fills them from its flags
+/// and environment; the library reads neither).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuOptions {
+    /// Keep the packed int8 kernels on 256-bit AVX2 where the CPU has AVX-512 VNNI, to measure
+    /// one against the other (the same bits either way).
+    pub no_vnni: bool,
+}
+
+impl Default for CpuBackend {
+    fn default() -> CpuBackend {
+        CpuBackend::new()
+    }
 }
 
 impl CpuBackend {
+    /// The backend with the best kernels this CPU has.
     pub fn new() -> CpuBackend {
-        CpuBackend { times: None }
+        CpuBackend::with_options(CpuOptions::default())
     }
 
-    /// A backend that adds the wall time of every op it runs to `times` (`strix bench
-    /// --verbose`); otherwise the same as [`CpuBackend::new`].
-    pub fn with_op_times(times: Arc<OpTimes>) -> CpuBackend {
-        CpuBackend { times: Some(times) }
+    pub fn with_options(options: CpuOptions) -> CpuBackend {
+        CpuBackend { times: None, kern: qmatmul::Kern::chosen(&options) }
+    }
+
+    /// This backend, adding the wall time of every op it runs to `times` (`strix bench
+    /// --verbose`).
+    pub fn with_op_times(self, times: Arc<OpTimes>) -> CpuBackend {
+        CpuBackend { times: Some(times), ..self }
     }
 
     /// The op times this backend records into, if any.
@@ -221,7 +243,7 @@ impl Backend for CpuBackend {
         let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
         match w.kernel_view() {
             KernelRef::Float(v) => matmul::matmul(x, tokens, v, w.rows, w.cols, out),
-            KernelRef::Quant(v) => qmatmul::matmul(x, tokens, v, out),
+            KernelRef::Quant(v) => qmatmul::matmul_with(self.kern, x, tokens, v, out),
         }
     }
 
@@ -230,7 +252,7 @@ impl Backend for CpuBackend {
         let (x, out) = (&x[..tokens * w.cols], &mut out[..tokens * w.rows]);
         match w.kernel_view() {
             KernelRef::Float(v) => matmul::matmul_rows(x, tokens, v, w.rows, w.cols, out),
-            KernelRef::Quant(v) => qmatmul::matmul_rows(x, tokens, v, out),
+            KernelRef::Quant(v) => qmatmul::matmul_with(self.kern, x, tokens, v, out),
         }
     }
 

@@ -41,11 +41,8 @@ impl Kern {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-                // STRIX_NO_VNNI=1 keeps the AVX2 kernels, to measure one against the other.
                 let vnni = *VNNI.get_or_init(|| {
-                    is_x86_feature_detected!("avx512vnni")
-                        && is_x86_feature_detected!("avx512vl")
-                        && std::env::var_os("STRIX_NO_VNNI").is_none_or(|v| v.is_empty() || v == "0")
+                    is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
                 });
                 if vnni {
                     Kern::Vnni
@@ -55,20 +52,31 @@ impl Kern {
             }
         }
     }
+
+    /// The kernels a backend built with `options` runs: the best this CPU has, or AVX2 in
+    /// place of AVX-512 VNNI when the options say so.
+    pub(crate) fn chosen(options: &super::CpuOptions) -> Kern {
+        match Kern::detect() {
+            #[cfg(target_arch = "x86_64")]
+            Kern::Vnni if options.no_vnni => Kern::Avx2,
+            kern => kern,
+        }
+    }
 }
 
 pub use super::qpacked::{Packed, PackedKind};
 
 /// `out[t * rows + r] = Σ_c x[t * cols + c] · w[r, c]`; `out` is overwritten; `x` quantized
-/// to 8 bits per block as the module describes.
+/// to 8 bits per block as the module describes. The best kernels this CPU has.
 pub fn matmul(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
-    w.matmul(Kern::detect(), x, tokens, out)
+    matmul_with(Kern::detect(), x, tokens, w, out)
 }
 
-/// [`matmul`] for a decode batch: every (row, token) result is computed by the same sequence
-/// of operations whatever the batch, so row `t` is bitwise the result of multiplying it alone.
-pub fn matmul_rows(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
-    w.matmul(Kern::detect(), x, tokens, out)
+/// [`matmul`] on the kernels `kern` names (the backend's choice). Every (row, token) result is
+/// computed by the same sequence of operations whatever the batch, so a decode batch's row `t`
+/// is bitwise the result of multiplying it alone.
+pub(crate) fn matmul_with(kern: Kern, x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
+    w.matmul(kern, x, tokens, out)
 }
 
 /// Weight rows dequantized per gemm call, and the widest column tile (a multiple of every
@@ -299,10 +307,6 @@ mod tests {
         Packed::pack(kind(ty), w, rows, cols)
     }
 
-    fn matmul_with(isa: Kern, x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
-        w.matmul(isa, x, tokens, out)
-    }
-
     /// Random rows whose magnitude varies from block to block (so block scales differ by
     /// orders of magnitude), quantized with the GGML reference quantizer.
     fn random_weights(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize) -> Vec<u8> {
@@ -495,7 +499,7 @@ mod tests {
                 let mut a = vec![f32::NAN; tokens * rows];
                 matmul(&x, tokens, &pack(ty, &w, rows, cols), &mut a);
                 let mut b = vec![f32::NAN; tokens * rows];
-                matmul_rows(&x, tokens, &pack(ty, &w, rows, cols), &mut b);
+                matmul(&x, tokens, &pack(ty, &w, rows, cols), &mut b);
                 let mut c = vec![f32::NAN; tokens * rows];
                 matmul_with(Kern::Portable, &x, tokens, &pack(ty, &w, rows, cols), &mut c);
                 assert!(a.iter().zip(&c).all(|(a, c)| a.to_bits() == c.to_bits()), "{ty}");
