@@ -769,7 +769,9 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                 g.rms_norm(&hg, &nwg, dim, eps, &mut x);
                 match case {
                     0 => {
-                        g.add(&mut x, &zg, dim);
+                        // x += z (the residual add of add_rms_norm; its norm goes elsewhere).
+                        let mut normed_again = poison(&g, dim);
+                        g.add_rms_norm(&mut x, &zg, &nwg, dim, eps, &mut normed_again);
                         g.matmul_rows(&x, 1, &w, &mut o);
                     }
                     1 => {
@@ -779,8 +781,8 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                     }
                     2 => g.matmul_rows(&zg, 1, &w, &mut o),
                     3 => {
-                        let mut other = g.upload(&z);
-                        g.add(&mut other, &zg, dim);
+                        let (mut other, mut other_normed) = (g.upload(&z), poison(&g, dim));
+                        g.add_rms_norm(&mut other, &zg, &nwg, dim, eps, &mut other_normed);
                         g.matmul_rows(&x, 1, &w, &mut o);
                     }
                     _ => g.matmul_rows(&x, 1, &w, &mut o),

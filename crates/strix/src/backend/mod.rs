@@ -384,8 +384,6 @@ pub trait Backend: Send + Sync {
         eps: f32,
         out: &mut Self::Buf,
     );
-    /// `residual += x` over the first `len` floats.
-    fn add(&self, residual: &mut Self::Buf, x: &Self::Buf, len: usize);
     /// `out = silu(gate) * up` over `len` floats.
     fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// Copies row `src_row` of a `[_, dim]` buffer into row 0 of `out` (to run the lm_head on

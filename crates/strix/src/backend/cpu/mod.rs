@@ -334,15 +334,6 @@ impl Backend for CpuBackend {
             });
     }
 
-    fn add(&self, residual: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
-        let _t = self.timed("add");
-        residual[..len].par_chunks_mut(16384).zip(x[..len].par_chunks(16384)).for_each(|(r, x)| {
-            for (r, &x) in r.iter_mut().zip(x) {
-                *r += x;
-            }
-        });
-    }
-
     fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
         let _t = self.timed("swiglu");
         out[..len]

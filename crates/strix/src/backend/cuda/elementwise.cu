@@ -167,12 +167,6 @@ extern "C" __global__ void gated_rms_norm_rows(float* x, const float* z,
     for (int c = lane; c < dim; c += 32) xr[c] = w[c] * (xr[c] * s) * silu_f(zr[c]);
 }
 
-extern "C" __global__ void add_inplace(float* residual, const float* x, i64 n) {
-    pdl_enter();
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        residual[i] += x[i];
-}
-
 extern "C" __global__ void swiglu(const float* gate, const float* up,
                                   float* out, i64 n) {
     pdl_enter();

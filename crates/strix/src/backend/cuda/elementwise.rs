@@ -19,7 +19,6 @@ pub(super) struct Kernels {
     rms_norm_row_q: CudaFunction,
     add_rms_norm_row_q: CudaFunction,
     gated_rms_norm_rows: CudaFunction,
-    add_inplace: CudaFunction,
     swiglu: CudaFunction,
     swiglu_q: CudaFunction,
     swiglu_to_bf16: CudaFunction,
@@ -55,7 +54,6 @@ impl Kernels {
             rms_norm_row_q: f("rms_norm_row_q")?,
             add_rms_norm_row_q: f("add_rms_norm_row_q")?,
             gated_rms_norm_rows: f("gated_rms_norm_rows")?,
-            add_inplace: f("add_inplace")?,
             swiglu: f("swiglu")?,
             swiglu_q: f("swiglu_q")?,
             swiglu_to_bf16: f("swiglu_to_bf16")?,
@@ -182,18 +180,6 @@ impl Kernels {
             (WARPS as u32 * 32, 1, 1),
             0,
             kernel_args![x.ptr(), z.ptr(), w.ptr(), rows as i32, dim as i32, eps],
-        );
-    }
-
-    pub fn add(&self, dev: &Device, residual: &mut CudaBuf, x: &CudaBuf, len: usize) {
-        assert!(residual.len() >= len && x.len() >= len, "add: buffers too short");
-        dev.launch(
-            "add_inplace",
-            &self.add_inplace,
-            (dev.grid_for(len, 256), 1, 1),
-            (256, 1, 1),
-            0,
-            kernel_args![residual.ptr(), x.ptr(), len as i64],
         );
     }
 

@@ -790,11 +790,6 @@ impl Backend for CudaBackend {
         });
     }
 
-    fn add(&self, residual: &mut CudaBuf, x: &CudaBuf, len: usize) {
-        self.dev.bind();
-        self.ew.add(&self.dev, residual, x, len);
-    }
-
     fn swiglu(&self, gate: &CudaBuf, up: &CudaBuf, len: usize, out: &mut CudaBuf) {
         self.dev.bind();
         self.ew.swiglu(&self.dev, gate, up, len, out);
