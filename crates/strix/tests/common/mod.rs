@@ -184,9 +184,6 @@ macro_rules! delegate_activation_ops_to_cpu {
         ) {
             self.$inner.add_rms_norm(r, x, w, dim, eps, out)
         }
-        fn add(&self, r: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
-            self.$inner.add(r, x, len)
-        }
         fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
             self.$inner.swiglu(g, u, len, out)
         }
