@@ -18,8 +18,8 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linu
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/env.txt" 2>&1
 status=0
 echo "== tests"
-$bin/cuda-tests --test-threads=1 --nocapture > "$logs/tests.log" 2>&1 || status=1
-STRIX_FIXTURES=tests/fixtures/models $bin/cuda-quant-tests --test-threads=1 --nocapture >> "$logs/tests.log" 2>&1 ||
+$bin/cuda-tests --test-threads=1 --include-ignored --nocapture > "$logs/tests.log" 2>&1 || status=1
+STRIX_FIXTURES=tests/fixtures/models $bin/cuda-quant-tests --test-threads=1 --include-ignored --nocapture >> "$logs/tests.log" 2>&1 ||
   status=1
 grep -E "^test .*(FAILED|ok)$|test result|panicked|skipped" "$logs/tests.log"
 if [ -z "${SKIP_DECODE_BENCH:-}" ]; then
@@ -35,7 +35,7 @@ timeout 200 $bin/cuda_quant_bench > "$logs/quant-bench.log" 2>&1 || status=1
 tail -30 "$logs/quant-bench.log"
 echo "== strix --device cuda (CLI device tests against the fixtures' goldens)"
 STRIX_BIN=$bin/strix STRIX_FIXTURES=tests/fixtures/models timeout 300 $bin/cli-tests --test-threads=1 \
-  --nocapture device_ > "$logs/cli-tests.log" 2>&1 || status=1
+  --include-ignored --nocapture device_ > "$logs/cli-tests.log" 2>&1 || status=1
 grep -E "^test |test result|panicked|skipped|steps agree|diverged|logits max" "$logs/cli-tests.log"
 # One greedy run by hand, so the log shows what a user sees (device line, JSON).
 timeout 120 $bin/strix run --device cuda --verbose --model tests/fixtures/models/causal-bf16-sharded \
@@ -63,7 +63,7 @@ for q in ${QUANTS:-}; do
 done
 if [ -n "${SANITIZE:-}" ]; then
   echo "== memcheck"
-  timeout "$SANITIZE" compute-sanitizer --tool memcheck --print-limit 20 $bin/cuda-tests --test-threads=1 \
+  timeout "$SANITIZE" compute-sanitizer --tool memcheck --print-limit 20 $bin/cuda-tests --test-threads=1 --include-ignored \
     embed norms conv resize attention batch_rows matmul > "$logs/memcheck.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|test result" "$logs/memcheck.log"
 fi

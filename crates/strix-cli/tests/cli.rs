@@ -1188,6 +1188,7 @@ fn device_cuda_without_a_gpu_is_one_clean_error() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn device_cuda_greedy_and_logits_match_the_goldens() {
     if !has_cuda() {
         println!("skipped: no CUDA device");
@@ -1228,6 +1229,7 @@ fn device_cuda_greedy_and_logits_match_the_goldens() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn device_cuda_bench_reports_memory_bandwidth_and_paths() {
     if !has_cuda() {
         println!("skipped: no CUDA device");

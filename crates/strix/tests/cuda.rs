@@ -85,6 +85,7 @@ fn a_missing_device_is_an_error_not_a_panic() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn matmul_paths_match_cpu() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -137,6 +138,7 @@ fn matmul_paths_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn f32_and_f16_weights_are_rounded_to_bf16() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -164,6 +166,7 @@ fn f32_and_f16_weights_are_rounded_to_bf16() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn embed_matches_cpu() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -186,6 +189,7 @@ fn embed_matches_cpu() {
 /// at widths the norms take in their scalar loop (1, 33, past 16,384) and with one, a partial
 /// and two float4s a thread.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn norms_add_swiglu_copy_match_cpu() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -249,6 +253,7 @@ fn dn_shape(nk: usize, nv: usize, dk: usize, dv: usize, kernel: usize) -> DeltaN
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn causal_conv_matches_cpu_and_carries_state() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -276,6 +281,7 @@ fn causal_conv_matches_cpu_and_carries_state() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn gated_delta_rule_matches_cpu() {
     let Some(g) = gpu() else { return };
     g.set_prefill_path(PrefillPath::F32);
@@ -322,6 +328,7 @@ fn gated_delta_rule_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn attention_ops_match_cpu() {
     let Some(g) = gpu() else { return };
     g.set_prefill_path(PrefillPath::F32);
@@ -403,6 +410,7 @@ fn attention_ops_match_cpu() {
 
 /// Long contexts: the key-split attention at its cap of 32 ranges (ranges longer than 64 keys).
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn long_context_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
     g.set_prefill_path(PrefillPath::F32);
@@ -456,6 +464,7 @@ fn long_context_attention_matches_cpu() {
 /// over the keys: too few query tiles to fill the GPU) and a 2200-token run with enough tiles
 /// to go unsplit (on an H200). bf16 operands, f32 accumulation: BF16_TOL.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn flash_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
     g.set_kv_cache_type(KvCacheType::F32);
@@ -565,6 +574,7 @@ fn cache_bits(g: &CudaBackend, c: &strix::backend::cuda::CudaCache, len: usize) 
 /// whichever op wrote them (the flash prefill, the f32 prefill kernel, a decode batch), ties
 /// and edge values included; growing the cache keeps them and zeroes the new rows.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
     let Some(g) = gpu() else { return };
     g.set_kv_cache_type(KvCacheType::Bf16);
@@ -656,6 +666,7 @@ fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
 /// lengths up to past the 32-range cap (2048 keys); and a short prompt over a bf16 cache on the
 /// f32 prefill kernel. KV_BF16_TOL.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
     let Some(g) = gpu() else { return };
     g.set_kv_cache_type(KvCacheType::Bf16);
@@ -767,6 +778,7 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
 /// copy of the same rounded values: the two give bitwise the same output (so the bf16 cache
 /// leaves prefill as it was), on the shapes and runs of `flash_attention_matches_cpu`.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn flash_prefill_over_a_bf16_cache_equals_the_f32_cache_bitwise() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(35);
@@ -815,6 +827,7 @@ fn flash_prefill_over_a_bf16_cache_equals_the_f32_cache_bitwise() {
 /// value heads (2x, 3x), runs of 2 to 1000 tokens (around the 64-token chunk), each shape twice
 /// in a row so the second run continues the state the first left. TC_GDN_TOL.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn tensor_core_delta_rule_matches_cpu() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -916,6 +929,7 @@ fn tensor_core_delta_rule_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn resize_keeps_the_prefix_and_zeroes_the_rest() {
     let Some(g) = gpu() else { return };
     let data: Vec<f32> = (0..1000).map(|i| i as f32).collect();
@@ -932,6 +946,7 @@ fn resize_keeps_the_prefix_and_zeroes_the_rest() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn kernels_load_from_the_cache_the_second_time() {
     let Some(first) = gpu() else { return };
     let c = first.path_counts();
@@ -1146,6 +1161,7 @@ fn fixtures_against(path: GemmPath, round_activations: bool, kv: KvCacheType, to
 /// The precise GEMM path with an f32 KV cache against the goldens' arithmetic on the weights
 /// the GPU holds.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fixtures_match_transformers() {
     let Some(g) = gpu() else { return };
     if !g.has_cublas() {
@@ -1161,6 +1177,7 @@ fn fixtures_match_transformers() {
 /// The precise GEMM path with the bf16 KV cache (the default) against the same reference with
 /// its cache rows rounded to bf16; how far that lands from the transformers goldens is printed.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fixtures_with_bf16_kv_cache_match_transformers() {
     let Some(g) = gpu() else { return };
     if !g.has_cublas() {
@@ -1181,6 +1198,7 @@ fn fixtures_with_bf16_kv_cache_match_transformers() {
 /// f32 rounding, so a value next to a rounding boundary lands on different bf16 neighbours, a
 /// whole ulp apart instead of half of one (the flips FAST_PATH_TOL describes).
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fixtures_fast_path_matches_bf16_emulation() {
     if gpu().is_none() {
         return;
@@ -1213,6 +1231,7 @@ fn moe_fixtures() -> Vec<std::path::PathBuf> {
 /// `BF16_TOL` of the CPU on the weights the GPU holds (bf16), greedy picks equal wherever the
 /// margin is decisive. The fixtures' routers have no near ties, so both sides route alike.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn moe_fixtures_match_the_cpu_on_the_same_weights() {
     let Some(g) = gpu() else { return };
     if !g.has_cublas() {
@@ -1264,6 +1283,7 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
 /// path the splits differ only by f32 rounding (and the 16-bit activations of the split GEMM
 /// against the f32 ones of the GEMV), hence 1e-3.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn continuation_equals_one_long_prefill() {
     let Some(g) = gpu() else { return };
     if !g.has_cublas() {
@@ -1295,6 +1315,7 @@ fn continuation_equals_one_long_prefill() {
 /// CUDA against the CPU on the same bf16 weights: the precise path against the plain CPU, the
 /// default path against the CPU with its bf16 GEMM activations emulated.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn synthetic_model_with_real_head_shapes_matches_cpu() {
     if gpu().is_none() {
         return;
@@ -1351,6 +1372,7 @@ fn synthetic_model_with_real_head_shapes_matches_cpu() {
 
 /// Each `*_rows` op against the one-token op on the same row, on the GPU: bitwise equal.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn batch_rows_ops_equal_single_ops_bitwise() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -1533,6 +1555,7 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
 
 /// `Model::decode_batch` on the GPU: each row bitwise what the sequence's own decode step gives.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn decode_batch_rows_equal_single_decodes_bitwise() {
     if gpu().is_none() {
         return;
@@ -1586,6 +1609,7 @@ fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
 /// A session is checked against free device memory when it is made: one that cannot fit is a
 /// clear error, one that fits has its KV caches allocated for the whole context up front.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn sessions_that_do_not_fit_in_device_memory_are_errors() {
     let Some(g) = gpu() else { return };
     let dir = fixtures().into_iter().next().unwrap();
@@ -1626,6 +1650,7 @@ fn greedy_decode(model: &Model<CudaBackend>, prompt: &[u32], steps: usize, conte
 /// steps that attention crosses several of its 64-key ranges (a recording launches every range a
 /// row can have and the kernels skip the empty ones), and the counters prove the replays ran.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn recorded_decode_steps_equal_eager_steps_bitwise() {
     if gpu().is_none() {
         return;
@@ -1690,6 +1715,7 @@ fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
 /// to each sequence decoded alone op by op; and the batch's recording is not reused when the
 /// batch changes.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn recorded_decode_batches_equal_single_decodes_bitwise() {
     if gpu().is_none() {
         return;
@@ -1742,6 +1768,7 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
 /// Fused projections (one GEMV launch over several weights of one input) against each weight's
 /// own GEMV, on awkward row counts; each token of a batch bitwise what it gives alone.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(17);
@@ -1795,6 +1822,7 @@ fn fused_projections_match_separate_gemvs_and_are_batch_invariant() {
 /// alone - for row counts that split a row over 8, 4, 2 and 1 warps and rows that are not a
 /// multiple of a block's, and within the f32 tolerance of the CPU.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -1836,6 +1864,7 @@ fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
 /// projections (segments of different splits) bitwise their separate matmuls, and all of it
 /// within the f32 tolerance of the CPU.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn tensor_core_gemv_is_batch_invariant_on_awkward_shapes() {
     let Some(g) = gpu() else { return };
     // Every kernel that loads: the warpgroup one (Hopper), the streamed `mma.sync` one and the
@@ -1962,6 +1991,7 @@ fn tensor_core_gemv_is_batch_invariant(g: &CudaBackend, streamed: bool) {
 /// row holding NaN or +∞, or nothing above −∞, refused; and a greedy decode batch picks the
 /// argmax of its logits.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn argmax_on_the_device_matches_the_host() {
     use strix::sampling::NonFiniteLogits;
     let Some(g) = gpu() else { return };
@@ -2126,6 +2156,7 @@ impl GdnDecodeCase {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fused_deltanet_decode_matches_cpu_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -2244,6 +2275,7 @@ fn test_bias(vocab: usize, r: usize) -> Vec<(u32, f32)> {
 /// real 248,320-token vocabulary. Every path is counted. A row drawn alone gives what it gave
 /// in the batch.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn prepared_draws_on_the_device_match_the_host() {
     use strix::sampling::{sample_prepared, SamplingParams};
     let Some(g) = gpu() else { return };
@@ -2350,6 +2382,7 @@ fn prepared_draws_on_the_device_match_the_host() {
 /// on penalised tokens (bias first, then the penalty), log-probabilities of the biased
 /// distribution. Over 4,000 and 248,320 tokens; nothing is left to the host.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn logit_bias_on_the_device_matches_the_host() {
     use strix::sampling::{sample_prepared, SamplingParams};
     let Some(g) = gpu() else { return };
@@ -2423,6 +2456,7 @@ fn logit_bias_on_the_device_matches_the_host() {
 /// tied logits; device and host agree, nothing is left to the host, a row drawn alone gives
 /// what it gave in the batch.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn device_draws_at_tiny_and_odd_vocabularies_match_the_host() {
     use strix::sampling::{sample_prepared, SamplingParams};
     let Some(g) = gpu() else { return };
@@ -2492,6 +2526,7 @@ fn device_draws_at_tiny_and_odd_vocabularies_match_the_host() {
 /// chi-square over the bins expected to hold at least 5 draws (the rest pooled), at a 0.1 %
 /// significance level.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn device_draws_follow_the_samplers_distribution() {
     use strix::sampling::{Sampler, SamplingParams};
     let Some(g) = gpu() else { return };
@@ -2642,6 +2677,7 @@ fn reference_distribution(
 /// kernel (dk other than 128, conv kernels 3 and 5), batches 1, 3 and 64. A sequence's rows
 /// also agree alone and in the batch of 64, where the tiling differs.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fused_deltanet_decode_tilings_agree_bitwise() {
     let Some(auto) = gpu() else { return };
     let forced = |cols: &str| {
@@ -2703,6 +2739,7 @@ fn fused_deltanet_decode_tilings_agree_bitwise() {
 /// one-weight-at-a-time ops they replace, on the default and the precise (split) cuBLAS paths,
 /// and within the bf16 tolerance of the CPU.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn prompt_projections_and_mlp_equal_the_separate_ops_bitwise() {
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
@@ -2764,6 +2801,7 @@ fn prompt_projections_and_mlp_equal_the_separate_ops_bitwise() {
 /// log-probabilities included, for temperature alone, top-p with min-p and penalties, and
 /// greedy, at prompt lengths of one token, inside a pass and across passes.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn prefill_draws_on_the_device_match_the_host() {
     use strix::sampling::{sample_prepared, Sampler, SamplingParams};
     let Some(g) = gpu() else { return };

@@ -157,6 +157,7 @@ fn counts_delta(before: PathCounts, after: PathCounts) -> (u64, u64, u64) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn packed_weights_keep_their_size_on_the_device() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(1);
@@ -171,6 +172,7 @@ fn packed_weights_keep_their_size_on_the_device() {
 /// The one-token GEMV and the decode batch at B = 1, 3, 17, 64, every row bitwise the
 /// one-token result.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn gemv_and_decode_batch_match_reference() {
     let Some(g) = gpu() else { return };
     // The dp4a GEMVs (the tensor-core one has its own test below).
@@ -230,6 +232,7 @@ fn gemv_and_decode_batch_match_reference() {
 /// rows bitwise what the same kernel gives the token alone. A width it does not take (not whole
 /// 256-column stages) runs on the dp4a GEMVs at every batch size.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
     g.set_tensor_core_gemv(true);
@@ -296,6 +299,7 @@ fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
 /// int8 bound of the f32 reference, each sequence's rows bitwise the same in any batch, and
 /// the fused packed path counted.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fused_packed_projections_match_reference_and_are_batch_invariant() {
     for tensor_cores in [false, true] {
         fused_packed_projections_on(tensor_cores);
@@ -378,6 +382,7 @@ fn fused_packed_projections_on(tensor_cores: bool) {
 /// `matmul` at prompt lengths 1, 5, 63, 64, 65, 300: the GEMV up to `QUANT_GEMV_MAX_TOKENS`,
 /// then dequantized bands into cuBLAS; and the fallback GEMM on dequantized weights.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn prefill_matmul_matches_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(3);
@@ -424,6 +429,7 @@ fn prefill_matmul_matches_reference() {
 
 /// The embedding gather from a packed table is `dequantize_row`, bit for bit.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn packed_embedding_equals_dequantize_row() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(4);
@@ -537,6 +543,7 @@ fn top2(v: &[f32]) -> ((u32, f32), (u32, f32)) {
 /// split bf16 activations: the bf16 suite shows these tiny random models amplify activation
 /// rounding to several 1e-2, which would hide the weights' own error).
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fixture_model_with_quantized_matrices_matches_cpu() {
     if gpu().is_none() {
         return;
@@ -560,6 +567,7 @@ fn fixture_model_with_quantized_matrices_matches_cpu() {
 /// 256-blocks and the K-quants apply), tied embedding: the packed table serves the gather and
 /// the lm_head GEMV.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn synthetic_model_in_every_format_matches_cpu() {
     if gpu().is_none() {
         return;
@@ -581,6 +589,7 @@ fn synthetic_model_in_every_format_matches_cpu() {
 /// one-token result, and all within `EXACT_TOL` of the int8-activation reference; likewise
 /// for the fused launch of two matrices.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn gemv_rows_per_warp_and_long_rows_are_bitwise_batch_invariant() {
     let Some(g) = gpu() else { return };
     // The dp4a GEMVs (the tensor-core one has its own test below).
@@ -658,6 +667,7 @@ fn gemv_rows_per_warp_and_long_rows_are_bitwise_batch_invariant() {
 /// buffer's current contents (through `quantize_x`), which a stale side buffer (the norm's
 /// values) would not.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn producer_quantized_activations_are_bitwise_and_never_stale() {
     for tensor_cores in [false, true] {
         producer_quantized_activations_on(tensor_cores);
@@ -807,6 +817,7 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
 /// GEMV with the SwiGLU), each attention layer's o_proj (the attention merge), the lm_head (the
 /// final norm), and with the 9B's heads each DeltaNet layer's out_proj.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
     if gpu().is_none() {
         return;
