@@ -11,7 +11,9 @@
 #   MODELS             which of 9b and 0.8b, in that order (default "9b 0.8b": the 9B rows
 #                      are the ones issue 16's targets name, so they come first)
 # Environment: CLIENTS (default "1 16 64"), MIXES (default "greedy temperature"),
-# JOBS (build jobs, default 12), WORK (scratch, default /tmp/serve-compare).
+# JOBS (build jobs, default 12), WORK (scratch, default /tmp/serve-compare), WAIT_FOR (a file
+# whose existence the servers wait for, so that the build and the files can be made while
+# something else, such as the GPU tests, has the device).
 #
 # What it does: builds llama-server, llama-quantize and llama-batched-bench; writes random
 # weights of each model's published shape as a bf16 GGUF (`strix quantize --preset`, the
@@ -86,6 +88,10 @@ for m in $models; do
     { note "llama-quantize $m failed"; exit 1; }
 done
 note "files ready: $(cd "$work" && ls -s --block-size=M ./*.gguf | tr '\n' ' ')"
+if [ -n "${WAIT_FOR:-}" ]; then
+  while [ ! -e "$WAIT_FOR" ]; do sleep 2; done
+  note "$WAIT_FOR is there: the servers start"
+fi
 
 # One server on one file, every client count and mix.
 serve() { # server model format max_tokens
