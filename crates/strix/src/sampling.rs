@@ -231,16 +231,11 @@ struct PenaltyHistory {
     /// `(id, flags)` as [`PreparedSample::penalties`] holds them, before dropping zero flags.
     entries: Vec<(u32, u32)>,
     at: std::collections::HashMap<u32, usize>,
-    /// The prompt's length and fingerprint, and the generated tokens folded in.
-    prompt_len: usize,
-    prompt_hash: u64,
+    /// The prompt and the generated tokens folded in. The prompt is kept whole and compared,
+    /// not hashed: a comparison streams at memory speed, where a hash is a chain of multiplies
+    /// per token, and it cannot collide.
+    prompt: Vec<u32>,
     generated: Vec<u32>,
-}
-
-/// A cheap fingerprint of a token sequence (not for security: it only tells [`Sampler::prepare`]
-/// whether it is still looking at the history it folded).
-fn fingerprint(ids: &[u32]) -> u64 {
-    ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ t as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Buffers for top-p, kept between calls.
@@ -330,15 +325,13 @@ impl Sampler {
         let repeated = if p.repetition_penalty != 1.0 { PENALTY_REPEATED } else { 0 };
         let counted = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let h = &mut self.history;
-        let prompt_hash = fingerprint(prompt);
-        let continues = h.prompt_len == prompt.len()
-            && h.prompt_hash == prompt_hash
-            && generated.starts_with(&h.generated);
+        let continues = h.prompt == prompt && generated.starts_with(&h.generated);
         if !continues {
             h.entries.clear();
             h.at.clear();
             h.generated.clear();
-            (h.prompt_len, h.prompt_hash) = (prompt.len(), prompt_hash);
+            h.prompt.clear();
+            h.prompt.extend_from_slice(prompt);
             for &t in prompt {
                 h.at.entry(t).or_insert_with(|| {
                     h.entries.push((t, repeated));
