@@ -557,9 +557,7 @@ impl<B: Backend> Model<B> {
     /// Feeds `ids` (a piece of a prompt) to the session and makes no logits.
     pub fn prefill(&self, session: &mut Session<B>, ids: &[u32]) -> Result<()> {
         self.check_feed(session, ids)?;
-        for piece in ids.chunks(self.pass_tokens) {
-            self.forward_pass(session, piece);
-        }
+        self.feed_passes(session, ids);
         Ok(())
     }
 
@@ -582,12 +580,17 @@ impl<B: Backend> Model<B> {
             return Ok(draws.remove(0));
         }
         let (head, last) = ids.split_at((ids.len() - 1) / self.pass_tokens * self.pass_tokens);
-        for piece in head.chunks(self.pass_tokens) {
-            self.forward_pass(session, piece);
-        }
+        self.feed_passes(session, head);
         let scratch = self.forward_pass(session, last);
         let logits = self.last_row_logits(&scratch, last.len());
         Ok(self.backend.sample_rows(&logits, self.config.vocab_size, &[(0, row)]).remove(0))
+    }
+
+    /// `ids` through every layer in passes of [`Model::pass_tokens`], no logits made.
+    fn feed_passes(&self, session: &mut Session<B>, ids: &[u32]) {
+        for piece in ids.chunks(self.pass_tokens) {
+            self.forward_pass(session, piece);
+        }
     }
 
     /// What every feed checks first: tokens to feed, in the vocabulary, room in the session.

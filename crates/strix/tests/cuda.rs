@@ -2803,7 +2803,7 @@ fn prompt_projections_and_mlp_equal_the_separate_ops_bitwise() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn prefill_draws_on_the_device_match_the_host() {
-    use strix::sampling::{sample_prepared, Sampler, SamplingParams};
+    use strix::sampling::{sample_prepared, Sampler};
     let Some(g) = gpu() else { return };
     if !g.has_cublas() {
         println!("skipped: cuBLAS is not installed");
@@ -2812,22 +2812,7 @@ fn prefill_draws_on_the_device_match_the_host() {
     let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
     let mut model = Model::load(&dir, g, None).unwrap();
     model.set_pass_tokens(64).unwrap();
-    let settings = [
-        (SamplingParams { temperature: 0.7, seed: Some(4), ..SamplingParams::default() }, Some(3)),
-        (SamplingParams::greedy(), None),
-        (
-            SamplingParams {
-                temperature: 1.1,
-                top_p: 0.8,
-                min_p: 0.01,
-                repetition_penalty: 1.2,
-                presence_penalty: 0.4,
-                seed: Some(9),
-                ..SamplingParams::default()
-            },
-            Some(0),
-        ),
-    ];
+    let settings = common::first_draw_settings();
     for len in [1, 9, 64, 130] {
         let prompt: Vec<u32> = (0..len).map(|i| (i * 29 + 3) % 300).collect();
         for (params, logprobs) in &settings {

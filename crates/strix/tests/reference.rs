@@ -249,26 +249,11 @@ fn prepared_draws_equal_host_sampling() {
 /// session is left where `forward` leaves it.
 #[test]
 fn prefill_draws_equal_host_sampling() {
-    use strix::sampling::{sample_prepared, Sampler, SamplingParams};
+    use strix::sampling::{sample_prepared, Sampler};
     let dir = &fixtures()[0];
     let mut model = Model::load(dir, CpuBackend::new(), None).unwrap();
     model.set_pass_tokens(64).unwrap();
-    let settings = [
-        (SamplingParams { temperature: 0.7, seed: Some(4), ..SamplingParams::default() }, Some(3)),
-        (SamplingParams::greedy(), None),
-        (
-            SamplingParams {
-                temperature: 1.1,
-                top_p: 0.8,
-                min_p: 0.01,
-                repetition_penalty: 1.2,
-                presence_penalty: 0.4,
-                seed: Some(9),
-                ..SamplingParams::default()
-            },
-            Some(0),
-        ),
-    ];
+    let settings = common::first_draw_settings();
     for len in [1, 2, 9, 64, 65, 130] {
         let prompt: Vec<u32> = (0..len).map(|i| (i * 29 + 3) % 300).collect();
         for (params, logprobs) in &settings {

@@ -311,3 +311,25 @@ impl Rng {
         ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
     }
 }
+
+/// Sampling settings (with the log-probabilities asked for) that a prompt's first draw is
+/// checked under: temperature alone, greedy, and top-p with min-p and penalties.
+pub fn first_draw_settings() -> [(strix::sampling::SamplingParams, Option<usize>); 3] {
+    use strix::sampling::SamplingParams;
+    [
+        (SamplingParams { temperature: 0.7, seed: Some(4), ..SamplingParams::default() }, Some(3)),
+        (SamplingParams::greedy(), None),
+        (
+            SamplingParams {
+                temperature: 1.1,
+                top_p: 0.8,
+                min_p: 0.01,
+                repetition_penalty: 1.2,
+                presence_penalty: 0.4,
+                seed: Some(9),
+                ..SamplingParams::default()
+            },
+            Some(0),
+        ),
+    ]
+}

@@ -69,6 +69,25 @@ pub fn prologue(
         });
 }
 
+/// Softmax's numerators in place, `exp(s − max s)`, returning their sum (summed in order).
+fn exp_shifted(scores: &mut [f32]) -> f32 {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = 0.0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    sum
+}
+
+/// A head's output divided by its softmax sum, then gated: `o · (1/sum) · sigmoid(gate)`.
+fn normalise_and_gate(o: &mut [f32], sum: f32, gate: &[f32]) {
+    scale(o, 1.0 / sum);
+    for (o, &g) in o.iter_mut().zip(gate) {
+        *o *= sigmoid(g);
+    }
+}
+
 /// Query rows per work item of the prompt path: the items are row ranges of the output, so
 /// enough of them to keep every core busy, and each one's score block stays small.
 const QUERY_TILE: usize = 32;
@@ -121,11 +140,7 @@ fn one_query(
         }
         let mut sums = vec![0.0f32; group];
         for (s, sum) in scores.chunks_mut(visible).zip(&mut sums) {
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            for s in s.iter_mut() {
-                *s = (*s - max).exp();
-                *sum += *s;
-            }
+            *sum = exp_shifted(s);
         }
         o.fill(0.0);
         for j in 0..visible {
@@ -135,11 +150,8 @@ fn one_query(
             }
         }
         for (g, (o, &sum)) in o.chunks_mut(hd).zip(&sums).enumerate() {
-            scale(o, 1.0 / sum);
             let h = kh * group + g;
-            for (o, &g) in o.iter_mut().zip(&gate[h * hd..(h + 1) * hd]) {
-                *o *= sigmoid(g);
-            }
+            normalise_and_gate(o, sum, &gate[h * hd..(h + 1) * hd]);
         }
     });
 }
@@ -178,22 +190,13 @@ fn prompt(
             for (i, (row, sum)) in p.chunks_mut(n).zip(&mut sums).enumerate() {
                 let visible = pos0 + t0 + i + 1;
                 let (seen, masked) = row.split_at_mut(visible);
-                let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                *sum = 0.0;
-                for s in seen.iter_mut() {
-                    *s = (*s - max).exp();
-                    *sum += *s;
-                }
+                *sum = exp_shifted(seen);
                 masked.fill(0.0);
             }
             mm((m, hd, n), &mut o[h * hd..], qd, (false, 0.0), (&p, n, 1), (&v_cache[kh * hd..], kv, 1), 1.0);
             for (i, &sum) in sums.iter().enumerate() {
                 let o = &mut o[i * qd + h * hd..i * qd + (h + 1) * hd];
-                scale(o, 1.0 / sum);
-                let g = &gate[(t0 + i) * qd + h * hd..(t0 + i) * qd + (h + 1) * hd];
-                for (o, &g) in o.iter_mut().zip(g) {
-                    *o *= sigmoid(g);
-                }
+                normalise_and_gate(o, sum, &gate[(t0 + i) * qd + h * hd..(t0 + i) * qd + (h + 1) * hd]);
             }
         }
     });
@@ -228,21 +231,12 @@ mod tests {
             let mut scores: Vec<f32> = (0..visible)
                 .map(|j| dot(qh, &k_cache[j * kv + kh * hd..j * kv + (kh + 1) * hd]) * scaling)
                 .collect();
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut sum = 0.0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
+            let sum = exp_shifted(&mut scores);
             o.fill(0.0);
             for (j, &p) in scores.iter().enumerate() {
                 axpy(o, p, &v_cache[j * kv + kh * hd..j * kv + (kh + 1) * hd]);
             }
-            scale(o, 1.0 / sum);
-            let g = &gate[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
-            for (o, &g) in o.iter_mut().zip(g) {
-                *o *= sigmoid(g);
-            }
+            normalise_and_gate(o, sum, &gate[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd]);
         }
     }
 

@@ -12,7 +12,9 @@
 use rayon::prelude::*;
 
 use super::sigmoid;
-use super::simd::{axpy, decay_and_read, dot, scale, silu_in_place, update_and_read, FlushSubnormals, Isa};
+use super::simd::{
+    axpy, decay_and_read, dot, scale, silu_in_place, update_and_read, FlushSubnormals, Isa, SharedMut,
+};
 use crate::backend::DeltaNetShape;
 
 /// Tokens per chunk of the chunked form (the reference's `chunk_size`).
@@ -45,7 +47,7 @@ pub fn causal_conv1d_silu(
         return conv_one_token(isa, k, qkv, weight, state);
     }
     let blocks = channels.div_ceil(CONV_BLOCK);
-    let ptr = SendPtr(qkv.as_mut_ptr());
+    let ptr = SharedMut::new(qkv);
     let block = |(b, state): (usize, &mut [f32])| {
         let c0 = b * CONV_BLOCK;
         let n = CONV_BLOCK.min(channels - c0);
@@ -133,20 +135,6 @@ fn taps<const K: usize, const H: usize>(x: &mut [f32], weight: &[f32], state: &m
     let (s, _) = state.as_chunks_mut::<H>();
     for ((x, w), s) in x.iter_mut().zip(w).zip(s) {
         *x = tap(w, s, *x);
-    }
-}
-
-/// `*mut f32` that the conv's blocks share (each touches its own channels only).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: see `causal_conv1d_silu`: the blocks write disjoint channels.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// A method, so closures capture the whole `Sync` value rather than its field.
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
     }
 }
 
@@ -262,6 +250,19 @@ fn l2_normalize(x: &mut [f32]) {
     scale(x, inv);
 }
 
+/// The delta rule's q and k of one head and token, as the reference prepares them: both
+/// l2-normalised, q scaled by `q_scale` (1/√dk).
+fn normalise_query_key(q: &mut [f32], k: &mut [f32], q_scale: f32) {
+    l2_normalize(q);
+    scale(q, q_scale);
+    l2_normalize(k);
+}
+
+/// The log of a head's decay for one token: `−exp(A_log) · softplus(a + dt_bias)`.
+fn log_decay(a_log: f32, a: f32, dt_bias: f32) -> f32 {
+    -a_log.exp() * softplus(a + dt_bias)
+}
+
 fn softplus(x: f32) -> f32 {
     // torch.nn.functional.softplus with beta 1 and threshold 20.
     if x > 20.0 {
@@ -294,11 +295,9 @@ impl DeltaRuleInputs {
                     let row = &qkv[t * conv_dim..(t + 1) * conv_dim];
                     let qt = &mut q[t * dk..(t + 1) * dk];
                     qt.copy_from_slice(&row[h * dk..(h + 1) * dk]);
-                    l2_normalize(qt);
-                    scale(qt, q_scale);
                     let kt = &mut k[t * dk..(t + 1) * dk];
                     kt.copy_from_slice(&row[key_dim + h * dk..key_dim + (h + 1) * dk]);
-                    l2_normalize(kt);
+                    normalise_query_key(qt, kt, q_scale);
                 }
             },
         );
@@ -311,10 +310,9 @@ impl DeltaRuleInputs {
         let mut beta = vec![0.0f32; nv * tokens];
         let mut g = vec![0.0f32; nv * tokens];
         for h in 0..nv {
-            let decay_rate = -a_log[h].exp();
             for t in 0..tokens {
                 beta[h * tokens + t] = sigmoid(b[t * nv + h]);
-                g[h * tokens + t] = decay_rate * softplus(a[t * nv + h] + dt_bias[h]);
+                g[h * tokens + t] = log_decay(a_log[h], a[t * nv + h], dt_bias[h]);
             }
         }
         DeltaRuleInputs { tokens, q, k, v, beta, g }
@@ -380,24 +378,46 @@ pub fn recurrent(shape: &DeltaNetShape, inputs: &DeltaRuleInputs, state: &mut [f
         let mut kv_mem = vec![0.0f32; dv];
         let mut delta = vec![0.0f32; dv];
         for t in 0..tokens {
-            let q = &x.q[t * dk..(t + 1) * dk];
-            let k = &x.k[t * dk..(t + 1) * dk];
-            let v = &x.v[t * dv..(t + 1) * dv];
-            let decay = x.g[t].exp();
-            kv_mem.fill(0.0);
-            for (i, row) in s.chunks_mut(dv).enumerate() {
-                decay_and_read(isa, row, decay, k[i], &mut kv_mem);
-            }
-            for ((d, &v), &m) in delta.iter_mut().zip(v).zip(&kv_mem) {
-                *d = (v - m) * x.beta[t];
-            }
-            let ot = &mut o[t * dv..(t + 1) * dv];
-            ot.fill(0.0);
-            for (i, row) in s.chunks_mut(dv).enumerate() {
-                update_and_read(isa, row, k[i], &delta, q[i], ot);
-            }
+            let token = TokenInputs {
+                q: &x.q[t * dk..(t + 1) * dk],
+                k: &x.k[t * dk..(t + 1) * dk],
+                v: &x.v[t * dv..(t + 1) * dv],
+                beta: x.beta[t],
+                g: x.g[t],
+            };
+            delta_step(isa, s, &token, (&mut kv_mem, &mut delta), &mut o[t * dv..(t + 1) * dv]);
         }
     });
+}
+
+/// One token's inputs to one head's delta rule.
+struct TokenInputs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    beta: f32,
+    g: f32,
+}
+
+/// One token of the delta rule on one head's state `s` (`[dk, dv]`): the state decays and is
+/// read (`kv_mem = Sᵀk`), `delta = (v − kv_mem) · β`, then `S += k ⊗ delta` and `out = Sᵀq`,
+/// row by row. The recurrent form and the decode rows both take these steps, so they agree
+/// bitwise. `scratch`: two `[dv]` buffers.
+fn delta_step(isa: Isa, s: &mut [f32], x: &TokenInputs, scratch: (&mut [f32], &mut [f32]), out: &mut [f32]) {
+    let (kv_mem, delta) = scratch;
+    let dv = out.len();
+    let decay = x.g.exp();
+    kv_mem.fill(0.0);
+    for (i, row) in s.chunks_mut(dv).enumerate() {
+        decay_and_read(isa, row, decay, x.k[i], kv_mem);
+    }
+    for ((d, &v), &m) in delta.iter_mut().zip(x.v).zip(kv_mem.iter()) {
+        *d = (v - m) * x.beta;
+    }
+    out.fill(0.0);
+    for (i, row) in s.chunks_mut(dv).enumerate() {
+        update_and_read(isa, row, x.k[i], delta, x.q[i], out);
+    }
 }
 
 /// [`DeltaRuleInputs::prepare`] and [`recurrent`] for one token (a decode row) as one
@@ -425,23 +445,17 @@ pub fn recurrent_one_token(
         let _ftz = FlushSubnormals::new();
         let kh = shape.key_head(h);
         let mut q = qkv[kh * dk..(kh + 1) * dk].to_vec();
-        l2_normalize(&mut q);
-        scale(&mut q, q_scale);
         let mut k = qkv[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
-        l2_normalize(&mut k);
-        let v = &qkv[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
-        let beta = sigmoid(b[h]);
-        let g = -a_log[h].exp() * softplus(a[h] + dt_bias[h]);
-        let decay = g.exp();
-        let mut kv_mem = vec![0.0f32; dv];
-        for (i, row) in s.chunks_mut(dv).enumerate() {
-            decay_and_read(isa, row, decay, k[i], &mut kv_mem);
-        }
-        let delta: Vec<f32> = v.iter().zip(&kv_mem).map(|(&v, &m)| (v - m) * beta).collect();
-        o.fill(0.0);
-        for (i, row) in s.chunks_mut(dv).enumerate() {
-            update_and_read(isa, row, k[i], &delta, q[i], o);
-        }
+        normalise_query_key(&mut q, &mut k, q_scale);
+        let token = TokenInputs {
+            q: &q,
+            k: &k,
+            v: &qkv[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv],
+            beta: sigmoid(b[h]),
+            g: log_decay(a_log[h], a[h], dt_bias[h]),
+        };
+        let (mut kv_mem, mut delta) = (vec![0.0f32; dv], vec![0.0f32; dv]);
+        delta_step(isa, s, &token, (&mut kv_mem, &mut delta), o);
     });
 }
 
@@ -716,7 +730,7 @@ mod tests {
                     assert_eq!(st_got, st_want, "{what}: state");
                     let mut port = x.clone();
                     let mut st_port = st0.clone();
-                    let ptr = SendPtr(port.as_mut_ptr());
+                    let ptr = SharedMut::new(&mut port);
                     for (b, s) in
                         block_states(&mut st_port, kernel - 1, c.div_ceil(CONV_BLOCK)).into_iter().enumerate()
                     {

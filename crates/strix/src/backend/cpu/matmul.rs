@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::simd::LANES;
-use super::simd::{prefetch, prefetch_distance, Isa};
+use super::simd::{prefetch, prefetch_distance, Isa, SharedMut};
 
 /// A weight matrix stored row-major as `rows` rows of `cols` elements, in its checkpoint dtype.
 #[derive(Clone, Copy)]
@@ -61,7 +61,7 @@ pub fn matmul_rows(x: &[f32], tokens: usize, w: WeightRef<'_>, rows: usize, cols
         return matmul_with(Isa::detect(), Path::Gemv, x, tokens, w, rows, cols, out);
     }
     let isa = Isa::detect();
-    let p = Problem { x, tokens, rows, cols, out: OutPtr(out.as_mut_ptr()) };
+    let p = Problem { x, tokens, rows, cols, out: SharedMut::new(out) };
     match w {
         WeightRef::Bf16(s) => p.gemv_invariant::<Bf16>(isa, s),
         WeightRef::F16(s) => p.gemv_invariant::<F16>(isa, s),
@@ -132,7 +132,7 @@ fn matmul_with(
         out.fill(0.0);
         return;
     }
-    let p = Problem { x, tokens, rows, cols, out: OutPtr(out.as_mut_ptr()) };
+    let p = Problem { x, tokens, rows, cols, out: SharedMut::new(out) };
     match w {
         WeightRef::Bf16(s) => p.run::<Bf16>(isa, path, s),
         WeightRef::F16(s) => p.run::<F16>(isa, path, s),
@@ -146,17 +146,10 @@ struct Problem<'a> {
     tokens: usize,
     rows: usize,
     cols: usize,
-    out: OutPtr,
+    /// `[tokens, rows]`: every parallel block writes the output columns of its own weight rows
+    /// only (interleaved in memory), and `matmul_with` holds the `&mut [f32]` while any runs.
+    out: SharedMut,
 }
-
-/// `out` as a raw pointer, so that blocks of *columns* of the row-major `[tokens, rows]` output
-/// (which interleave in memory) can be written from several threads.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every parallel block writes a disjoint set of output columns (its own weight rows),
-// and `matmul_with` holds the `&mut [f32]` for as long as any block runs.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// Bytes of weights per GEMV work item: small enough to balance the threads on every shape
 /// we have, large enough that the per-item cost (a few tile-loop setups) is noise. Rayon
@@ -286,7 +279,7 @@ impl Problem<'_> {
         let sums = K::tile::<W, R, T, U>(&xs, &ws);
         for (i, sums_r) in sums.iter().enumerate() {
             for (j, &v) in sums_r.iter().enumerate() {
-                *self.out.0.add((t + j) * self.rows + r + i) = v;
+                self.out.write((t + j) * self.rows + r + i, v);
             }
         }
     }
@@ -328,7 +321,7 @@ impl Problem<'_> {
                             self.tokens,
                             n,
                             k,
-                            self.out.0.add(r0),
+                            self.out.at(r0),
                             1,
                             self.rows as isize,
                             c0 > 0,

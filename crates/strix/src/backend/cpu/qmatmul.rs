@@ -20,7 +20,7 @@
 use rayon::prelude::*;
 
 use super::matmul::for_each_block;
-use super::simd::Isa;
+use super::simd::{Isa, SharedMut};
 
 /// Which kernels run: the backend's ISA choice, refined by AVX-512 VNNI where the CPU has it
 /// (`vpdpbusd` sums four u8 × i8 products into an i32 lane in one instruction: the same
@@ -85,21 +85,6 @@ const GEMM_BLOCK_ROWS: usize = 128;
 const GEMM_MIN_BLOCK_ROWS: usize = 32;
 const GEMM_MAX_COLS: usize = 4096;
 
-/// `out` as a raw pointer for the gemm path's row blocks.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every parallel block writes the output columns of its own weight rows only, and
-// `gemm_with` holds the `&mut [f32]` while any block runs.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The output from element `i` on (a method, so closures capture the whole `Sync` value).
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 /// The alternative for prefill that [`matmul`] was measured against (kept for
 /// `examples/qmatmul_bench.rs`): blocks of weight rows dequantized into a thread-local f32
 /// tile and multiplied by the `gemm` crate, the activations used unquantized.
@@ -125,7 +110,8 @@ pub fn gemm_with(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
     let kb = nblocks.div_ceil(tiles);
     let per_thread = rows.div_ceil(2 * rayon::current_num_threads());
     let block = per_thread.next_multiple_of(8).clamp(GEMM_MIN_BLOCK_ROWS, GEMM_BLOCK_ROWS);
-    let out = OutPtr(out.as_mut_ptr());
+    // Every parallel block writes the output columns of its own weight rows only.
+    let out = SharedMut::new(out);
     for_each_block(rows, block, rows > block, |r0, r1| {
         let n = r1 - r0;
         SCRATCH.with(|s| {

@@ -41,7 +41,7 @@ use rayon::prelude::*;
 
 use super::matmul::for_each_block;
 use super::qmatmul::{ActRow, Acts, Kern};
-use super::simd::{prefetch, prefetch_distance};
+use super::simd::{prefetch, prefetch_distance, SharedMut};
 use crate::quant::blocks::{
     q4_k_scale_min, Q4_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK4_0, QK8_0, QK_K,
 };
@@ -221,7 +221,8 @@ impl Packed {
         // One token streams the weights from memory once: there the kernels prefetch ahead
         // (where the CPU wants it); several tokens reuse each block from cache.
         let pf = if tokens == 1 { prefetch_distance() } else { 0 };
-        let out = OutPtr(out.as_mut_ptr());
+        // Every parallel block writes the output columns of its own row groups only.
+        let out = SharedMut::new(out);
         for_each_block(groups, block, parallel, |g0, g1| {
             let write = |g: usize, t: usize, v: &[f32; GROUP]| {
                 let r0 = g * GROUP;
@@ -260,24 +261,6 @@ const TILE_BLOCK_BYTES: usize = 64 << 10;
 const PARALLEL_MIN_WORK: usize = 128 << 10;
 /// Tokens per tile: each unpacked weight vector is used this many times from registers.
 const TILE_TOKENS: usize = 4;
-
-/// `out` as a raw pointer, so that groups of output columns (interleaved in the row-major
-/// `[tokens, rows]` output) can be written from several threads.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every parallel block writes the output columns of its own row groups only, and
-// `Packed::matmul` holds the `&mut [f32]` while any block runs.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// # Safety
-    /// `i` must be inside the output and owned by the calling block.
-    #[inline]
-    unsafe fn write(self, i: usize, v: f32) {
-        *self.0.add(i) = v;
-    }
-}
 
 // ------------------------------------------------------------------------------------
 // Packing

@@ -546,3 +546,34 @@ mod tests {
         }
     }
 }
+
+/// A `&mut [f32]` as a raw pointer that parallel work items share, each touching only its
+/// own elements (rows, columns or channels that interleave in memory, so the slice cannot be
+/// split). The function that makes one holds the `&mut [f32]` while any item runs; each use
+/// site states which elements its items own.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut(*mut f32);
+// SAFETY: see the type's doc: the items write disjoint elements of a slice borrowed mutably for
+// as long as they run.
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    pub(crate) fn new(out: &mut [f32]) -> SharedMut {
+        SharedMut(out.as_mut_ptr())
+    }
+
+    /// The pointer to element `i` (a method, so closures capture the whole `Sync` value
+    /// rather than its field).
+    #[inline]
+    pub(crate) fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+
+    /// # Safety
+    /// `i` must be inside the slice and owned by the calling item.
+    #[inline]
+    pub(crate) unsafe fn write(self, i: usize, v: f32) {
+        *self.0.add(i) = v;
+    }
+}
