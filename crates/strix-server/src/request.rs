@@ -960,7 +960,6 @@ mod tests {
             (r#"{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}"#, "messages"),
             (r#"{"prompt": "x", "tools": []}"#, "tools"),
             (r#"{"prompt": "x", "top_logprobs": 2}"#, "top_logprobs"),
-            (r#"{"prompt": "x", "response_format": {"type": "text"}}"#, "response_format"),
             (r#"{"prompt": "x", "guided_json": {}}"#, "guided_json"),
             (
                 r#"{"prompt": "x", "stream_options": {"include_usage": true, "include_obfuscation": true}}"#,
@@ -988,10 +987,16 @@ mod tests {
     fn features_the_server_lacks_are_refused_not_ignored() {
         let with = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {extra}}}"#);
         let cases = [
-            (with(r#""response_format": {"type": "json_object"}"#), "response_format"),
-            (with(r#""response_format": {"type": "json_schema", "json_schema": {}}"#), "response_format"),
+            (with(r#""response_format": {"type": "xml"}"#), "response_format"),
+            (
+                with(r#""response_format": {"type": "json_schema", "json_schema": {}}"#),
+                "response_format.json_schema.schema",
+            ),
+            (with(r#""response_format": {"type": "json_object", "schema": {}}"#), "response_format.schema"),
+            (with(r#""structured_outputs": {"structural_tag": "x"}"#), "structured_outputs.structural_tag"),
             (with(r#""functions": [{"name": "f"}]"#), "functions"),
             (with(r#""function_call": "auto""#), "function_call"),
+            // Forcing a tool call needs the tool.
             (with(r#""tool_choice": "required""#), "tool_choice"),
             (with(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#), "tool_choice"),
             (with(r#""parallel_tool_calls": false"#), "parallel_tool_calls"),
