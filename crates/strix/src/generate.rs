@@ -334,6 +334,47 @@ mod tests {
         assert_eq!(s.finish(FinishReason::Context), (String::new(), FinishReason::Context));
     }
 
+    /// A constrained sequence: its mask allows the grammar's tokens only, a token outside it is
+    /// an error, and the sequence ends (as `Eos`) the moment the grammar is complete, even when
+    /// end-of-sequence tokens are ignored; an unconstrained one has no mask.
+    #[test]
+    fn a_constrained_sequence_follows_its_grammar_and_ends_with_it() {
+        use crate::constraint::{Constraints, Grammar};
+        let t = tokenizer();
+        let constraints = Constraints::new(&t, 384, &[322]).unwrap();
+        let grammar = Grammar::Choice(vec!["yes".into()]);
+        let ids = t.encode("yes", false).unwrap();
+        for ignore_eos in [false, true] {
+            let constraint = constraints.compile(&grammar, "").unwrap();
+            let mut s = Sequence::new(
+                Some(t.stream_decoder(true)),
+                StopMatcher::new(Vec::new()),
+                &[322],
+                ignore_eos,
+                50,
+            )
+            .with_constraint(Some(constraint));
+            let mut text = String::new();
+            let mut finish = None;
+            for &id in &ids {
+                let mask = s.allowed().unwrap().unwrap();
+                assert!(mask.allows(id) && mask.count() == 1);
+                let a = s.accept(id, 100).unwrap();
+                text.push_str(&a.text.unwrap());
+                finish = a.finish;
+            }
+            assert_eq!(finish, Some(FinishReason::Eos), "ignore_eos {ignore_eos}");
+            let (rest, finish) = s.finish(FinishReason::Eos);
+            assert_eq!((text + &rest, finish), ("yes".to_string(), FinishReason::Eos));
+        }
+        let mut s = Sequence::new(None, StopMatcher::new(Vec::new()), &[322], false, 50)
+            .with_constraint(Some(constraints.compile(&grammar, "").unwrap()));
+        let wrong = t.encode("no", false).unwrap()[0];
+        assert!(s.accept(wrong, 100).is_err());
+        let mut plain = Sequence::new(None, StopMatcher::new(Vec::new()), &[322], false, 50);
+        assert_eq!(plain.allowed().unwrap(), None);
+    }
+
     /// Text streams as it becomes final; a stop string ends the sequence and is not emitted, also
     /// when it only completes in the text held back at the end.
     #[test]
