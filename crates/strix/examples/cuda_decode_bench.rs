@@ -13,6 +13,9 @@
 //! queue it, as in a real step) times its calls per step; the sum against the measured step
 //! says how much of the step is host overhead and which kernels to work on.
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -56,7 +59,7 @@ fn main() -> strix::Result<()> {
         presets = vec!["qwen3.5-0.8b".into(), "qwen3.5-9b".into()];
     }
 
-    let probe = CudaBackend::new(0)?;
+    let probe = gpu::backend()?;
     println!(
         "device: {} (sm_{}{})",
         probe.device_name(),
@@ -73,7 +76,7 @@ fn main() -> strix::Result<()> {
         let cfg = preset(name)?;
         let t0 = Instant::now();
         let weights = SyntheticWeights::new(cfg.clone(), 1);
-        let model = Model::from_source(cfg.clone(), &weights, CudaBackend::new(0)?, None)?;
+        let model = Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?;
         let bytes = model.weight_bytes_per_token();
         println!(
             "{name}: synthesised and uploaded in {:.1} s; {:.2} GB of weights read per token",

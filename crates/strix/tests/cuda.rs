@@ -953,7 +953,7 @@ fn kernels_load_from_the_cache_the_second_time() {
     println!("first backend: {c}");
     // elementwise, sample, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
     assert_eq!(c.modules_compiled + c.modules_cached, 8);
-    let second = CudaBackend::new(0).unwrap();
+    let second = CudaBackend::with_options(0, &common::gpu_options()).unwrap();
     let c = second.path_counts();
     println!("second backend: {c}");
     assert_eq!((c.modules_compiled, c.modules_cached), (0, 8));
@@ -1104,7 +1104,8 @@ fn fixtures_against(path: GemmPath, round_activations: bool, kv: KvCacheType, to
     let (mut worst_ref, mut worst_golden) = (0.0f32, 0.0f32);
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu = Model::load(&dir, CudaBackend::new(0).unwrap(), None).unwrap();
+        let gpu =
+            Model::load(&dir, CudaBackend::with_options(0, &common::gpu_options()).unwrap(), None).unwrap();
         gpu.backend().set_gemm_path(path);
         gpu.backend().set_kv_cache_type(kv);
         // The precise path: split GEMMs and the f32 prefill kernels.
@@ -1240,7 +1241,8 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
     }
     for dir in moe_fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu = Model::load(&dir, CudaBackend::new(0).unwrap(), None).unwrap();
+        let gpu =
+            Model::load(&dir, CudaBackend::with_options(0, &common::gpu_options()).unwrap(), None).unwrap();
         assert!(gpu.config.moe.is_some(), "{name}: not read as a MoE model");
         gpu.backend().set_gemm_path(GemmPath::CublasSplit);
         gpu.backend().set_prefill_path(PrefillPath::F32);
@@ -1338,7 +1340,13 @@ fn synthetic_model_with_real_head_shapes_matches_cpu() {
             None,
         )
         .unwrap();
-        let gpu = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+        let gpu = Model::from_source(
+            c.clone(),
+            &weights,
+            CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+            None,
+        )
+        .unwrap();
         assert_eq!(gpu.backend().kv_cache_type(), KvCacheType::Bf16, "the CUDA default");
         gpu.backend().set_gemm_path(path);
         // The default path also runs the prompt's attention and delta rule on the tensor cores
@@ -1570,7 +1578,13 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
 fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     model.backend().set_tensor_core_gemv(tensor_core);
     // Both cache types: sessions made under each setting.
     for kv in [KvCacheType::Bf16, KvCacheType::F32] {
@@ -1663,7 +1677,13 @@ fn recorded_decode_steps_equal_eager_steps_bitwise() {
 fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     let mut rng = Rng(14);
     let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
     let g = model.backend();
@@ -1722,7 +1742,13 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
     }
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     let mut rng = Rng(16);
     let prompts: Vec<Vec<u32>> = [3usize, 90, 1, 40, 17]
         .iter()
@@ -2037,7 +2063,13 @@ fn argmax_on_the_device_matches_the_host() {
 
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     let (mut a, mut b) = (model.try_new_session(64).unwrap(), model.try_new_session(64).unwrap());
     let mut logits = model.forward(&mut a, &[1, 2, 3], Logits::Last).unwrap();
     model.forward(&mut b, &[1, 2, 3], Logits::Last).unwrap();
@@ -2671,7 +2703,7 @@ fn reference_distribution(
 }
 
 /// The fused decode kernel's column tilings (16, 32, 64 or 128 columns a block; the launcher
-/// picks by batch, `STRIX_GDN_DECODE_COLS` forces one) give bitwise the same outputs, conv states and
+/// picks by batch, `CudaOptions::gdn_decode_cols` forces one) give bitwise the same outputs, conv states and
 /// states, and match the CPU's three ops: awkward head counts, v-heads 1x, 2x and 3x the
 /// k-heads in both head orders, partial column tiles, a cluster of one block, the generic
 /// kernel (dk other than 128, conv kernels 3 and 5), batches 1, 3 and 64. A sequence's rows
@@ -2680,13 +2712,12 @@ fn reference_distribution(
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fused_deltanet_decode_tilings_agree_bitwise() {
     let Some(auto) = gpu() else { return };
-    let forced = |cols: &str| {
-        std::env::set_var("STRIX_GDN_DECODE_COLS", cols);
-        let b = CudaBackend::new(0).unwrap();
-        std::env::remove_var("STRIX_GDN_DECODE_COLS");
-        b
+    let forced = |cols: usize| {
+        let options =
+            strix::backend::cuda::CudaOptions { gdn_decode_cols: Some(cols), ..common::gpu_options() };
+        CudaBackend::with_options(0, &options).unwrap()
     };
-    let tilings: Vec<(CudaBackend, usize)> = [16, 32, 64, 128].map(|c| (forced(&c.to_string()), c)).into();
+    let tilings: Vec<(CudaBackend, usize)> = [16, 32, 64, 128].map(|c| (forced(c), c)).into();
     let cpu = CpuBackend::new();
     let mut rng = Rng(55);
     let tiled = |nk, nv, dk, dv, k| DeltaNetShape {
