@@ -2865,3 +2865,55 @@ fn prefill_draws_on_the_device_match_the_host() {
         }
     }
 }
+
+/// A session rebuilt from saved blocks (`Model::save_block` / `restore_blocks`, the server's
+/// prefix cache) continues bitwise as the session they were saved from: prefill and decode
+/// logits equal to the last bit, over an f32 and a bf16 KV cache, restored into a fresh session
+/// and into one that fed the first block itself. The copies are device-to-device.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn restored_sessions_continue_bitwise_on_the_device() {
+    let Some(g) = gpu() else { return };
+    let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
+    let mut model = Model::load(&dir, g, None).unwrap();
+    model.set_pass_tokens(64).unwrap();
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 31 + 7) % 300).collect();
+    // The rest of the prompt in one piece, then greedy decode steps.
+    let continue_from = |session: &mut strix::session::Session<CudaBackend>| {
+        let mut logits = model.forward(session, &prompt[128..], Logits::Last).unwrap();
+        let mut all = logits.clone();
+        for _ in 0..8 {
+            let next = argmax(&logits);
+            logits = model.forward(session, &[next], Logits::Last).unwrap();
+            all.extend(&logits);
+        }
+        all
+    };
+    for kv in [KvCacheType::F32, KvCacheType::Bf16] {
+        model.backend().set_kv_cache_type(kv);
+        let mut fed = model.new_session(1024);
+        model.prefill(&mut fed, &prompt[..64]).unwrap();
+        let first = model.save_block(&fed, 0).unwrap();
+        model.prefill(&mut fed, &prompt[64..128]).unwrap();
+        let second = model.save_block(&fed, 64).unwrap();
+        assert_eq!((first.end(), second.start(), second.end()), (64, 64, 128));
+        let want = continue_from(&mut fed);
+
+        let mut restored = model.new_session(1024);
+        model.restore_blocks(&mut restored, &[&first, &second]).unwrap();
+        assert_eq!(restored.tokens(), &prompt[..128]);
+        let got = continue_from(&mut restored);
+        assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{kv}: fresh session");
+
+        let mut half = model.new_session(1024);
+        model.prefill(&mut half, &prompt[..64]).unwrap();
+        model.restore_blocks(&mut half, &[&second]).unwrap();
+        let got = continue_from(&mut half);
+        assert!(
+            want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{kv}: after the first block"
+        );
+        // A block that does not continue the session is refused.
+        assert!(model.restore_blocks(&mut model.new_session(1024), &[&second]).is_err());
+    }
+}

@@ -271,6 +271,19 @@ macro_rules! delegate_activation_ops_to_cpu {
         fn cache_download(&self, cache: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
             self.$inner.cache_download(cache, offset, len)
         }
+        fn copy(&self, src: &Vec<f32>, src_offset: usize, dst: &mut Vec<f32>, dst_offset: usize, len: usize) {
+            self.$inner.copy(src, src_offset, dst, dst_offset, len)
+        }
+        fn cache_copy(
+            &self,
+            src: &Vec<f32>,
+            src_offset: usize,
+            dst: &mut Vec<f32>,
+            dst_offset: usize,
+            len: usize,
+        ) {
+            self.$inner.cache_copy(src, src_offset, dst, dst_offset, len)
+        }
     };
 }
 #[allow(unused_imports)]

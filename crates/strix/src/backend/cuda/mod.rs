@@ -676,6 +676,29 @@ impl Backend for CudaBackend {
         or_panic(cache.download(&self.dev, offset, len))
     }
 
+    fn copy(&self, src: &CudaBuf, src_offset: usize, dst: &mut CudaBuf, dst_offset: usize, len: usize) {
+        assert!(
+            src_offset + len <= src.len() && dst_offset + len <= dst.len(),
+            "copy: {len} floats from {src_offset} of {} to {dst_offset} of {}",
+            src.len(),
+            dst.len()
+        );
+        self.dev.bind();
+        self.dev.copy_dtod(dst.at(dst_offset), src.at(src_offset), len * 4);
+    }
+
+    fn cache_copy(
+        &self,
+        src: &CudaCache,
+        src_offset: usize,
+        dst: &mut CudaCache,
+        dst_offset: usize,
+        len: usize,
+    ) {
+        self.dev.bind();
+        src.copy_to(&self.dev, src_offset, dst, dst_offset, len);
+    }
+
     fn decode_step(
         &self,
         key: u64,
