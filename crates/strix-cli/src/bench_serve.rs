@@ -16,6 +16,12 @@
 //! unacknowledged one, while a fresh connection starts in quick-ACK mode and hides it
 //! (`--keep-alive false` compares).
 //!
+//! Two modes measure a prefix cache: `--shared-prefix-len N` starts every id prompt with the
+//! same N random ids (a shared system prompt), and `--turns T --turn-len L` makes each request a
+//! conversation of T turns sent one after another on one client, turn k resending turns
+//! 1..k-1 (their prompts and, as stand-ins for the answers, as many random ids as each answer
+//! had tokens) plus L new ids, with time to first token reported per turn.
+//!
 //! Responses are read as server-sent events, a line at a time under a length cap, and only the
 //! figures are kept (a few numbers per request, four bytes per token gap): memory is bounded by
 //! the run's size, never by what a server sends. A request that fails (no connection, a status
@@ -56,6 +62,12 @@ const MAX_LINE_BYTES: u64 = 1 << 20;
 
 /// Most bytes of an error response read for its message.
 const MAX_ERROR_BODY: u64 = 64 << 10;
+
+/// The request index whose random ids are the shared prefix (never a request's own index).
+const SHARED_PREFIX_INDEX: u64 = u64::MAX;
+
+/// Xor'd into a turn's index for the random ids that stand in for its answer.
+const ANSWER_INDEX_BIT: u64 = 1 << 63;
 
 /// Distinct error messages counted one by one; the rest are counted together.
 const DISTINCT_ERRORS: usize = 8;
@@ -112,7 +124,12 @@ Each of --clients threads sends a streaming request, reads its events as they ar
 the next as soon as it ends, until --requests have been sent (after --warmup requests that are
 not counted). Request i takes the sampling of --mix entry i mod |mix| and the prompt length
 --prompt-len entry (i / |mix|) mod |lens|, so every pairing occurs. Prompts differ per request
-(a prompt cache cannot skip a prefill).
+(a prompt cache cannot skip a prefill), unless --shared-prefix-len gives them a common start or
+--turns makes each request a conversation whose turns resend the history. In --turns mode a
+request is a whole conversation: --requests and --warmup count conversations, and each turn's
+answer is resent as that many random ids (the completions API returns text, not ids; a prefix
+cache that keeps only prompt positions does the same prefill work either way).
+cached: the prompt tokens the server reports in usage.prompt_tokens_details.cached_tokens.
 Output tokens come from the usage chunk (stream_options.include_usage) when the server sends
 one, else from the number of chunks that carry a token (the JSON says which). ttft: request
 sent to its first token chunk; itl: every gap between successive token chunks of a request;
@@ -122,6 +139,8 @@ interpolate linearly (numpy's default).
 Examples:
   strix bench-serve --url http://127.0.0.1:8080 --clients 64 --requests 256 --max-tokens 256
   strix bench-serve --clients 16 --mix greedy,temperature,top-p --prompt-len 128,4096
+  strix bench-serve --clients 64 --shared-prefix-len 2000 --prompt-len 64
+  strix bench-serve --clients 1 --requests 1 --warmup 1 --turns 10 --turn-len 500 --max-tokens 128
   strix bench-serve --endpoint chat --prompt-kind words --extra-body '{\"chat_template_kwargs\":{\"enable_thinking\":false}}'")]
 pub struct BenchServeArgs {
     /// The server's base URL (http://HOST:PORT, with or without a trailing /v1)
@@ -210,6 +229,21 @@ pub struct BenchServeArgs {
     #[arg(long, value_name = "BOOL", default_value_t = true, action = ArgAction::Set)]
     pub keep_alive: bool,
 
+    /// Every id prompt starts with the same N random ids (a shared system prompt), before its
+    /// own --prompt-len ids (/v1/completions with id prompts)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub shared_prefix_len: usize,
+
+    /// Each request is a conversation of T turns on one client: turn k sends turns 1..k-1
+    /// (prompts and answers) again plus --turn-len new ids; ttft is reported per turn
+    /// (/v1/completions with id prompts)
+    #[arg(long, value_name = "T", requires = "turn_len")]
+    pub turns: Option<usize>,
+
+    /// New prompt ids of each turn with --turns
+    #[arg(long, value_name = "L", requires = "turns")]
+    pub turn_len: Option<usize>,
+
     /// A JSON object merged into every request body, over the fields above
     #[arg(long, value_name = "JSON")]
     pub extra_body: Option<String>,
@@ -229,13 +263,15 @@ pub fn bench_serve(args: BenchServeArgs) -> Result<()> {
     let clients = args.clients;
     let requests = args.requests.unwrap_or(4 * clients);
     let warmup = args.warmup.unwrap_or(clients);
+    // The progress bars count requests sent: a conversation sends one per turn.
+    let turns = args.turns.unwrap_or(1);
     if requests == 0 {
         bail!("--requests must be at least 1");
     }
 
     if warmup > 0 {
         let bar = common::progress_bar("warming up", "requests");
-        bar.set_length(warmup as u64);
+        bar.set_length((warmup * turns) as u64);
         // Indices past the measured ones: warm-up prompts are never the measured prompts.
         let phase = run_phase(&plan, clients, warmup, requests, &bar);
         bar.finish_and_clear();
@@ -244,7 +280,7 @@ pub fn bench_serve(args: BenchServeArgs) -> Result<()> {
         }
     }
     let bar = common::progress_bar("benchmarking", "requests");
-    bar.set_length(requests as u64);
+    bar.set_length((requests * turns) as u64);
     let phase = run_phase(&plan, clients, requests, 0, &bar);
     bar.finish_and_clear();
 
@@ -273,16 +309,28 @@ struct Server {
 /// Where a request's prompt comes from.
 #[derive(Debug)]
 enum Prompts {
-    Ids { lens: Vec<usize>, vocab: usize },
-    Words { lens: Vec<usize> },
-    File { path: PathBuf, text: String },
+    /// Random ids, after the same `shared` ids in every request.
+    Ids {
+        lens: Vec<usize>,
+        vocab: usize,
+        shared: Vec<usize>,
+    },
+    Words {
+        lens: Vec<usize>,
+    },
+    File {
+        path: PathBuf,
+        text: String,
+    },
 }
 
 impl Prompts {
     /// Lengths cycled over the requests (one entry, unknown, for a file).
     fn lens(&self) -> Vec<Option<usize>> {
         match self {
-            Prompts::Ids { lens, .. } | Prompts::Words { lens } => lens.iter().map(|&n| Some(n)).collect(),
+            Prompts::Ids { lens, .. } | Prompts::Words { lens, .. } => {
+                lens.iter().map(|&n| Some(n)).collect()
+            }
             Prompts::File { .. } => vec![None],
         }
     }
@@ -311,6 +359,8 @@ struct Plan {
     keep_alive: bool,
     /// --json-schema: its path and the `response_format` every request carries.
     json_schema: Option<(PathBuf, Value)>,
+    /// Turns per conversation (`None`: one request is one prompt).
+    turns: Option<usize>,
 }
 
 impl Plan {
@@ -363,6 +413,24 @@ impl Plan {
         if args.endpoint == Endpoint::Chat && kind == PromptKind::Ids && args.prompt_file.is_none() {
             bail!("--endpoint chat takes text: use --prompt-kind words or --prompt-file");
         }
+        let ids_only = |flag: &str| {
+            if args.endpoint != Endpoint::Completions || kind != PromptKind::Ids || args.prompt_file.is_some()
+            {
+                bail!(
+                    "{flag} needs id prompts on /v1/completions (--endpoint completions --prompt-kind ids)"
+                );
+            }
+            Ok(())
+        };
+        if args.shared_prefix_len > 0 {
+            ids_only("--shared-prefix-len")?;
+        }
+        if let (Some(turns), Some(turn_len)) = (args.turns, args.turn_len) {
+            ids_only("--turns")?;
+            if turns == 0 || turn_len == 0 {
+                bail!("--turns and --turn-len must each be at least 1");
+            }
+        }
         let base = base_url(&args.url)?;
         let timeout = Duration::from_secs_f64(args.timeout);
         let server = preflight(&base, args.model.as_deref(), args.api_key.as_deref(), timeout)?;
@@ -378,16 +446,24 @@ impl Plan {
             }
             (None, PromptKind::Ids) => {
                 let vocab = args.vocab.or(server.vocab).unwrap_or(DEFAULT_ID_RANGE);
-                Prompts::Ids { lens: args.prompt_len.clone(), vocab }
+                // A conversation's turns add --turn-len ids each; the shared ids come first.
+                let lens = args.turn_len.map_or_else(|| args.prompt_len.clone(), |l| vec![l]);
+                let shared = random_ids(args.shared_prefix_len, vocab, SHARED_PREFIX_INDEX);
+                Prompts::Ids { lens, vocab, shared }
             }
             (None, PromptKind::Words) => Prompts::Words { lens: args.prompt_len.clone() },
         };
         // Only id prompts have an exact length; a text prompt's the server alone can count.
-        if let (Prompts::Ids { lens, .. }, Some(context)) = (&prompts, server.max_model_len) {
+        if let (Prompts::Ids { lens, shared, .. }, Some(context)) = (&prompts, server.max_model_len) {
             let longest = lens.iter().max().copied().unwrap_or(0);
+            // The last turn of a conversation carries every turn's ids and every answer before it.
+            let turns = args.turns.unwrap_or(1);
+            let longest = shared.len() + turns * longest + (turns - 1) * args.max_tokens;
             if longest + args.max_tokens > context {
                 bail!(
-                    "--prompt-len {longest} + --max-tokens {} is more than the server's max_model_len ({context})",
+                    "the longest prompt ({longest} ids: --shared-prefix-len, --prompt-len or --turns x \
+                     --turn-len and the answers before) + --max-tokens {} is more than the server's \
+                     max_model_len ({context})",
                     args.max_tokens
                 );
             }
@@ -406,6 +482,7 @@ impl Plan {
             timeout,
             keep_alive: args.keep_alive,
             json_schema,
+            turns: args.turns,
         })
     }
 
@@ -426,14 +503,31 @@ impl Plan {
         (&self.profiles[group / lens.len()], lens[group % lens.len()])
     }
 
-    /// The body of the request in cycle position `slot`; `index` makes its prompt its own.
-    fn body(&self, slot: usize, index: u64) -> Value {
+    /// The ids of its own that the request in cycle position `slot` sends after the shared
+    /// ones (`index` picks them); `None` for text prompts.
+    fn own_ids(&self, slot: usize, index: u64) -> Option<Vec<usize>> {
+        let Prompts::Ids { vocab, .. } = &self.prompts else { return None };
+        let len = self.group_name(self.group_of(slot)).1.unwrap_or(1);
+        Some(random_ids(len, *vocab, index))
+    }
+
+    /// The ids every id prompt starts with (`--shared-prefix-len`).
+    fn shared_ids(&self) -> &[usize] {
+        match &self.prompts {
+            Prompts::Ids { shared, .. } => shared,
+            _ => &[],
+        }
+    }
+
+    /// The body of the request in cycle position `slot`, with `ids` as its prompt when the
+    /// prompts are ids; `index` makes a text prompt its own.
+    fn body(&self, slot: usize, index: u64, ids: Option<&[usize]>) -> Value {
         let (profile, len) = self.group_name(self.group_of(slot));
         let mut body = Map::new();
         body.insert("model".into(), json!(self.server.model));
         let text = match &self.prompts {
-            Prompts::Ids { vocab, .. } => {
-                body.insert("prompt".into(), json!(random_ids(len.unwrap_or(1), *vocab, index)));
+            Prompts::Ids { .. } => {
+                body.insert("prompt".into(), json!(ids.unwrap_or_default()));
                 None
             }
             Prompts::Words { .. } => Some(random_words(len.unwrap_or(1), index)),
@@ -590,6 +684,8 @@ fn preflight(base: &str, model: Option<&str>, api_key: Option<&str>, timeout: Du
 struct Outcome {
     index: usize,
     group: usize,
+    /// Its turn (from 0) in a conversation of `--turns`.
+    turn: Option<usize>,
     /// Prompt tokens known without the server's word (an id prompt's length).
     sent_prompt_tokens: Option<usize>,
     /// From sending the request to `data: [DONE]` (or its failure).
@@ -632,6 +728,8 @@ impl Streamed {
 struct Usage {
     prompt_tokens: Option<usize>,
     completion_tokens: Option<usize>,
+    /// `prompt_tokens_details.cached_tokens`: prompt tokens the server's prefix cache held.
+    cached_tokens: Option<usize>,
 }
 
 /// A phase (warm-up or measured): its outcomes, its wall time and the most requests that were
@@ -654,7 +752,8 @@ impl Phase {
 }
 
 /// Sends `count` requests from `clients` threads (positions `0..count` of the cycle, prompts
-/// `index_base..` so that each phase has prompts of its own).
+/// `index_base..` so that each phase has prompts of its own). With `--turns`, each request is
+/// a conversation whose turns one client sends in order.
 fn run_phase(
     plan: &Plan,
     clients: usize,
@@ -677,36 +776,61 @@ fn run_phase(
                     break;
                 }
                 let index = index_base + slot;
-                let body = plan.body(slot, index as u64).to_string();
-                let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-                max_in_flight.fetch_max(now, Ordering::SeqCst);
-                let sent = Instant::now();
-                let keep_text = plan.json_schema.is_some();
-                let result = stream_request(
-                    &agent,
-                    &url,
-                    plan.api_key.as_deref(),
-                    &body,
-                    plan.timeout,
-                    sent,
-                    keep_text,
-                );
-                let ended = Instant::now();
-                in_flight.fetch_sub(1, Ordering::SeqCst);
-                let sent_prompt_tokens = match &plan.prompts {
-                    Prompts::Ids { .. } => plan.group_name(plan.group_of(slot)).1,
-                    _ => None,
-                };
-                let outcome = Outcome {
-                    index,
-                    group: plan.group_of(slot),
-                    sent_prompt_tokens,
-                    e2e: result.as_ref().map_or(ended - sent, |s| s.e2e),
-                    ended: ended - start,
-                    result,
-                };
-                outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(outcome);
-                bar.inc(1);
+                let turns = plan.turns.unwrap_or(1);
+                // A conversation's history: every turn's prompt ids and answer stand-ins so far.
+                let mut history: Vec<usize> = Vec::new();
+                for turn in 0..turns {
+                    // Turn t of conversation i draws its new ids as request i * turns + t.
+                    let ids_index = (index * turns + turn) as u64;
+                    let ids = plan.own_ids(slot, ids_index).map(|own| {
+                        if turn == 0 {
+                            history.extend(plan.shared_ids());
+                        }
+                        history.extend(own);
+                        history.clone()
+                    });
+                    let body = plan.body(slot, index as u64, ids.as_deref()).to_string();
+                    let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                    max_in_flight.fetch_max(now, Ordering::SeqCst);
+                    let sent = Instant::now();
+                    let keep_text = plan.json_schema.is_some();
+                    let result = stream_request(
+                        &agent,
+                        &url,
+                        plan.api_key.as_deref(),
+                        &body,
+                        plan.timeout,
+                        sent,
+                        keep_text,
+                    );
+                    let ended = Instant::now();
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    let failed = result.is_err();
+                    if let (Ok(streamed), Prompts::Ids { vocab, .. }) = (&result, &plan.prompts) {
+                        // The answer, resent in the next turn: as many ids as it had tokens.
+                        history.extend(random_ids(
+                            streamed.output_tokens(),
+                            *vocab,
+                            ids_index ^ ANSWER_INDEX_BIT,
+                        ));
+                    }
+                    let outcome = Outcome {
+                        index,
+                        group: plan.group_of(slot),
+                        turn: plan.turns.map(|_| turn),
+                        sent_prompt_tokens: ids.as_ref().map(Vec::len),
+                        e2e: result.as_ref().map_or(ended - sent, |s| s.e2e),
+                        ended: ended - start,
+                        result,
+                    };
+                    outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(outcome);
+                    bar.inc(1);
+                    if failed {
+                        // The rest of the conversation has no history to resend.
+                        bar.inc((turns - turn - 1) as u64);
+                        break;
+                    }
+                }
             }
         };
         for _ in 0..clients.min(count) {
@@ -717,7 +841,7 @@ fn run_phase(
     });
     let wall = start.elapsed();
     let mut outcomes = outcomes.into_inner().unwrap_or_else(|e| e.into_inner());
-    outcomes.sort_by_key(|o| o.index);
+    outcomes.sort_by_key(|o| (o.index, o.turn));
     Phase { outcomes, wall, max_in_flight: max_in_flight.into_inner() }
 }
 
@@ -897,9 +1021,15 @@ fn read_chunk(data: &str) -> std::result::Result<Chunk, String> {
     }
     if let Some(usage) = value["usage"].as_object() {
         let count = |key: &str| usage.get(key).and_then(Value::as_u64).and_then(|n| usize::try_from(n).ok());
+        let cached = usage
+            .get("prompt_tokens_details")
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok());
         chunk.usage = Some(Usage {
             prompt_tokens: count("prompt_tokens"),
             completion_tokens: count("completion_tokens"),
+            cached_tokens: cached,
         });
     }
     Ok(chunk)
@@ -1072,6 +1202,10 @@ struct Report {
     output_tokens: usize,
     /// `None` when a completed request's prompt length is unknown (text without usage).
     prompt_tokens: Option<usize>,
+    /// Prompt tokens the server said its prefix cache held (`None`: it never said).
+    cached_tokens: Option<usize>,
+    /// Per turn of a conversation (`--turns`): requests, prompt and cached tokens, latencies.
+    turns: Vec<Value>,
     chunks: usize,
     /// How many completed requests had a usage count of their output.
     with_usage: usize,
@@ -1125,6 +1259,23 @@ impl Report {
                 Some(Value::Object(entry))
             })
             .collect();
+        let cached = |(_, s): (&Outcome, &Streamed)| s.usage.and_then(|u| u.cached_tokens);
+        let cached_tokens = done().any(|d| cached(d).is_some()).then(|| done().filter_map(cached).sum());
+        let turns = (0..plan.turns.unwrap_or(0))
+            .map(|turn| {
+                let all: Vec<&Outcome> = phase.outcomes.iter().filter(|o| o.turn == Some(turn)).collect();
+                let ok = || all.iter().filter_map(|o| o.result.as_ref().ok().map(|s| (*o, s)));
+                let mut entry = json_map(json!({
+                    "turn": turn + 1,
+                    "requests": all.len(),
+                    "failed": all.iter().filter(|o| o.result.is_err()).count(),
+                    "prompt_tokens": ok().filter_map(|(o, _)| o.sent_prompt_tokens).sum::<usize>(),
+                    "cached_tokens": ok().any(|d| cached(d).is_some()).then(|| ok().filter_map(cached).sum::<usize>()),
+                }));
+                entry.extend(Latencies::of(ok()).json());
+                Value::Object(entry)
+            })
+            .collect();
         let total_e2e: f64 = phase.outcomes.iter().map(|o| o.e2e.as_secs_f64()).sum();
         Report {
             completed: done().count(),
@@ -1134,6 +1285,8 @@ impl Report {
             wall: phase.wall,
             output_tokens: done().map(|(_, s)| s.output_tokens()).sum(),
             prompt_tokens,
+            cached_tokens,
+            turns,
             chunks: done().map(|(_, s)| s.chunks).sum(),
             with_usage: done().filter(|(_, s)| s.usage.and_then(|u| u.completion_tokens).is_some()).count(),
             short: done().filter(|(_, s)| s.output_tokens() < plan.max_tokens).count(),
@@ -1161,10 +1314,10 @@ impl Report {
     }
 
     fn json(&self, plan: &Plan, clients: usize, requests: usize, warmup: usize) -> Value {
-        let (kind, lens, vocab, file) = match &plan.prompts {
-            Prompts::Ids { lens, vocab } => ("ids", Some(lens), Some(*vocab), None),
-            Prompts::Words { lens } => ("words", Some(lens), None, None),
-            Prompts::File { path, .. } => ("file", None, None, Some(path.display().to_string())),
+        let (kind, lens, vocab, file, shared) = match &plan.prompts {
+            Prompts::Ids { lens, vocab, shared } => ("ids", Some(lens), Some(*vocab), None, shared.len()),
+            Prompts::Words { lens } => ("words", Some(lens), None, None, 0),
+            Prompts::File { path, .. } => ("file", None, None, Some(path.display().to_string()), 0),
         };
         let mut report = json_map(json!({
             "server": {
@@ -1182,7 +1335,8 @@ impl Report {
             "requests": requests,
             "warmup": warmup,
             "max_tokens": plan.max_tokens,
-            "prompt": {"kind": kind, "lens": lens, "vocab": vocab, "file": file},
+            "prompt": {"kind": kind, "lens": lens, "vocab": vocab, "file": file, "shared_prefix_len": shared},
+            "turns": plan.turns,
             "mix": plan.profiles.iter().map(|p| json!({"sampling": p.name, "fields": p.fields})).collect::<Vec<_>>(),
             "ignore_eos": plan.ignore_eos,
             "include_usage": plan.usage,
@@ -1201,6 +1355,7 @@ impl Report {
             "total_tok_s": self.prompt_tokens.map(|n| self.per_second(n + self.output_tokens)),
             "output_tokens": self.output_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
             "token_chunks": self.chunks,
             "output_tokens_from": self.tokens_from(),
             "short_requests": self.short,
@@ -1211,6 +1366,9 @@ impl Report {
         }));
         report.extend(self.latencies.json());
         report.insert("groups".into(), Value::Array(self.groups.clone()));
+        if plan.turns.is_some() {
+            report.insert("per_turn".into(), Value::Array(self.turns.clone()));
+        }
         Value::Object(report)
     }
 
@@ -1221,7 +1379,16 @@ impl Report {
         let owner = server.owned_by.as_ref().map_or(String::new(), |o| format!(", owned by {o}"));
         row("server", format!("{}{} ({}{owner})", server.base, plan.endpoint.path(), server.model));
         let prompt = match &plan.prompts {
-            Prompts::Ids { lens, vocab } => format!("{} random token ids below {vocab}", list(lens)),
+            Prompts::Ids { lens, vocab, shared } => {
+                let after = if shared.is_empty() {
+                    String::new()
+                } else {
+                    format!(" after {} shared ones", shared.len())
+                };
+                let turns =
+                    plan.turns.map_or(String::new(), |t| format!(" a turn, {t} turns resending the history"));
+                format!("{} random token ids below {vocab}{after}{turns}", list(lens))
+            }
             Prompts::Words { lens } => format!("{} random words", list(lens)),
             Prompts::File { path, .. } => format!("{} (after a line naming the request)", path.display()),
         };
@@ -1261,6 +1428,9 @@ impl Report {
             Some(n) => row("prompt tok/s", format!("{:.1} ({n} tokens)", self.per_second(n))),
             None => row("prompt tok/s", "unknown (the server sent no usage)".to_string()),
         }
+        if let Some(n) = self.cached_tokens {
+            row("cached prompt tokens", n.to_string());
+        }
         row("", "p50 / p90 / p99 ms".to_string());
         let l = &self.latencies;
         row("ttft", Distribution::row(l.ttft));
@@ -1282,6 +1452,17 @@ impl Report {
                     ),
                 );
             }
+        }
+        for t in &self.turns {
+            let p50 = t["ttft_ms"]["p50"].as_f64().map_or("-".to_string(), |v| format!("{v:.2}"));
+            let cached = t["cached_tokens"].as_u64().map_or("-".to_string(), |n| n.to_string());
+            row(
+                &format!("turn {}", t["turn"]),
+                format!(
+                    "{} requests, {} prompt tokens ({cached} cached), p50 ttft {p50} ms",
+                    t["requests"], t["prompt_tokens"]
+                ),
+            );
         }
         if let Some((index, message)) = &self.first_error {
             row("first error", format!("request {index}: {message}"));
@@ -1390,7 +1571,15 @@ mod tests {
             assert!(!c.token, "{opening}");
         }
         let c = read_chunk(r#"{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5}}"#).unwrap();
-        assert_eq!(c.usage, Some(Usage { prompt_tokens: Some(7), completion_tokens: Some(5) }));
+        assert_eq!(
+            c.usage,
+            Some(Usage { prompt_tokens: Some(7), completion_tokens: Some(5), cached_tokens: None })
+        );
+        let c = read_chunk(
+            r#"{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":4}}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.usage.and_then(|u| u.cached_tokens), Some(4), "OpenAI's cached prompt tokens");
     }
 
     #[test]

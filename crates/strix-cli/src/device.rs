@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use serde_json::{Map, Value};
 use strix::backend::cpu::optimes::{OpKey, OpTimes, OpTotal};
 use strix::backend::cpu::{CpuBackend, CpuOptions};
-use strix::backend::cuda::{self, CudaBackend};
+use strix::backend::cuda::{self, CudaBackend, CudaOptions};
 use strix::backend::{Backend, KvCacheType};
 use strix::model::Model;
 
@@ -132,6 +132,14 @@ fn cpu_backend() -> CpuBackend {
     CpuBackend::with_options(CpuOptions { no_vnni })
 }
 
+/// The CUDA backend's options from the environment (`STRIX_CUDA_GRAPHS`, `STRIX_CUDA_PDL`,
+/// `STRIX_CUDA_GEMV`, `STRIX_CUDA_MMA_KERNEL`, `STRIX_CUDA_MMA_TILES`, `STRIX_GDN_DECODE_COLS`,
+/// `STRIX_PRODUCER_QUANT`, `STRIX_KERNEL_CACHE`: see [`CudaOptions`]); a value that does not
+/// parse is an error naming the variable.
+fn cuda_options() -> Result<CudaOptions> {
+    CudaOptions::from_vars(|k| std::env::var(k).ok()).map_err(|e| anyhow!("{e}"))
+}
+
 fn open_device(device: Device, verbose: bool) -> Result<Opened> {
     let opened = match device {
         Device::Cpu => {
@@ -141,8 +149,8 @@ fn open_device(device: Device, verbose: bool) -> Result<Opened> {
             return Ok(Opened::Cpu(cpu_backend()));
         }
         Device::Cuda(n) => {
-            let backend =
-                CudaBackend::new(n).map_err(|e| anyhow!("--device cuda:{n}: {}", cuda_reason(&e)))?;
+            let backend = CudaBackend::with_options(n, &cuda_options()?)
+                .map_err(|e| anyhow!("--device cuda:{n}: {}", cuda_reason(&e)))?;
             Opened::Cuda(backend)
         }
         Device::Auto => {
@@ -154,7 +162,7 @@ fn open_device(device: Device, verbose: bool) -> Result<Opened> {
                 }
                 return Ok(Opened::Cpu(cpu_backend()));
             }
-            match CudaBackend::new(0) {
+            match CudaBackend::with_options(0, &cuda_options()?) {
                 Ok(backend) => Opened::Cuda(backend),
                 Err(e) => {
                     eprintln!(

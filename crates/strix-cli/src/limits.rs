@@ -137,6 +137,11 @@ pub fn budget_mib(text: &str) -> Result<u64, String> {
     whole(text, 1, 1 << 20, "MiB; 1 TiB").map(|n| n as u64)
 }
 
+/// A memory budget in MiB that may be 0 (`serve --prefix-cache-mib`: 0 turns the cache off).
+pub fn budget_mib_or_off(text: &str) -> Result<u64, String> {
+    whole(text, 0, 1 << 20, "MiB; 1 TiB").map(|n| n as u64)
+}
+
 /// A count of at least 1 with no bound of its own (`perplexity --chunks`).
 pub fn positive(text: &str) -> Result<usize, String> {
     whole(text, 1, usize::MAX, "")

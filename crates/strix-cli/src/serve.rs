@@ -63,6 +63,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 512, value_parser = limits::tokens)]
     pub prefill_chunk: usize,
 
+    /// Memory the prefix cache may hold, in MiB, apart from --state-budget-mib: copies of the
+    /// KV rows and DeltaNet states at each prefill pass boundary (every --prefill-chunk
+    /// tokens), so a request whose prompt starts like an earlier one resumes there. 0 turns it
+    /// off
+    #[arg(long, value_name = "MIB", default_value_t = strix_server::DEFAULT_PREFIX_CACHE_MIB, value_parser = limits::budget_mib_or_off)]
+    pub prefix_cache_mib: u64,
+
+    /// No prefix cache: every request prefills its whole prompt (same as --prefix-cache-mib 0)
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+
     /// Largest request body accepted, in bytes
     #[arg(long, value_name = "BYTES", default_value_t = 4 << 20, value_parser = limits::body_bytes)]
     pub max_body: usize,
@@ -202,6 +213,8 @@ fn serve_with<B: strix::backend::Backend + 'static>(
     config.engine.max_queue = args.max_queue;
     config.engine.state_budget_bytes = args.state_budget_mib.saturating_mul(1 << 20);
     config.engine.prefill_chunk = args.prefill_chunk;
+    config.engine.prefix_cache_bytes =
+        if args.no_prefix_cache { 0 } else { args.prefix_cache_mib.saturating_mul(1 << 20) };
 
     let server = Server::start_with(served, config, true)
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;

@@ -19,10 +19,19 @@ use strix_server::{ServedModel, Server, ServerConfig};
 const HANG: Duration = Duration::from_secs(60);
 
 fn strix_server() -> Server {
+    strix_server_with_pass(None)
+}
+
+/// A fixture server; `Some(n)`: prefill passes (and prefix cache blocks) of `n` tokens.
+fn strix_server_with_pass(pass: Option<usize>) -> Server {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
-    let served = ServedModel::load(&dir, CpuBackend::new()).expect("load the fixture model");
+    let mut served = ServedModel::load(&dir, CpuBackend::new()).expect("load the fixture model");
     let mut config = ServerConfig::new("fixture", 1024);
     config.port = 0;
+    if let Some(pass) = pass {
+        served.model.set_pass_tokens(pass).unwrap();
+        config.engine.prefill_chunk = pass;
+    }
     Server::start(served, config).expect("start the server")
 }
 
@@ -191,6 +200,74 @@ fn json_schema_requests_are_constrained_and_their_outputs_checked() {
             assert_eq!(r["finish_reasons"], serde_json::json!({"stop": 3}), "{r}");
         }
     }
+}
+
+/// Every prompt starts with the same ids: the server's prefix cache holds the shared blocks
+/// for every request after the first to prefill them, and the report counts what it said.
+#[test]
+fn a_shared_prefix_is_sent_and_the_cached_tokens_are_counted() {
+    let server = strix_server_with_pass(Some(64));
+    let url = format!("http://{}", server.addr());
+    let out = bench_serve(
+        &format!(
+            "--url {url} --clients 2 --requests 6 --warmup 0 --max-tokens 4 --shared-prefix-len 130 \
+             --prompt-len 10 --vocab 300"
+        ),
+        &[],
+    );
+    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
+    let r = report(&out);
+    assert_eq!(r["completed"], 6, "{r}");
+    assert_eq!(r["prompt"]["shared_prefix_len"], 130);
+    assert_eq!(r["prompt_tokens"], 6 * 140, "the server counted the shared ids too");
+    // Blocks end at 64 and 128: the first request to prefill them caches them for the others.
+    assert_eq!(r["cached_prompt_tokens"], 5 * 128, "{r}");
+    assert!(stderr(&out).contains("after 130 shared ones"), "{}", stderr(&out));
+}
+
+/// Conversations of three turns, each resending the history: every turn's prompt is the last
+/// one's plus its answer and the new ids, and the report gives each turn its own figures.
+#[test]
+fn multi_turn_conversations_resend_the_history_and_report_each_turn() {
+    let server = strix_server_with_pass(Some(64));
+    let url = format!("http://{}", server.addr());
+    let out = bench_serve(
+        &format!(
+            "--url {url} --clients 2 --requests 2 --warmup 0 --max-tokens 5 --turns 3 --turn-len 70 \
+             --vocab 300"
+        ),
+        &[],
+    );
+    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
+    let r = report(&out);
+    assert_eq!((r["completed"].as_u64(), r["turns"].as_u64()), (Some(6), Some(3)), "{r}");
+    let turns = r["per_turn"].as_array().unwrap();
+    assert_eq!(turns.len(), 3);
+    // Turn k sends k x 70 new ids and the k - 1 answers of 5 tokens before it.
+    let prompts: Vec<u64> = turns.iter().map(|t| t["prompt_tokens"].as_u64().unwrap()).collect();
+    assert_eq!(prompts, [2 * 70, 2 * 145, 2 * 220]);
+    assert_eq!(r["prompt_tokens"], 2 * (70 + 145 + 220), "the server counted what was sent");
+    // Turn 2 resumes at turn 1's block boundary (64), turn 3 at turn 2's (128).
+    let cached: Vec<u64> = turns.iter().map(|t| t["cached_tokens"].as_u64().unwrap()).collect();
+    assert_eq!(cached, [0, 2 * 64, 2 * 128], "{r}");
+    for t in turns {
+        assert_eq!(t["requests"], 2);
+        percentiles(&t["ttft_ms"], 2);
+    }
+    let table = stderr(&out);
+    assert!(table.contains("turn 3") && table.contains("(256 cached)"), "{table}");
+}
+
+#[test]
+fn prefix_modes_need_id_prompts_on_completions() {
+    let server = strix_server();
+    let url = format!("http://{}", server.addr());
+    for flags in ["--endpoint chat --turns 2 --turn-len 5", "--prompt-kind words --shared-prefix-len 8"] {
+        let out = bench_serve(&format!("--url {url} --warmup 0 {flags}"), &[]);
+        assert_fails_with(&out, "needs id prompts");
+    }
+    let out = bench_serve(&format!("--url {url} --warmup 0 --turns 0 --turn-len 5"), &[]);
+    assert_fails_with(&out, "--turns and --turn-len must each be at least 1");
 }
 
 /// A failed run: non-zero exit, an `error:` line on stderr naming `needle`, no panic.

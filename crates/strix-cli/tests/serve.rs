@@ -116,6 +116,8 @@ fn serve_refuses_bad_options_up_front() {
         (["--header-timeout", "1e9"], "is not a whole number"),
         (["--max-body", "0"], "must be at least 1"),
         (["--state-budget-mib", "-5"], "must be at least 1"),
+        (["--prefix-cache-mib", "-1"], "must be 0 or more"),
+        (["--prefix-cache-mib", "2000000"], "must be at most"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_strix"))
             .args(["serve", "--device", "cpu", "--port", "0", "--model", "/nonexistent/strix-model"])

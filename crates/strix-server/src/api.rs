@@ -489,11 +489,14 @@ impl Reply {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+/// OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens the
+/// prefix cache restored rather than prefilled.
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     })
 }
 
@@ -550,7 +553,7 @@ async fn chat_whole(
                 parts.add(parser.push(&text));
                 logprobs.extend(lp);
             }
-            Event::Done { finish, prompt_tokens, completion_tokens } => {
+            Event::Done { finish, prompt_tokens, completion_tokens, cached_tokens } => {
                 parts.add(parser.finish());
                 let has_tools = !parts.tool_calls.is_empty();
                 let mut message = json!({
@@ -574,7 +577,7 @@ async fn chat_whole(
                         "logprobs": logprobs,
                         "finish_reason": finish_reason(finish, has_tools),
                     }],
-                    "usage": usage(prompt_tokens, completion_tokens),
+                    "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
                 }))
                 .into_response());
             }
@@ -593,7 +596,7 @@ async fn completion_whole(reply: Reply, mut events: UnboundedReceiver<Event>) ->
                 text.push_str(&piece);
                 logprobs.extend(lp);
             }
-            Event::Done { finish, prompt_tokens, completion_tokens } => {
+            Event::Done { finish, prompt_tokens, completion_tokens, cached_tokens } => {
                 let logprobs =
                     reply.gen.logprobs.map(|_| completion_logprobs(&reply.tokenizer, &logprobs, 0));
                 return Ok(Json(json!({
@@ -607,7 +610,7 @@ async fn completion_whole(reply: Reply, mut events: UnboundedReceiver<Event>) ->
                         "logprobs": logprobs,
                         "finish_reason": finish_reason(finish, false),
                     }],
-                    "usage": usage(prompt_tokens, completion_tokens),
+                    "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
                 }))
                 .into_response());
             }
@@ -687,7 +690,7 @@ impl ChatStream {
                         let deltas = self.parser.push(&text);
                         self.deltas(deltas)
                     }
-                    Some(Event::Done { finish, prompt_tokens, completion_tokens }) => {
+                    Some(Event::Done { finish, prompt_tokens, completion_tokens, cached_tokens }) => {
                         self.phase = Phase::Over;
                         let deltas = self.parser.finish();
                         let mut chunks = self.deltas(deltas);
@@ -696,7 +699,7 @@ impl ChatStream {
                         if self.reply.gen.include_usage {
                             chunks.push(self.reply.usage_chunk(
                                 "chat.completion.chunk",
-                                usage(prompt_tokens, completion_tokens),
+                                usage(prompt_tokens, completion_tokens, cached_tokens),
                             ));
                         }
                         chunks
@@ -748,11 +751,11 @@ fn completion_stream(
                 let chunk = reply.chunk("text_completion", choice(&text, lp, None));
                 (vec![chunk], offset + text.len(), false)
             }
-            Some(Event::Done { finish, prompt_tokens, completion_tokens }) => {
+            Some(Event::Done { finish, prompt_tokens, completion_tokens, cached_tokens }) => {
                 let mut chunks =
                     vec![reply.chunk("text_completion", choice("", Value::Null, Some(finish_reason(finish, false))))];
                 if reply.gen.include_usage {
-                    chunks.push(reply.usage_chunk("text_completion", usage(prompt_tokens, completion_tokens)));
+                    chunks.push(reply.usage_chunk("text_completion", usage(prompt_tokens, completion_tokens, cached_tokens)));
                 }
                 (chunks, offset, true)
             }
@@ -844,7 +847,13 @@ mod tests {
             let text = String::from_utf8(piece.to_vec()).unwrap();
             tx.send(Event::Token { text, logprobs: None }).unwrap();
         }
-        tx.send(Event::Done { finish: FinishReason::Eos, prompt_tokens: 10, completion_tokens: 40 }).unwrap();
+        tx.send(Event::Done {
+            finish: FinishReason::Eos,
+            prompt_tokens: 10,
+            completion_tokens: 40,
+            cached_tokens: 0,
+        })
+        .unwrap();
         rx
     }
 

@@ -9,7 +9,9 @@
 //!    the fixed DeltaNet state); a job that arrives to an empty batch is always admitted;
 //! 3. prefills: pushes prompt chunks through the model, at most `prefill_chunk` tokens per
 //!    step, so a long prompt is spread over several steps and running streams keep flowing
-//!    between them. A sequence whose prompt is done samples its first token at once;
+//!    between them. A sequence whose prompt is done samples its first token at once. With the
+//!    [`PrefixCache`] on, a sequence at a pass boundary first resumes from the longest cached
+//!    prefix of its prompt, and every pass boundary its prefill reaches is saved there;
 //! 4. decodes: one [`Model::decode_batch`] over every sequence past its prompt, then each
 //!    samples with its own [`Sampler`] and streams the new text; finished sequences leave the
 //!    batch and their session is dropped right away.
@@ -43,6 +45,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::prefix_cache::{block_keys, BlockKey, PrefixCache};
 
 /// A tokenized request, ready to run.
 pub struct Job {
@@ -70,7 +73,8 @@ pub enum Event {
     /// and for the text released at the end.
     Token { text: String, logprobs: Option<TokenLogprobs> },
     /// The last event of a job that ran to completion.
-    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    /// `cached_tokens` of the prompt were restored from the prefix cache, not prefilled.
+    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
     /// The last event of a job that failed.
     Error(ApiError),
 }
@@ -87,6 +91,8 @@ pub struct EngineConfig {
     pub context: usize,
     /// Prompt tokens prefilled per step at most (whole passes of [`Model::pass_tokens`]).
     pub prefill_chunk: usize,
+    /// Bytes the prefix cache may hold, apart from `state_budget_bytes` (0: no prefix cache).
+    pub prefix_cache_bytes: u64,
 }
 
 /// Bytes of state a sequence holds: a fixed part (DeltaNet conv and recurrent states) and a
@@ -198,8 +204,12 @@ struct Seq<B: Backend> {
     session: Session<B>,
     /// Its tokens and text, and the rules that end it (the library's, as `generate` runs them).
     sequence: Sequence,
-    /// Prompt tokens fed so far.
+    /// Prompt tokens fed so far (prefilled or restored from the prefix cache).
     fed: usize,
+    /// The prompt's [`block_keys`] when the prefix cache is on.
+    block_keys: Vec<BlockKey>,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
     /// The last sampled token, fed at the next decode step.
     next: u32,
     reserved: u64,
@@ -232,6 +242,7 @@ struct Engine<B: Backend> {
     waiting: VecDeque<Job>,
     prefilling: VecDeque<Seq<B>>,
     decoding: Vec<Seq<B>>,
+    prefix_cache: Option<PrefixCache<B>>,
     /// State bytes reserved by the sequences in the batch.
     reserved: u64,
     /// Time spent in the model's calls during the current step (for the step histograms).
@@ -247,8 +258,13 @@ impl<B: Backend> Engine<B> {
         rx: Receiver<Job>,
         in_flight: Arc<AtomicUsize>,
     ) -> Self {
+        let sizes = StateSizes::of(&model);
+        let pass = model.pass_tokens();
+        let prefix_cache = (config.prefix_cache_bytes > 0)
+            .then(|| PrefixCache::new(pass, sizes.for_tokens(pass), config.prefix_cache_bytes));
         Engine {
-            sizes: StateSizes::of(&model),
+            prefix_cache,
+            sizes,
             eos: model.config.eos_token_ids.clone(),
             model,
             tokenizer,
@@ -324,6 +340,8 @@ impl<B: Backend> Engine<B> {
         self.metrics.running.store(running as u64, Ordering::Relaxed);
         self.metrics.queue_depth.store(in_flight.saturating_sub(running) as u64, Ordering::Relaxed);
         self.metrics.reserved_bytes.store(self.reserved, Ordering::Relaxed);
+        let cached = self.prefix_cache.as_ref().map_or(0, |c| c.bytes());
+        self.metrics.prefix_cache_bytes.store(cached, Ordering::Relaxed);
     }
 
     /// Forgets a sequence that left the batch: its reservation and its place in flight.
@@ -365,7 +383,18 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             self.reserved += need;
+            let block_keys = match &self.prefix_cache {
+                Some(cache) => {
+                    self.metrics
+                        .prefix_cache_queries_tokens
+                        .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+                    block_keys(&job.prompt, cache.block_tokens())
+                }
+                None => Vec::new(),
+            };
             let seq = Seq {
+                block_keys,
+                cached: 0,
                 session: self.model.new_session(self.config.context),
                 sequence: Sequence::new(
                     Some(self.tokenizer.stream_decoder(true)),
@@ -424,6 +453,23 @@ impl<B: Backend> Engine<B> {
         let mut i = 0;
         while i < self.prefilling.len() && budget > 0 {
             let seq = &mut self.prefilling[i];
+            if let Some(cache) = &mut self.prefix_cache {
+                match cache.resume(&self.model, &mut seq.session, &seq.job.prompt, &seq.block_keys) {
+                    Ok(restored) => {
+                        seq.fed += restored;
+                        seq.cached += restored;
+                        self.metrics.prefix_cache_hit_tokens.fetch_add(restored as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        let mut seq = self.prefilling.remove(i).expect("index checked by the loop");
+                        seq.send(Event::Error(ApiError::internal(format!(
+                            "prefix cache restore failed: {e}"
+                        ))));
+                        self.release(&seq);
+                        continue;
+                    }
+                }
+            }
             let start = seq.fed;
             let pass = self.model.pass_tokens();
             let end = seq.job.prompt.len().min((start / pass + 1) * pass);
@@ -445,6 +491,18 @@ impl<B: Backend> Engine<B> {
             budget = budget.saturating_sub(end - start);
             self.metrics.prompt_tokens.fetch_add((end - start) as u64, Ordering::Relaxed);
             seq.fed = end;
+            // A pass boundary of the prompt: the one place a session is bitwise what any other
+            // feed of the same prompt computes, so the one place a block is saved.
+            let saved = match (&mut self.prefix_cache, &result) {
+                (Some(cache), Ok(_)) => {
+                    // The running sequences' reservations, an upper bound on what they may
+                    // still allocate, stay free on the device.
+                    let headroom = self.reserved;
+                    cache.insert(&self.model, &seq.session, &seq.job.prompt, &seq.block_keys, headroom)
+                }
+                _ => Ok(()),
+            };
+            let result = result.and_then(|draw| saved.map(|()| draw));
             let draw = match result {
                 Ok(draw) => draw,
                 Err(e) => {
@@ -560,7 +618,8 @@ impl<B: Backend> Engine<B> {
         }
         let prompt_tokens = seq.job.prompt.len();
         let completion_tokens = seq.sequence.generated().len();
-        seq.send(Event::Done { finish, prompt_tokens, completion_tokens });
+        let cached_tokens = seq.cached;
+        seq.send(Event::Done { finish, prompt_tokens, completion_tokens, cached_tokens });
         self.metrics.finished.fetch_add(1, Ordering::Relaxed);
         self.release(&seq);
     }
@@ -584,6 +643,7 @@ mod tests {
             state_budget_bytes: u64::MAX,
             context: 4096,
             prefill_chunk,
+            prefix_cache_bytes: 0,
         };
         let (_tx, rx) = mpsc::channel();
         Engine::new(model, tokenizer, config, Arc::new(Metrics::default()), rx, Arc::new(AtomicUsize::new(0)))

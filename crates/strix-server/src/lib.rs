@@ -1,7 +1,8 @@
 //! strix-server: an OpenAI-compatible HTTP server for strix models, with continuous batching.
 //!
 //! - [`engine`]: the scheduler thread that owns the model and batches every running
-//!   sequence into one decode step;
+//!   sequence into one decode step; [`prefix_cache`]: the blocks of earlier prompts' state it
+//!   resumes new requests from;
 //! - [`api`]: the axum routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
 //!   `/health`, `/metrics`), authentication, and OpenAI response and SSE chunk shapes;
 //! - [`request`]: request decoding and validation; [`output`]: splitting the output into
@@ -22,6 +23,7 @@ pub mod guard;
 pub mod ids;
 pub mod metrics;
 pub mod output;
+pub mod prefix_cache;
 pub mod request;
 pub mod wire;
 
@@ -40,6 +42,9 @@ use tokio::sync::oneshot;
 
 pub use connection::ConnectionLimits;
 pub use engine::EngineConfig;
+
+/// The prefix cache's default budget in MiB (`strix serve --prefix-cache-mib`).
+pub const DEFAULT_PREFIX_CACHE_MIB: u64 = 2048;
 pub use error::ApiError;
 pub use guard::BrowserPolicy;
 
@@ -66,7 +71,8 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Loopback only, port 8080, no key, 64 sequences, 256 waiting, a 4 GiB state budget.
+    /// Loopback only, port 8080, no key, 64 sequences, 256 waiting, a 4 GiB state budget, a
+    /// prefix cache of [`DEFAULT_PREFIX_CACHE_MIB`].
     pub fn new(model_name: impl Into<String>, context: usize) -> Self {
         ServerConfig {
             host: "127.0.0.1".into(),
@@ -83,6 +89,7 @@ impl ServerConfig {
                 state_budget_bytes: 4 << 30,
                 context,
                 prefill_chunk: strix::model::DEFAULT_PASS_TOKENS,
+                prefix_cache_bytes: DEFAULT_PREFIX_CACHE_MIB << 20,
             },
         }
     }

@@ -67,6 +67,12 @@ pub struct Metrics {
     /// prompt plus `max_tokens`, at the model's per-token and per-sequence sizes).
     pub reserved_bytes: AtomicU64,
     pub steps: AtomicU64,
+    /// Prompt tokens of the requests looked up in the prefix cache.
+    pub prefix_cache_queries_tokens: AtomicU64,
+    /// Prompt tokens restored from the prefix cache instead of prefilled.
+    pub prefix_cache_hit_tokens: AtomicU64,
+    /// Device bytes the prefix cache holds.
+    pub prefix_cache_bytes: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
     /// Whole scheduler steps that did work.
@@ -88,6 +94,9 @@ impl Default for Metrics {
             running: AtomicU64::new(0),
             reserved_bytes: AtomicU64::new(0),
             steps: AtomicU64::new(0),
+            prefix_cache_queries_tokens: AtomicU64::new(0),
+            prefix_cache_hit_tokens: AtomicU64::new(0),
+            prefix_cache_bytes: AtomicU64::new(0),
             ttft: Histogram::new(LATENCY_BUCKETS),
             itl: Histogram::new(LATENCY_BUCKETS),
             step: Histogram::new(STEP_BUCKETS),
@@ -114,7 +123,7 @@ impl Metrics {
             let _ = writeln!(out, "strix_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}");
         }
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 9] = [
+        let scalars: [(&str, &str, &str, u64); 12] = [
             ("strix_prompt_tokens_total", "counter", "Prompt tokens prefilled.", get(&self.prompt_tokens)),
             ("strix_generation_tokens_total", "counter", "Tokens generated.", get(&self.generation_tokens)),
             (
@@ -147,6 +156,24 @@ impl Metrics {
                 "gauge",
                 "KV cache and DeltaNet state bytes reserved by running sequences.",
                 get(&self.reserved_bytes),
+            ),
+            (
+                "strix_prefix_cache_queries_tokens_total",
+                "counter",
+                "Prompt tokens of the requests looked up in the prefix cache.",
+                get(&self.prefix_cache_queries_tokens),
+            ),
+            (
+                "strix_prefix_cache_hit_tokens_total",
+                "counter",
+                "Prompt tokens restored from the prefix cache instead of prefilled.",
+                get(&self.prefix_cache_hit_tokens),
+            ),
+            (
+                "strix_prefix_cache_bytes",
+                "gauge",
+                "Bytes of KV rows and DeltaNet states the prefix cache holds.",
+                get(&self.prefix_cache_bytes),
             ),
             ("strix_up", "gauge", "1 while the server runs.", 1),
         ];

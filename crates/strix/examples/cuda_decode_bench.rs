@@ -6,12 +6,18 @@
 //!
 //! `cargo run --release --example cuda_decode_bench -- [PRESET ...] [--steps N]`
 //! (default presets: qwen3.5-0.8b qwen3.5-9b). With `STRIX_PROFILE_STEPS=n`, n more decode
-//! steps run inside a profiler range, for `ncu --profile-from-start off`.
+//! steps run inside a profiler range, for `ncu --profile-from-start off`: one sequence's, or
+//! with `--profile-batch B` decode steps of B sessions at once (`Model::decode_batch_greedy`,
+//! the server's kernels); `--profile-prefill N` adds one N-token prefill of a fresh session
+//! (`Model::prefill`, as the server feeds a prompt before its last piece) to the range.
 //!
 //! Then a breakdown: every op of a decode step at the preset's shapes, each launched many
 //! times back to back, its time per call (the larger of the GPU's time and the host's time to
 //! queue it, as in a real step) times its calls per step; the sum against the measured step
 //! says how much of the step is host overhead and which kernels to work on.
+
+#[path = "common/gpu.rs"]
+mod gpu;
 
 use std::time::Instant;
 
@@ -44,10 +50,15 @@ fn median(v: &mut [f64]) -> f64 {
 fn main() -> strix::Result<()> {
     let mut presets = Vec::new();
     let mut steps = 64usize;
+    let (mut profile_batch, mut profile_prefill) = (1usize, 0usize);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--steps" {
             steps = args.next().and_then(|s| s.parse().ok()).expect("--steps N");
+        } else if a == "--profile-batch" {
+            profile_batch = args.next().and_then(|s| s.parse().ok()).expect("--profile-batch B");
+        } else if a == "--profile-prefill" {
+            profile_prefill = args.next().and_then(|s| s.parse().ok()).expect("--profile-prefill N");
         } else {
             presets.push(a);
         }
@@ -56,7 +67,7 @@ fn main() -> strix::Result<()> {
         presets = vec!["qwen3.5-0.8b".into(), "qwen3.5-9b".into()];
     }
 
-    let probe = CudaBackend::new(0)?;
+    let probe = gpu::backend()?;
     println!(
         "device: {} (sm_{}{})",
         probe.device_name(),
@@ -73,7 +84,7 @@ fn main() -> strix::Result<()> {
         let cfg = preset(name)?;
         let t0 = Instant::now();
         let weights = SyntheticWeights::new(cfg.clone(), 1);
-        let model = Model::from_source(cfg.clone(), &weights, CudaBackend::new(0)?, None)?;
+        let model = Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?;
         let bytes = model.weight_bytes_per_token();
         println!(
             "{name}: synthesised and uploaded in {:.1} s; {:.2} GB of weights read per token",
@@ -103,11 +114,37 @@ fn main() -> strix::Result<()> {
         let step = median(&mut times);
         let profile_steps: usize =
             std::env::var("STRIX_PROFILE_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        if profile_steps > 0 {
+        if profile_steps > 0 && profile_batch > 1 {
+            // B sessions with the prompt, two unprofiled steps (the second records the graph).
+            let mut batch: Vec<_> =
+                (0..profile_batch).map(|_| model.new_session(PROMPT + profile_steps + 4)).collect();
+            for s in &mut batch {
+                model.prefill(s, &prompt)?;
+            }
+            let mut tokens = vec![next; profile_batch];
+            for _ in 0..2 {
+                tokens = model.decode_batch_greedy(&mut batch.iter_mut().collect::<Vec<_>>(), &tokens)?;
+            }
+            model.backend().profiler_range(true)?;
+            for _ in 0..profile_steps {
+                tokens = model.decode_batch_greedy(&mut batch.iter_mut().collect::<Vec<_>>(), &tokens)?;
+            }
+            model.backend().profiler_range(false)?;
+        } else if profile_steps > 0 {
             model.backend().profiler_range(true)?;
             for _ in 0..profile_steps {
                 next = argmax(&model.forward(&mut session, &[next], Logits::Last)?);
             }
+            model.backend().profiler_range(false)?;
+        }
+        if profile_prefill > 0 {
+            let ids: Vec<u32> =
+                (0..profile_prefill as u32).map(|i| (i * 104_729 + 7) % cfg.vocab_size as u32).collect();
+            let mut warm = model.new_session(profile_prefill + 1);
+            model.prefill(&mut warm, &ids)?;
+            let mut fresh = model.new_session(profile_prefill + 1);
+            model.backend().profiler_range(true)?;
+            model.prefill(&mut fresh, &ids)?;
             model.backend().profiler_range(false)?;
         }
         // The host copy of the logits is part of every step (on-device sampling will remove it).

@@ -16,9 +16,12 @@
 //! `--cols auto,16,32,64,128` runs every config once per column tiling of the kernel (a backend
 //! made with `STRIX_GDN_DECODE_COLS` set; `auto`, the default, lets the launcher choose).
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use std::time::Instant;
 
-use strix::backend::cuda::CudaBackend;
+use strix::backend::cuda::{CudaBackend, CudaOptions};
 use strix::backend::Backend;
 use strix::model::deltanet_shape;
 use strix::synthetic::preset;
@@ -61,12 +64,14 @@ fn main() -> strix::Result<()> {
         presets = vec!["qwen3.5-0.8b".into(), "qwen3.5-9b".into()];
     }
     for tiling in &tilings {
-        // The backend reads the variable when it loads its kernels.
-        match tiling.as_str() {
-            "auto" => std::env::remove_var("STRIX_GDN_DECODE_COLS"),
-            cols => std::env::set_var("STRIX_GDN_DECODE_COLS", cols),
-        }
-        let b = CudaBackend::new(0)?;
+        // The tiling is chosen when the backend loads its kernels.
+        let cols = match tiling.as_str() {
+            "auto" => None,
+            cols => {
+                Some(cols.parse().map_err(|_| strix::Error::Input(format!("--cols {cols}: not a number")))?)
+            }
+        };
+        let b = CudaBackend::with_options(0, &CudaOptions { gdn_decode_cols: cols, ..gpu::options()? })?;
         println!("device: {}, tiling {tiling}", b.device_name());
         for name in &presets {
             let sh = deltanet_shape(&preset(name)?);

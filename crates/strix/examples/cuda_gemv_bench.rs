@@ -13,6 +13,9 @@
 //! every call streams them from device memory. Calls are timed back to back on the host
 //! (median of 5 rounds), so launch overhead is in the figures, as in an eager decode step.
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -83,7 +86,7 @@ fn sweep_skip(nt: usize, batch: usize) -> bool {
 fn main() -> strix::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let sweep = std::env::args().any(|a| a == "--sweep");
-    let g = CudaBackend::new(0)?;
+    let g = gpu::backend()?;
     println!("device: {} (sm_{}{})", g.device_name(), g.compute_capability().0, g.compute_capability().1);
     let bw = g.measure_copy_bandwidth(2 << 30, 20)?;
     println!("device-to-device copy bandwidth (read + write): {:.0} GB/s", bw / 1e9);

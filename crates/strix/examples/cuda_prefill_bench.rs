@@ -13,6 +13,9 @@
 //! warm-up prefill of 4096 tokens and one more inside a profiler range (the model's own pass
 //! length), for `ncu --profile-from-start off`, and nothing else.
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use std::time::Instant;
 
 use strix::backend::cuda::{CudaBackend, PrefillPath};
@@ -239,7 +242,7 @@ fn main() -> strix::Result<()> {
         let cfg = preset(name)?;
         if profile {
             let weights = SyntheticWeights::new(cfg.clone(), 1);
-            let model = Model::from_source(cfg.clone(), &weights, CudaBackend::new(0)?, None)?;
+            let model = Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?;
             let ids: Vec<u32> = (0..PROMPT).map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32).collect();
             model.forward(&mut model.new_session(PROMPT), &ids, Logits::Last)?;
             model.backend().synchronize()?;
@@ -255,7 +258,7 @@ fn main() -> strix::Result<()> {
             continue;
         }
         println!("== {name}: ops of a {PROMPT}-token prefill (passes of {PASS})");
-        let b = CudaBackend::new(0)?;
+        let b = gpu::backend()?;
         let ops = breakdown(&cfg, &b);
         drop(b);
         let mut rows: Vec<&Op> = ops.iter().collect();
@@ -274,7 +277,7 @@ fn main() -> strix::Result<()> {
             continue;
         }
         let weights = SyntheticWeights::new(cfg.clone(), 1);
-        let model = Model::from_source(cfg.clone(), &weights, CudaBackend::new(0)?, None)?;
+        let model = Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?;
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             model.backend().set_prefill_path(path);
             for len in [PASS, PROMPT] {

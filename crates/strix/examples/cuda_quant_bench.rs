@@ -33,6 +33,9 @@
 //! finite values), in enough copies to rotate through several times the L2 cache, so every
 //! call streams its weights from device memory.
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -198,11 +201,11 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
         let weights = strix::synthetic::SyntheticWeights::new(config.clone(), 0x5eed);
         let started = Instant::now();
         let model = if scheme == "bf16" {
-            Model::from_source(config.clone(), &weights, CudaBackend::new(0)?, None)?
+            Model::from_source(config.clone(), &weights, gpu::backend()?, None)?
         } else {
             let scheme: QuantScheme = scheme.parse()?;
             let src = QuantizingSource::new(&weights, &config, scheme);
-            Model::from_source(config.clone(), &src, CudaBackend::new(0)?, None)?
+            Model::from_source(config.clone(), &src, gpu::backend()?, None)?
         };
         println!("{preset} {scheme} loaded in {:.1} s", started.elapsed().as_secs_f64());
         // As `strix bench` decodes a single stream (its bf16 matrices on the CUDA-core GEMVs).
@@ -288,7 +291,7 @@ fn main() -> strix::Result<()> {
     let (quick, variants, eager, prefill) =
         (arg("--quick"), arg("--variants"), arg("--eager"), arg("--prefill"));
     let bf16 = arg("--bf16");
-    let g = CudaBackend::new(0)?;
+    let g = gpu::backend()?;
     println!("device: {} (sm_{}{})", g.device_name(), g.compute_capability().0, g.compute_capability().1);
     let bw = g.measure_copy_bandwidth(2 << 30, 20)?;
     println!("device-to-device copy bandwidth (read + write): {:.0} GB/s", bw / 1e9);

@@ -14,7 +14,7 @@ use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gguf::Qwen35Gguf;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
-use crate::session::{LayerState, Session};
+use crate::session::{LayerState, Session, SessionBlock};
 use crate::tensor::HostTensor;
 
 /// Where the model's tensors come from: a checkpoint on disk or synthesised weights.
@@ -439,6 +439,40 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         Session::new(layers, max_context)
+    }
+
+    /// Copies positions `start..session.position()` out of `session` (their keys and values,
+    /// and the DeltaNet states after the last one) into a [`SessionBlock`]: what a prefix
+    /// cache keeps so that another session can resume there ([`Model::restore_blocks`]).
+    pub fn save_block(&self, session: &Session<B>, start: usize) -> Result<SessionBlock<B>> {
+        if start >= session.position() {
+            return Err(Error::input(format!(
+                "a block from position {start}: the session holds {} tokens",
+                session.position()
+            )));
+        }
+        Ok(session.save_block(
+            &self.backend,
+            start,
+            attention_shape(&self.config).kv_dim(),
+            self.state_lens(),
+        ))
+    }
+
+    /// Extends `session` by `blocks` saved from this model's sessions, which must continue
+    /// each other from the session's position: afterwards the session is bitwise the one the
+    /// last block was saved from (its tokens, KV rows and DeltaNet states), as if it had been
+    /// fed the blocks' tokens in the same passes. The blocks are copied, never shared.
+    pub fn restore_blocks(&self, session: &mut Session<B>, blocks: &[&SessionBlock<B>]) -> Result<()> {
+        session
+            .restore_blocks(&self.backend, blocks, attention_shape(&self.config).kv_dim(), self.state_lens())
+            .map_err(Error::input)
+    }
+
+    /// The lengths of a DeltaNet layer's conv and recurrent states.
+    fn state_lens(&self) -> (usize, usize) {
+        let dn = deltanet_shape(&self.config);
+        (dn.conv_state_len(), dn.state_len())
     }
 
     /// Device bytes a session of `max_context` tokens holds: the KV caches of the attention

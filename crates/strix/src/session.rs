@@ -87,6 +87,162 @@ impl<B: Backend> Session<B> {
     pub(crate) fn advance(&mut self, ids: &[u32]) {
         self.tokens.extend_from_slice(ids);
     }
+
+    /// Copies positions `start..position()` out of the session: their keys and values in every
+    /// attention layer, and every DeltaNet layer's states as they are now (after the last
+    /// position). `start` must be below the position. `kv_dim` is the attention layers' row,
+    /// `states` the DeltaNet layers' conv and recurrent state lengths.
+    pub(crate) fn save_block(
+        &self,
+        backend: &B,
+        start: usize,
+        kv_dim: usize,
+        states: (usize, usize),
+    ) -> SessionBlock<B> {
+        let end = self.position();
+        assert!(start < end, "save_block: positions {start}..{end} are empty");
+        let rows = (end - start) * kv_dim;
+        let cache_bytes = backend.kv_cache_type().bytes();
+        let mut bytes = 0usize;
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| match layer {
+                LayerState::Attention { k, v, .. } => {
+                    let (mut k_rows, mut v_rows) = (backend.cache_zeros(rows), backend.cache_zeros(rows));
+                    backend.cache_copy(k, start * kv_dim, &mut k_rows, 0, rows);
+                    backend.cache_copy(v, start * kv_dim, &mut v_rows, 0, rows);
+                    bytes += 2 * rows * cache_bytes;
+                    SavedLayer::Attention { k: k_rows, v: v_rows }
+                }
+                LayerState::DeltaNet { conv, recurrent } => {
+                    bytes += 4 * (states.0 + states.1);
+                    SavedLayer::DeltaNet {
+                        conv: copy_of(backend, conv, states.0),
+                        recurrent: copy_of(backend, recurrent, states.1),
+                    }
+                }
+            })
+            .collect();
+        SessionBlock { start, tokens: self.tokens[start..].to_vec(), layers, bytes }
+    }
+
+    /// Extends the session by `blocks`, which continue each other from its position: copies
+    /// their keys and values into its attention caches and the last block's DeltaNet states
+    /// into its own, so the session is bitwise the session the blocks were saved from.
+    pub(crate) fn restore_blocks(
+        &mut self,
+        backend: &B,
+        blocks: &[&SessionBlock<B>],
+        kv_dim: usize,
+        states: (usize, usize),
+    ) -> Result<(), String> {
+        let Some(last) = blocks.last() else { return Ok(()) };
+        let mut at = self.position();
+        for block in blocks {
+            if block.start != at {
+                return Err(format!(
+                    "a saved block starts at position {}, the session is at {at}",
+                    block.start
+                ));
+            }
+            if block.layers.len() != self.layers.len() {
+                return Err(format!(
+                    "a saved block has {} layers, the session {}",
+                    block.layers.len(),
+                    self.layers.len()
+                ));
+            }
+            at = block.end();
+        }
+        if at > self.max_context {
+            return Err(format!(
+                "the saved blocks reach position {at}; the session holds {}",
+                self.max_context
+            ));
+        }
+        self.reserve(backend, at, kv_dim);
+        for block in blocks {
+            let rows = block.tokens.len() * kv_dim;
+            for (layer, saved) in self.layers.iter_mut().zip(&block.layers) {
+                if let (LayerState::Attention { k, v, .. }, SavedLayer::Attention { k: k_rows, v: v_rows }) =
+                    (layer, saved)
+                {
+                    backend.cache_copy(k_rows, 0, k, block.start * kv_dim, rows);
+                    backend.cache_copy(v_rows, 0, v, block.start * kv_dim, rows);
+                }
+            }
+            self.tokens.extend_from_slice(&block.tokens);
+        }
+        for (layer, saved) in self.layers.iter_mut().zip(&last.layers) {
+            match (layer, saved) {
+                (
+                    LayerState::DeltaNet { conv, recurrent },
+                    SavedLayer::DeltaNet { conv: c, recurrent: r },
+                ) => {
+                    backend.copy(c, 0, conv, 0, states.0);
+                    backend.copy(r, 0, recurrent, 0, states.1);
+                }
+                (LayerState::Attention { .. }, SavedLayer::Attention { .. }) => {}
+                _ => return Err("a saved block's layers are not the session's kinds".into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A copy of a run of one session's history, positions `start..end`: the keys and values the
+/// attention layers cached for them and the DeltaNet states after `end`. Blocks that continue
+/// each other from position 0 rebuild the session they were saved from
+/// ([`crate::model::Model::restore_blocks`]); the copy is never written again, so sessions that
+/// share a prefix share its block without one changing it for another.
+pub struct SessionBlock<B: Backend> {
+    start: usize,
+    tokens: Vec<u32>,
+    layers: Vec<SavedLayer<B>>,
+    bytes: usize,
+}
+
+enum SavedLayer<B: Backend> {
+    /// `[end - start, kv_dim]` keys and values.
+    Attention {
+        k: B::Cache,
+        v: B::Cache,
+    },
+    DeltaNet {
+        conv: B::Buf,
+        recurrent: B::Buf,
+    },
+}
+
+impl<B: Backend> SessionBlock<B> {
+    /// The first position the block holds.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// The position after its last one.
+    pub fn end(&self) -> usize {
+        self.start + self.tokens.len()
+    }
+
+    /// The tokens at its positions.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Device bytes it holds: its KV rows in the cache's element type and the f32 DeltaNet
+    /// states.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// A new buffer holding a copy of the `len` floats of `buf`.
+fn copy_of<B: Backend>(backend: &B, buf: &B::Buf, len: usize) -> B::Buf {
+    let mut out = backend.scratch(len);
+    backend.copy(buf, 0, &mut out, 0, len);
+    out
 }
 
 #[cfg(test)]

@@ -953,7 +953,7 @@ fn kernels_load_from_the_cache_the_second_time() {
     println!("first backend: {c}");
     // elementwise, sample, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
     assert_eq!(c.modules_compiled + c.modules_cached, 8);
-    let second = CudaBackend::new(0).unwrap();
+    let second = CudaBackend::with_options(0, &common::gpu_options()).unwrap();
     let c = second.path_counts();
     println!("second backend: {c}");
     assert_eq!((c.modules_compiled, c.modules_cached), (0, 8));
@@ -1104,7 +1104,8 @@ fn fixtures_against(path: GemmPath, round_activations: bool, kv: KvCacheType, to
     let (mut worst_ref, mut worst_golden) = (0.0f32, 0.0f32);
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu = Model::load(&dir, CudaBackend::new(0).unwrap(), None).unwrap();
+        let gpu =
+            Model::load(&dir, CudaBackend::with_options(0, &common::gpu_options()).unwrap(), None).unwrap();
         gpu.backend().set_gemm_path(path);
         gpu.backend().set_kv_cache_type(kv);
         // The precise path: split GEMMs and the f32 prefill kernels.
@@ -1240,7 +1241,8 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
     }
     for dir in moe_fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu = Model::load(&dir, CudaBackend::new(0).unwrap(), None).unwrap();
+        let gpu =
+            Model::load(&dir, CudaBackend::with_options(0, &common::gpu_options()).unwrap(), None).unwrap();
         assert!(gpu.config.moe.is_some(), "{name}: not read as a MoE model");
         gpu.backend().set_gemm_path(GemmPath::CublasSplit);
         gpu.backend().set_prefill_path(PrefillPath::F32);
@@ -1338,7 +1340,13 @@ fn synthetic_model_with_real_head_shapes_matches_cpu() {
             None,
         )
         .unwrap();
-        let gpu = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+        let gpu = Model::from_source(
+            c.clone(),
+            &weights,
+            CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+            None,
+        )
+        .unwrap();
         assert_eq!(gpu.backend().kv_cache_type(), KvCacheType::Bf16, "the CUDA default");
         gpu.backend().set_gemm_path(path);
         // The default path also runs the prompt's attention and delta rule on the tensor cores
@@ -1570,7 +1578,13 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
 fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     model.backend().set_tensor_core_gemv(tensor_core);
     // Both cache types: sessions made under each setting.
     for kv in [KvCacheType::Bf16, KvCacheType::F32] {
@@ -1663,7 +1677,13 @@ fn recorded_decode_steps_equal_eager_steps_bitwise() {
 fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     let mut rng = Rng(14);
     let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
     let g = model.backend();
@@ -1722,7 +1742,13 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
     }
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     let mut rng = Rng(16);
     let prompts: Vec<Vec<u32>> = [3usize, 90, 1, 40, 17]
         .iter()
@@ -2037,7 +2063,13 @@ fn argmax_on_the_device_matches_the_host() {
 
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
-    let model = Model::from_source(c.clone(), &weights, CudaBackend::new(0).unwrap(), None).unwrap();
+    let model = Model::from_source(
+        c.clone(),
+        &weights,
+        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
+        None,
+    )
+    .unwrap();
     let (mut a, mut b) = (model.try_new_session(64).unwrap(), model.try_new_session(64).unwrap());
     let mut logits = model.forward(&mut a, &[1, 2, 3], Logits::Last).unwrap();
     model.forward(&mut b, &[1, 2, 3], Logits::Last).unwrap();
@@ -2756,7 +2788,7 @@ fn reference_distribution(
 }
 
 /// The fused decode kernel's column tilings (16, 32, 64 or 128 columns a block; the launcher
-/// picks by batch, `STRIX_GDN_DECODE_COLS` forces one) give bitwise the same outputs, conv states and
+/// picks by batch, `CudaOptions::gdn_decode_cols` forces one) give bitwise the same outputs, conv states and
 /// states, and match the CPU's three ops: awkward head counts, v-heads 1x, 2x and 3x the
 /// k-heads in both head orders, partial column tiles, a cluster of one block, the generic
 /// kernel (dk other than 128, conv kernels 3 and 5), batches 1, 3 and 64. A sequence's rows
@@ -2765,13 +2797,12 @@ fn reference_distribution(
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn fused_deltanet_decode_tilings_agree_bitwise() {
     let Some(auto) = gpu() else { return };
-    let forced = |cols: &str| {
-        std::env::set_var("STRIX_GDN_DECODE_COLS", cols);
-        let b = CudaBackend::new(0).unwrap();
-        std::env::remove_var("STRIX_GDN_DECODE_COLS");
-        b
+    let forced = |cols: usize| {
+        let options =
+            strix::backend::cuda::CudaOptions { gdn_decode_cols: Some(cols), ..common::gpu_options() };
+        CudaBackend::with_options(0, &options).unwrap()
     };
-    let tilings: Vec<(CudaBackend, usize)> = [16, 32, 64, 128].map(|c| (forced(&c.to_string()), c)).into();
+    let tilings: Vec<(CudaBackend, usize)> = [16, 32, 64, 128].map(|c| (forced(c), c)).into();
     let cpu = CpuBackend::new();
     let mut rng = Rng(55);
     let tiled = |nk, nv, dk, dv, k| DeltaNetShape {
@@ -2917,5 +2948,57 @@ fn prefill_draws_on_the_device_match_the_host() {
                 _ => assert_eq!(got, want, "len {len}, {params:?}"),
             }
         }
+    }
+}
+
+/// A session rebuilt from saved blocks (`Model::save_block` / `restore_blocks`, the server's
+/// prefix cache) continues bitwise as the session they were saved from: prefill and decode
+/// logits equal to the last bit, over an f32 and a bf16 KV cache, restored into a fresh session
+/// and into one that fed the first block itself. The copies are device-to-device.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn restored_sessions_continue_bitwise_on_the_device() {
+    let Some(g) = gpu() else { return };
+    let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
+    let mut model = Model::load(&dir, g, None).unwrap();
+    model.set_pass_tokens(64).unwrap();
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 31 + 7) % 300).collect();
+    // The rest of the prompt in one piece, then greedy decode steps.
+    let continue_from = |session: &mut strix::session::Session<CudaBackend>| {
+        let mut logits = model.forward(session, &prompt[128..], Logits::Last).unwrap();
+        let mut all = logits.clone();
+        for _ in 0..8 {
+            let next = argmax(&logits);
+            logits = model.forward(session, &[next], Logits::Last).unwrap();
+            all.extend(&logits);
+        }
+        all
+    };
+    for kv in [KvCacheType::F32, KvCacheType::Bf16] {
+        model.backend().set_kv_cache_type(kv);
+        let mut fed = model.new_session(1024);
+        model.prefill(&mut fed, &prompt[..64]).unwrap();
+        let first = model.save_block(&fed, 0).unwrap();
+        model.prefill(&mut fed, &prompt[64..128]).unwrap();
+        let second = model.save_block(&fed, 64).unwrap();
+        assert_eq!((first.end(), second.start(), second.end()), (64, 64, 128));
+        let want = continue_from(&mut fed);
+
+        let mut restored = model.new_session(1024);
+        model.restore_blocks(&mut restored, &[&first, &second]).unwrap();
+        assert_eq!(restored.tokens(), &prompt[..128]);
+        let got = continue_from(&mut restored);
+        assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{kv}: fresh session");
+
+        let mut half = model.new_session(1024);
+        model.prefill(&mut half, &prompt[..64]).unwrap();
+        model.restore_blocks(&mut half, &[&second]).unwrap();
+        let got = continue_from(&mut half);
+        assert!(
+            want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{kv}: after the first block"
+        );
+        // A block that does not continue the session is refused.
+        assert!(model.restore_blocks(&mut model.new_session(1024), &[&second]).is_err());
     }
 }

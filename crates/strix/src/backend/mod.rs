@@ -203,6 +203,20 @@ pub trait Backend: Send + Sync {
     fn cache_resize(&self, cache: &mut Self::Cache, len: usize);
     /// Copies `len` cached elements starting at `offset` to the host, widened to f32.
     fn cache_download(&self, cache: &Self::Cache, offset: usize, len: usize) -> Vec<f32>;
+    /// Copies `len` floats of `src` from `src_offset` into `dst` from `dst_offset`, on the
+    /// device and bitwise (saving and restoring a session's DeltaNet states).
+    fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, dst_offset: usize, len: usize);
+    /// Copies `len` elements of `src` from `src_offset` into `dst` from `dst_offset`, on the
+    /// device and bitwise, in the element type both were made with (saving and restoring a
+    /// session's KV rows). Both caches must have the same element type.
+    fn cache_copy(
+        &self,
+        src: &Self::Cache,
+        src_offset: usize,
+        dst: &mut Self::Cache,
+        dst_offset: usize,
+        len: usize,
+    );
     /// Free device memory in bytes, for backends whose memory is scarce and separate from the
     /// host's (`None`: the host's memory, sessions grow on demand).
     fn free_memory(&self) -> Option<usize> {

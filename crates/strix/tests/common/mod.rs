@@ -271,14 +271,33 @@ macro_rules! delegate_activation_ops_to_cpu {
         fn cache_download(&self, cache: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
             self.$inner.cache_download(cache, offset, len)
         }
+        fn copy(&self, src: &Vec<f32>, src_offset: usize, dst: &mut Vec<f32>, dst_offset: usize, len: usize) {
+            self.$inner.copy(src, src_offset, dst, dst_offset, len)
+        }
+        fn cache_copy(
+            &self,
+            src: &Vec<f32>,
+            src_offset: usize,
+            dst: &mut Vec<f32>,
+            dst_offset: usize,
+            len: usize,
+        ) {
+            self.$inner.cache_copy(src, src_offset, dst, dst_offset, len)
+        }
     };
 }
 #[allow(unused_imports)]
 pub(crate) use delegate_activation_ops_to_cpu;
 
+/// The CUDA options the `STRIX_*` variables choose (the kernel cache above all, so the suite
+/// compiles its kernels once).
+pub fn gpu_options() -> strix::backend::cuda::CudaOptions {
+    strix::backend::cuda::CudaOptions::from_vars(|k| std::env::var(k).ok()).expect("STRIX_* CUDA variables")
+}
+
 /// CUDA device 0, or `None` after printing why the test is skipped.
 pub fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
+    match CudaBackend::with_options(0, &gpu_options()) {
         Ok(b) => Some(b),
         Err(e) => {
             println!("skipped: {e}");

@@ -214,6 +214,21 @@ impl Backend for CpuBackend {
         buf[offset..offset + len].to_vec()
     }
 
+    fn copy(&self, src: &Vec<f32>, src_offset: usize, dst: &mut Vec<f32>, dst_offset: usize, len: usize) {
+        dst[dst_offset..dst_offset + len].copy_from_slice(&src[src_offset..src_offset + len]);
+    }
+
+    fn cache_copy(
+        &self,
+        src: &Vec<f32>,
+        src_offset: usize,
+        dst: &mut Vec<f32>,
+        dst_offset: usize,
+        len: usize,
+    ) {
+        self.copy(src, src_offset, dst, dst_offset, len);
+    }
+
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         w.packed.as_ref().map_or(w.bytes.len(), |p| p.bytes())
     }

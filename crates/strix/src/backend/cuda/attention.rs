@@ -136,6 +136,26 @@ impl CudaCache {
         Ok(())
     }
 
+    /// Copies elements `src_offset..src_offset + len` into `dst` from `dst_offset`, as stored
+    /// (a device-to-device copy on the backend's stream, so ordered with the kernels).
+    pub(super) fn copy_to(
+        &self,
+        dev: &Device,
+        src_offset: usize,
+        dst: &mut CudaCache,
+        dst_offset: usize,
+        len: usize,
+    ) {
+        assert_eq!(self.dtype, dst.dtype, "cache copy between a {} and a {} cache", self.dtype, dst.dtype);
+        assert!(
+            src_offset + len <= self.len && dst_offset + len <= dst.len,
+            "cache copy: {len} elements from {src_offset} of {} to {dst_offset} of {}",
+            self.len,
+            dst.len
+        );
+        dev.copy_dtod(dst.at(dst_offset), self.at(src_offset), len * self.dtype.bytes());
+    }
+
     /// Elements `offset..offset + len`, widened to f32.
     pub(super) fn download(&self, dev: &Device, offset: usize, len: usize) -> Result<Vec<f32>> {
         assert!(offset + len <= self.len, "cache download: {offset}+{len} outside a cache of {}", self.len);

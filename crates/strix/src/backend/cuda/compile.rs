@@ -1,14 +1,14 @@
 //! Kernel compilation: each `.cu` source (with the shared `prelude.cu` in front) is compiled by
 //! NVRTC to a cubin for the device's own architecture (`sm_90` on an H200) the first time a
-//! backend needs it, then cached: in memory for the process, and on disk under
-//! `$STRIX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/strix/kernels`, else `~/.cache/strix/kernels`.
+//! backend needs it, then cached: in memory for the process, and on disk in the folder
+//! [`super::CudaOptions::kernel_cache`] names, if any.
 //! The cache key hashes the source, the architecture, the driver and NVRTC versions and the
 //! compiler options, so any change to one of them compiles afresh; a cache hit loads the cubin
 //! without touching NVRTC.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CString};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::CudaModule;
@@ -48,13 +48,6 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-pub(super) fn cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    env("STRIX_KERNEL_CACHE")
-        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("strix/kernels")))
-        .or_else(|| env("HOME").map(|d| d.join(".cache/strix/kernels")))
-}
-
 fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen libnvrtc by its known names.
     unsafe { nvrtc_sys::is_culib_present() }
@@ -69,8 +62,14 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// Loads the module `name` built from `source` on `dev`.
-pub(super) fn load_module(dev: &Device, name: &str, source: &str) -> Result<(Arc<CudaModule>, Origin)> {
+/// Loads the module `name` built from `source` on `dev`, from `cache_dir` when a compiled copy
+/// is kept there (and keeping one there when it compiles).
+pub(super) fn load_module(
+    dev: &Device,
+    cache_dir: Option<&Path>,
+    name: &str,
+    source: &str,
+) -> Result<(Arc<CudaModule>, Origin)> {
     if !nvrtc_present() {
         return Err(cuda_error(
             "NVRTC (libnvrtc.so.13) was not found; it compiles the kernels at first use. \
@@ -90,7 +89,7 @@ pub(super) fn load_module(dev: &Device, name: &str, source: &str) -> Result<(Arc
             versions.as_bytes(),
             options.join(" ").as_bytes(),
         ]);
-        let file = cache_dir().map(|d| d.join(format!("{name}-{arch}-{key:016x}.cubin")));
+        let file = cache_dir.map(|d| d.join(format!("{name}-{arch}-{key:016x}.cubin")));
 
         let cached = memo().lock().map_err(|_| cuda_error("kernel cache lock poisoned"))?.get(&key).cloned();
         let cached = cached.or_else(|| {

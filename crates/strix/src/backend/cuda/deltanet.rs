@@ -65,7 +65,7 @@ pub(super) struct Kernels {
     gdn_decode_fused_generic: CudaFunction,
     /// The 32-column fast path that also quantizes its one token's output.
     gdn_decode_fused_c32_q: CudaFunction,
-    /// `STRIX_GDN_DECODE_COLS` (one of `DECODE_COLS`): the fused decode kernel's column
+    /// `CudaOptions::gdn_decode_cols` (one of `DECODE_COLS`): the fused decode kernel's column
     /// tiling, forced where the shape allows it (benchmarks and tests compare them);
     /// otherwise chosen per launch.
     decode_cols: Option<usize>,
@@ -79,7 +79,8 @@ fn chunked_smem_floats(dk: usize) -> usize {
 }
 
 impl Kernels {
-    pub fn load(module: &Arc<CudaModule>, dev: &Device) -> Result<Kernels> {
+    /// `decode_cols`: [`super::CudaOptions::gdn_decode_cols`].
+    pub fn load(module: &Arc<CudaModule>, dev: &Device, decode_cols: Option<usize>) -> Result<Kernels> {
         let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
         let gdn_chunked = f("gdn_chunked")?;
         // Opt in to all the shared memory a block may have; the launcher checks each shape.
@@ -108,7 +109,7 @@ impl Kernels {
             ],
             gdn_decode_fused_generic: f("gdn_decode_fused_generic")?,
             gdn_decode_fused_c32_q: f(DECODE_NAME_C32_Q)?,
-            decode_cols: std::env::var("STRIX_GDN_DECODE_COLS").ok().and_then(|v| v.parse().ok()),
+            decode_cols,
             chunked_smem_limit: limit,
         })
     }

@@ -98,7 +98,7 @@ pub(super) struct Device {
     /// Set while `stream` is captured into a graph.
     capturing: AtomicBool,
     /// Kernels of recorded decode steps are launched with programmatic dependent launch
-    /// (sm_90 and newer, unless STRIX_CUDA_PDL=0)...
+    /// (sm_90 and newer, unless `CudaOptions::pdl` is off)...
     pdl: bool,
     /// ...when the operation before on the stream is a kernel of ours. Outside recorded steps
     /// (copies, cuBLAS) launches keep plain stream order: a kernel launched this way right
@@ -185,16 +185,17 @@ impl BufCache {
 }
 
 impl Device {
-    pub fn open(ordinal: usize) -> Result<Device> {
+    /// Opens device `ordinal`; `pdl`: [`super::CudaOptions::pdl`].
+    pub fn open(ordinal: usize, pdl: bool) -> Result<Device> {
         if !driver_present() {
             return Err(cuda_error(
                 "the NVIDIA driver library (libcuda.so) was not found: this machine has no CUDA driver",
             ));
         }
-        no_panic("opening the device", || Device::open_inner(ordinal))
+        no_panic("opening the device", || Device::open_inner(ordinal, pdl))
     }
 
-    fn open_inner(ordinal: usize) -> Result<Device> {
+    fn open_inner(ordinal: usize, pdl: bool) -> Result<Device> {
         result::init().map_err(|e| cuda_error(format!("cuInit failed ({e}): no usable GPU")))?;
         let mut driver_version = 0i32;
         // SAFETY: writes one int; the driver is initialised.
@@ -258,7 +259,7 @@ impl Device {
             staging: Mutex::new(None),
             side,
             capturing: AtomicBool::new(false),
-            pdl: cc.0 >= 9 && std::env::var("STRIX_CUDA_PDL").map_or(true, |v| v != "0"),
+            pdl: cc.0 >= 9 && pdl,
             prev_kernel: AtomicBool::new(false),
             step: StepInputs {
                 _buf: step_buf,

@@ -11,7 +11,7 @@
 //!   are bitwise the same whatever the batch (one token included) and whether its projections
 //!   are fused into one launch or not.
 //! - **CUDA-core GEMV** (`gemv_bf16_s*`, `gemv_bf16_rows_s*`, `gemv_multi*`), the same calls
-//!   when `STRIX_CUDA_GEMV=simt` (for comparison): one token's dot products per warp, weights
+//!   when `CudaOptions::tensor_core_gemv` is off (for comparison): one token's dot products per warp, weights
 //!   re-read every 4 tokens of a batch.
 //! - **cuBLAS** (`cublasGemmEx`, bf16 × bf16 → f32 on the tensor cores), several tokens: the
 //!   activations are rounded to bf16 first (one pass over `x`), as every bf16 engine does.
@@ -102,7 +102,7 @@ pub(super) struct Kernels {
     mma_multi: Vec<CudaFunction>,
     /// Whether the GEMVs run on the tensor cores (else the CUDA-core kernels).
     use_mma: AtomicBool,
-    /// The [`MMA_CONFIGS`] index forced for every batch (`STRIX_CUDA_MMA_TILES=NTxRTxU`, or
+    /// The [`MMA_CONFIGS`] index forced for every batch (`CudaOptions::gemv_tiles`, or
     /// [`Kernels::set_mma_tiles`]), [`NO_OVERRIDE`] for the choice by batch size.
     mma_forced: AtomicUsize,
     sm_count: usize,
@@ -129,16 +129,6 @@ pub enum TensorCoreKernel {
 }
 
 impl TensorCoreKernel {
-    /// `STRIX_CUDA_MMA_KERNEL=warp|streamed|wgmma`.
-    fn from_env() -> Option<TensorCoreKernel> {
-        match std::env::var("STRIX_CUDA_MMA_KERNEL").ok()?.as_str() {
-            "warp" => Some(TensorCoreKernel::PerWarp),
-            "streamed" => Some(TensorCoreKernel::Streamed),
-            "wgmma" => Some(TensorCoreKernel::Warpgroup),
-            _ => None,
-        }
-    }
-
     fn from_u8(v: u8) -> TensorCoreKernel {
         match v {
             1 => TensorCoreKernel::Streamed,
@@ -409,17 +399,6 @@ fn mma_config(tokens: usize, forced: Option<usize>) -> usize {
 /// `mma_forced` when the configuration is chosen by batch size.
 const NO_OVERRIDE: usize = usize::MAX;
 
-/// `STRIX_CUDA_MMA_TILES=NTxRTxU` (e.g. `8x2x4`), one of [`MMA_CONFIGS`], for tuning.
-fn mma_override() -> usize {
-    let parse = || {
-        let v = std::env::var("STRIX_CUDA_MMA_TILES").ok()?;
-        let mut it = v.split('x').map(|n| n.trim().parse().ok());
-        let c = (it.next()??, it.next()??, it.next()??);
-        MMA_CONFIGS.iter().position(|&k| k == c)
-    };
-    parse().unwrap_or(NO_OVERRIDE)
-}
-
 /// `GEMV_MAX_SEGS`: weights one fused GEMV launch takes.
 pub(super) const MAX_SEGMENTS: usize = 4;
 
@@ -482,8 +461,8 @@ impl Kernels {
                 .iter()
                 .map(|(n, r, u)| f(&format!("gemv_mma_multi_n{n}_r{r}_u{u}")))
                 .collect::<Result<_>>()?,
-            use_mma: AtomicBool::new(std::env::var("STRIX_CUDA_GEMV").map_or(true, |v| v != "simt")),
-            mma_forced: AtomicUsize::new(mma_override()),
+            use_mma: AtomicBool::new(true),
+            mma_forced: AtomicUsize::new(NO_OVERRIDE),
             sm_count: dev.sm_count as usize,
             gemv_glu: by_split("gemv_glu_s")?,
             gs: Streamed::load(module, dev)?,
@@ -493,8 +472,7 @@ impl Kernels {
             .into_iter()
             .find(|&k| kernels.has(k))
             .expect("the per-warp kernel is always there");
-        let chosen = TensorCoreKernel::from_env().filter(|&k| kernels.has(k)).unwrap_or(best);
-        kernels.tc_kernel.store(chosen as u8, Ordering::Relaxed);
+        kernels.tc_kernel.store(best as u8, Ordering::Relaxed);
         Ok(kernels)
     }
 
@@ -508,7 +486,7 @@ impl Kernels {
     }
 
     /// The kernel the tensor-core GEMVs run on: by default the warpgroup one where it loaded,
-    /// else the streamed one (`STRIX_CUDA_MMA_KERNEL=warp|streamed|wgmma` picks).
+    /// else the streamed one (`CudaOptions::tensor_core_kernel` picks).
     pub fn tc_kernel(&self) -> TensorCoreKernel {
         TensorCoreKernel::from_u8(self.tc_kernel.load(Ordering::Relaxed))
     }
@@ -605,7 +583,7 @@ impl Kernels {
         })
     }
 
-    /// Whether the GEMVs run on the tensor cores (`STRIX_CUDA_GEMV=simt` turns them off).
+    /// Whether the GEMVs run on the tensor cores (`CudaOptions::tensor_core_gemv` off turns them off).
     pub fn uses_mma(&self) -> bool {
         self.use_mma.load(Ordering::Relaxed)
     }

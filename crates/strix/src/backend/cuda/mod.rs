@@ -37,6 +37,7 @@ mod elementwise;
 mod flash_attention;
 mod graph;
 mod matmul;
+mod options;
 mod packed;
 mod quant;
 mod sample;
@@ -53,6 +54,7 @@ use crate::tensor::HostTensor;
 pub use attention::CudaCache;
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::{GemmPath, TensorCoreKernel};
+pub use options::CudaOptions;
 pub use quant::set_qgemv_rows;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 
@@ -110,7 +112,7 @@ path_counters! {
     /// One-token matmuls on a bf16 GEMV kernel (tensor-core or CUDA-core).
     gemv,
     /// bf16 GEMV launches on the tensor cores: one-token matmuls, decode-batch matmuls and
-    /// fused projections alike (`STRIX_CUDA_GEMV=simt` sends them to the CUDA-core kernels).
+    /// fused projections alike (`CudaOptions::tensor_core_gemv` off sends them to the CUDA-core kernels).
     gemv_mma,
     /// Of those, launches of a streamed kernel (weights through a shared-memory ring: the
     /// warpgroup or the `mma.sync` one, see [`TensorCoreKernel`]) rather than the per-warp one.
@@ -263,14 +265,19 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// Opens CUDA device `ordinal` and loads the kernels (compiling them with NVRTC unless
-    /// the kernel cache has them). An error, never a panic, when the machine has no driver,
-    /// no such device, or no NVRTC.
+    /// Opens CUDA device `ordinal` with the default [`CudaOptions`] (no kernel cache on disk).
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
-        let dev = Device::open(ordinal)?;
+        CudaBackend::with_options(ordinal, &CudaOptions::default())
+    }
+
+    /// Opens CUDA device `ordinal` and loads the kernels (compiling them with NVRTC unless
+    /// `options.kernel_cache` has them), set up as `options` says. An error, never a panic,
+    /// when the machine has no driver, no such device, or no NVRTC.
+    pub fn with_options(ordinal: usize, options: &CudaOptions) -> Result<CudaBackend> {
+        let dev = Device::open(ordinal, options.pdl)?;
         let counters = Counters::default();
         let module = |name: &str, src: &str| {
-            let (m, origin) = compile::load_module(&dev, name, src)?;
+            let (m, origin) = compile::load_module(&dev, options.kernel_cache.as_deref(), name, src)?;
             bump(match origin {
                 compile::Origin::Compiled => &counters.modules_compiled,
                 compile::Origin::Cached => &counters.modules_cached,
@@ -280,15 +287,27 @@ impl CudaBackend {
         let ew = elementwise::Kernels::load(&module("elementwise", elementwise::SOURCE)?)?;
         let sample = sample::Kernels::load(&module("sample", sample::SOURCE)?)?;
         let mm = matmul::Kernels::load(&module("matmul", matmul::SOURCE)?, &dev)?;
-        let dn = deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev)?;
+        mm.set_mma(options.tensor_core_gemv);
+        if let Some(kernel) = options.tensor_core_kernel {
+            // One the device cannot load keeps the best it has, as documented.
+            mm.set_tc_kernel(kernel);
+        }
+        if !mm.set_mma_tiles(options.gemv_tiles) {
+            return Err(cuda_error(format!(
+                "CUDA options: gemv_tiles {:?} is not a compiled tensor-core GEMV tiling",
+                options.gemv_tiles
+            )));
+        }
+        let dn =
+            deltanet::Kernels::load(&module("deltanet", deltanet::SOURCE)?, &dev, options.gdn_decode_cols)?;
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
         let q = quant::Kernels::load(&module("quant", quant::SOURCE)?, &dev)?;
+        q.set_producer_quant(options.producer_quant);
         let fa = flash_attention::Kernels::load(&module("flash_attention", flash_attention::SOURCE)?, &dev)?;
         let dtc =
             deltanet_chunked::Kernels::load(&module("deltanet_chunked", deltanet_chunked::SOURCE)?, &dev)?;
         let blas = matmul::Blas::open(&dev)?;
-        // STRIX_CUDA_GRAPHS=0 runs every decode step op by op (for profiling and comparison).
-        let use_graphs = std::env::var("STRIX_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let use_graphs = options.graphs;
         Ok(CudaBackend {
             dev,
             ew,
@@ -408,7 +427,7 @@ impl CudaBackend {
     }
 
     /// Runs the bf16 GEMVs on the tensor cores (the default: a batch reads the weights once)
-    /// or, with `false`, on the CUDA-core kernels (as `STRIX_CUDA_GEMV=simt` does), which
+    /// or, with `false`, on the CUDA-core kernels (as `CudaOptions::tensor_core_gemv` off does), which
     /// stream faster for a single sequence. Each choice is bitwise batch-invariant; decode
     /// steps recorded under the other one are not replayed.
     pub fn set_tensor_core_gemv(&self, on: bool) {
@@ -416,7 +435,7 @@ impl CudaBackend {
     }
 
     /// The kernel of the tensor-core GEMVs from the next call on (as
-    /// `STRIX_CUDA_MMA_KERNEL=warp|streamed|wgmma` picks at start): each is bitwise
+    /// [`CudaOptions::tensor_core_kernel`] picks at start): each is bitwise
     /// batch-invariant on its own; decode steps recorded under another are not replayed. False,
     /// and nothing changes, for a kernel that did not load on this device (the warpgroup one
     /// needs compute capability 9.0, the streamed ones ~100 KB of shared memory per block).
@@ -430,7 +449,7 @@ impl CudaBackend {
     }
 
     /// The tensor-core GEMV's (n-tiles of 8 tokens, row tiles of 16 rows, 32-column steps in
-    /// flight) per warp for every batch, for tuning (as `STRIX_CUDA_MMA_TILES=NTxRTxU` does); `None`
+    /// flight) per warp for every batch, for tuning (as [`CudaOptions::gemv_tiles`] does); `None`
     /// restores the choice by batch size. A token's outputs do not depend on it. False, and
     /// nothing changes, for a configuration that is not one of [`CudaBackend::gemv_tile_configs`].
     pub fn set_gemv_tiles(&self, tiles: Option<(usize, usize, usize)>) -> bool {
@@ -448,7 +467,7 @@ impl CudaBackend {
     }
 
     /// Whether the row norms and the SwiGLU of one token also write their output quantized
-    /// for the packed GEMV that reads it next (default on, `STRIX_PRODUCER_QUANT=0` off); off,
+    /// for the packed GEMV that reads it next (default on; [`CudaOptions::producer_quant`] at start); off,
     /// every packed GEMV quantizes its input itself first. Results are bitwise the same.
     pub fn set_producer_quant(&self, on: bool) {
         self.q.set_producer_quant(on);
@@ -655,6 +674,29 @@ impl Backend for CudaBackend {
     fn cache_download(&self, cache: &CudaCache, offset: usize, len: usize) -> Vec<f32> {
         self.dev.bind();
         or_panic(cache.download(&self.dev, offset, len))
+    }
+
+    fn copy(&self, src: &CudaBuf, src_offset: usize, dst: &mut CudaBuf, dst_offset: usize, len: usize) {
+        assert!(
+            src_offset + len <= src.len() && dst_offset + len <= dst.len(),
+            "copy: {len} floats from {src_offset} of {} to {dst_offset} of {}",
+            src.len(),
+            dst.len()
+        );
+        self.dev.bind();
+        self.dev.copy_dtod(dst.at(dst_offset), src.at(src_offset), len * 4);
+    }
+
+    fn cache_copy(
+        &self,
+        src: &CudaCache,
+        src_offset: usize,
+        dst: &mut CudaCache,
+        dst_offset: usize,
+        len: usize,
+    ) {
+        self.dev.bind();
+        src.copy_to(&self.dev, src_offset, dst, dst_offset, len);
     }
 
     fn decode_step(

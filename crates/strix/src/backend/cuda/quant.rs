@@ -41,7 +41,7 @@
 //!   [`Device::work_seq`] has not moved since the producer's kernel, i.e. no op, kernel or copy
 //!   ran in between (anything that could have rewritten the buffer), and it is taken by the
 //!   first op that looks. A recorded decode step drops it before its capture ends, so its
-//!   buffer belongs to the recording. `STRIX_PRODUCER_QUANT=0` (or
+//!   buffer belongs to the recording. `CudaOptions::producer_quant` off (or
 //!   [`Kernels::set_producer_quant`]) keeps the separate `quantize_x` everywhere.
 //! - **Prefill** (more than [`GEMV_MAX_TOKENS`] tokens): bands of weight rows are dequantized
 //!   to bf16 (exactly the CPU's dequantized values, rounded to nearest even) into a scratch
@@ -245,7 +245,7 @@ pub(super) struct Kernels {
     sm_count: usize,
     /// The last producer's side output, until the next op takes it (module docs).
     pre: Mutex<Option<Prequantized>>,
-    /// Producers quantize (`STRIX_PRODUCER_QUANT`, default on)...
+    /// Producers quantize (`CudaOptions::producer_quant`, default on)...
     producer_quant: AtomicBool,
     /// ...once a packed weight has been uploaded (no cost for bf16 models).
     packed_loaded: AtomicBool,
@@ -308,7 +308,7 @@ impl Kernels {
             qmv1: Vec::new(),
             sm_count: dev.sm_count as usize,
             pre: Mutex::new(None),
-            producer_quant: AtomicBool::new(std::env::var("STRIX_PRODUCER_QUANT").map_or(true, |v| v != "0")),
+            producer_quant: AtomicBool::new(true),
             packed_loaded: AtomicBool::new(false),
         };
         for (dtype, name) in FORMATS {
