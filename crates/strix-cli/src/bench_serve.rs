@@ -251,6 +251,11 @@ pub struct BenchServeArgs {
     /// Seconds a request may take, from sending it to the end of its stream
     #[arg(long, value_name = "SECONDS", default_value_t = 300.0)]
     pub timeout: f64,
+
+    /// Send every request with `response_format` {"type": "json_schema"} of the JSON schema in
+    /// FILE (structured output), and count the outputs that do not parse as JSON
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
 }
 
 pub fn bench_serve(args: BenchServeArgs) -> Result<()> {
@@ -352,6 +357,8 @@ struct Plan {
     extra: Map<String, Value>,
     timeout: Duration,
     keep_alive: bool,
+    /// --json-schema: its path and the `response_format` every request carries.
+    json_schema: Option<(PathBuf, Value)>,
     /// Turns per conversation (`None`: one request is one prompt).
     turns: Option<usize>,
 }
@@ -384,6 +391,20 @@ impl Plan {
                 Ok(_) => bail!("--extra-body must be a JSON object, got {text}"),
                 Err(e) => bail!("--extra-body is not JSON ({e}): {text}"),
             },
+        };
+        let json_schema = match &args.json_schema {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read --json-schema {}", path.display()))?;
+                let schema: Value = serde_json::from_str(&text)
+                    .with_context(|| format!("--json-schema {} is not JSON", path.display()))?;
+                if !schema.is_object() {
+                    bail!("--json-schema {} must hold a JSON schema object", path.display());
+                }
+                let format = json!({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema, "strict": true}});
+                Some((path.clone(), format))
+            }
         };
         let kind = args.prompt_kind.unwrap_or(match args.endpoint {
             Endpoint::Completions => PromptKind::Ids,
@@ -460,6 +481,7 @@ impl Plan {
             extra,
             timeout,
             keep_alive: args.keep_alive,
+            json_schema,
             turns: args.turns,
         })
     }
@@ -526,6 +548,9 @@ impl Plan {
             body.insert("ignore_eos".into(), json!(true));
         }
         body.extend(profile.fields.clone());
+        if let Some((_, format)) = &self.json_schema {
+            body.insert("response_format".into(), format.clone());
+        }
         if let Some(seed) = self.seed {
             body.insert("seed".into(), json!(seed.wrapping_add(index)));
         }
@@ -683,9 +708,16 @@ struct Streamed {
     chunks: usize,
     usage: Option<Usage>,
     finish_reason: Option<String>,
+    /// The answer's text (`text` or `content`), kept with --json-schema to check it parses.
+    text: Option<String>,
 }
 
 impl Streamed {
+    /// Kept text that does not parse as JSON.
+    fn unparsable(&self) -> bool {
+        self.text.as_deref().is_some_and(|t| serde_json::from_str::<Value>(t).is_err())
+    }
+
     /// Output tokens: the server's count when it sent one, else the token chunks.
     fn output_tokens(&self) -> usize {
         self.usage.and_then(|u| u.completion_tokens).unwrap_or(self.chunks)
@@ -761,8 +793,16 @@ fn run_phase(
                     let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                     max_in_flight.fetch_max(now, Ordering::SeqCst);
                     let sent = Instant::now();
-                    let result =
-                        stream_request(&agent, &url, plan.api_key.as_deref(), &body, plan.timeout, sent);
+                    let keep_text = plan.json_schema.is_some();
+                    let result = stream_request(
+                        &agent,
+                        &url,
+                        plan.api_key.as_deref(),
+                        &body,
+                        plan.timeout,
+                        sent,
+                        keep_text,
+                    );
                     let ended = Instant::now();
                     in_flight.fetch_sub(1, Ordering::SeqCst);
                     let failed = result.is_err();
@@ -813,6 +853,7 @@ fn stream_request(
     body: &str,
     timeout: Duration,
     sent: Instant,
+    keep_text: bool,
 ) -> std::result::Result<Streamed, String> {
     let mut request = agent
         .post(url)
@@ -859,6 +900,9 @@ fn stream_request(
             break;
         }
         let chunk = read_chunk(&data)?;
+        if keep_text {
+            streamed.text.get_or_insert_with(String::new).push_str(&chunk.text);
+        }
         if chunk.token {
             match last_text {
                 None => streamed.ttft = Some(now - sent),
@@ -951,6 +995,8 @@ struct Chunk {
     token: bool,
     usage: Option<Usage>,
     finish_reason: Option<String>,
+    /// The answer's text in this chunk (`text` or `delta.content`).
+    text: String,
 }
 
 fn read_chunk(data: &str) -> std::result::Result<Chunk, String> {
@@ -970,6 +1016,7 @@ fn read_chunk(data: &str) -> std::result::Result<Chunk, String> {
             || delta["tool_calls"].as_array().is_some_and(|calls| !calls.is_empty());
         let empty_piece = pieces.iter().any(|v| v.is_string()) && delta.get("role").is_none();
         chunk.finish_reason = choice["finish_reason"].as_str().map(str::to_string);
+        chunk.text = [&choice["text"], &delta["content"]].iter().filter_map(|v| v.as_str()).collect();
         chunk.token = text || (empty_piece && chunk.finish_reason.is_none());
     }
     if let Some(usage) = value["usage"].as_object() {
@@ -1164,6 +1211,8 @@ struct Report {
     with_usage: usize,
     /// Completed requests that produced fewer than `max_tokens`.
     short: usize,
+    /// With --json-schema: completed outputs that do not parse as JSON.
+    unparsable: usize,
     finish_reasons: BTreeMap<String, usize>,
     max_in_flight: usize,
     mean_in_flight: f64,
@@ -1241,6 +1290,7 @@ impl Report {
             chunks: done().map(|(_, s)| s.chunks).sum(),
             with_usage: done().filter(|(_, s)| s.usage.and_then(|u| u.completion_tokens).is_some()).count(),
             short: done().filter(|(_, s)| s.output_tokens() < plan.max_tokens).count(),
+            unparsable: done().filter(|(_, s)| s.unparsable()).count(),
             finish_reasons,
             max_in_flight: phase.max_in_flight,
             // Little's law: requests in flight on average over the measured wall time.
@@ -1309,6 +1359,8 @@ impl Report {
             "token_chunks": self.chunks,
             "output_tokens_from": self.tokens_from(),
             "short_requests": self.short,
+            "json_schema": plan.json_schema.as_ref().map(|(path, _)| path.display().to_string()),
+            "unparsable_outputs": plan.json_schema.as_ref().map(|_| self.unparsable),
             "finish_reasons": self.finish_reasons,
             "concurrency": {"max": self.max_in_flight, "mean": self.mean_in_flight},
         }));
@@ -1345,6 +1397,9 @@ impl Report {
         row("sampling", names.join(" | "));
         let eos = if plan.ignore_eos { ", ignore_eos" } else { "" };
         row("max tokens", format!("{}{eos}", plan.max_tokens));
+        if let Some((path, _)) = &plan.json_schema {
+            row("response_format", format!("json_schema of {}", path.display()));
+        }
         let connections = if plan.keep_alive { "one per client, kept alive" } else { "one per request" };
         row("connections", connections.to_string());
         row(
@@ -1366,6 +1421,9 @@ impl Report {
                 self.short
             ),
         );
+        if plan.json_schema.is_some() {
+            row("unparsable outputs", format!("{} of {} (not JSON)", self.unparsable, self.completed));
+        }
         match self.prompt_tokens {
             Some(n) => row("prompt tok/s", format!("{:.1} ({n} tokens)", self.per_second(n))),
             None => row("prompt tok/s", "unknown (the server sent no usage)".to_string()),
@@ -1483,13 +1541,16 @@ mod tests {
     fn chunks_of_both_routes_are_read() {
         let c =
             read_chunk(r#"{"choices":[{"index":0,"text":"hi","finish_reason":null}],"usage":null}"#).unwrap();
-        assert_eq!(c, Chunk { token: true, usage: None, finish_reason: None });
+        assert_eq!(c, Chunk { token: true, usage: None, finish_reason: None, text: "hi".into() });
         // A token whose text is held back (half a UTF-8 character) still arrived.
         let c = read_chunk(r#"{"choices":[{"text":"","finish_reason":null}]}"#).unwrap();
         assert!(c.token);
         // The end of the stream brings none, unless it has text.
         let c = read_chunk(r#"{"choices":[{"text":"","finish_reason":"length"}]}"#).unwrap();
-        assert_eq!(c, Chunk { token: false, usage: None, finish_reason: Some("length".into()) });
+        assert_eq!(
+            c,
+            Chunk { token: false, usage: None, finish_reason: Some("length".into()), text: String::new() }
+        );
         let c = read_chunk(r#"{"choices":[{"text":"x","finish_reason":"length"}]}"#).unwrap();
         assert!(c.token);
         let c = read_chunk(r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#).unwrap();

@@ -311,6 +311,7 @@ impl<B: Backend> Conversation<'_, B> {
             sampling: self.args.sampling.params()?,
             stop: self.args.stop.clone(),
             ignore_eos: false,
+            constraint: None,
         };
         let mut out = StdoutStream::default();
         let started = Instant::now();

@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::json;
 use strix::backend::Backend;
+use strix::constraint::{thinking_prefix, Constraints, Grammar};
 use strix::generate::{generate, GenerateParams};
 use strix::model::Model;
 use strix::sampling::SamplingParams;
@@ -19,7 +20,9 @@ use crate::device::{self, with_backend, DeviceInfo};
 #[command(after_help = "The prompt is PROMPT, --prompt, --prompt-ids, or (when none is given) all of stdin.
 Without a tokenizer.json only --prompt-ids works, and the generated ids are printed.
 With --json, stdout is one object: {\"prompt_ids\", \"ids\", \"text\", \"finish_reason\"
-(eos | stop | length | context), \"seed\", \"timings\"}.")]
+(eos | stop | length | context), \"seed\", \"timings\"}.
+--json-schema FILE / --grammar FILE (Lark) constrain the output (structured output); with --chat
+and the thinking block the template opens, the output starts with </think> and the answer.")]
 pub struct RunArgs {
     /// The prompt text
     #[arg(value_name = "PROMPT")]
@@ -77,6 +80,31 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub sampling: SamplingArgs,
+
+    /// Constrain the output to JSON valid under the JSON schema in FILE (structured output)
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<std::path::PathBuf>,
+
+    /// Constrain the output to the Lark grammar in FILE (llguidance's dialect; `start` rule)
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<std::path::PathBuf>,
+}
+
+/// Largest --json-schema or --grammar file read.
+const GRAMMAR_FILE_CAP: strix::files::Cap = strix::files::Cap { what: "grammar file", bytes: 1 << 20 };
+
+/// The grammar of --json-schema or --grammar, if either is given.
+fn grammar_of(args: &RunArgs) -> Result<Option<Grammar>> {
+    let read = |path: &std::path::Path| -> Result<String> {
+        let bytes = strix::files::read_capped(path, GRAMMAR_FILE_CAP)?;
+        String::from_utf8(bytes).map_err(|_| anyhow::anyhow!("{}: not UTF-8 text", path.display()))
+    };
+    if let Some(path) = &args.json_schema {
+        let schema: serde_json::Value = serde_json::from_str(&read(path)?)
+            .map_err(|e| anyhow::anyhow!("{}: not a JSON schema: {e}", path.display()))?;
+        return Ok(Some(Grammar::JsonSchema(schema)));
+    }
+    args.grammar.as_deref().map(|path| Ok(Grammar::Lark(read(path)?))).transpose()
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
@@ -132,11 +160,24 @@ fn run_with<B: Backend>(
         bail!("the prompt has {} tokens, more than the {ctx}-token context (--ctx)", prompt_ids.len());
     }
 
+    let constraint = match grammar_of(args)? {
+        None => None,
+        Some(grammar) => {
+            let Some(tokenizer) = tokenizer else {
+                bail!("--json-schema and --grammar constrain text, and this model has no tokenizer.json");
+            };
+            let constraints =
+                Constraints::new(tokenizer, model.config.vocab_size, &model.config.eos_token_ids)?;
+            let prompt = tokenizer.decode(prompt_ids, false)?;
+            Some(constraints.compile(&grammar, thinking_prefix(&prompt))?)
+        }
+    };
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         sampling: sampling.clone(),
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
+        constraint,
     };
     let mut session = model.try_new_session(ctx)?;
     let mut out = StdoutStream::default();

@@ -174,6 +174,34 @@ fn chat_requests_with_word_prompts_on_fresh_connections_are_measured() {
     assert!(ttft.iter().zip(&e2e).all(|(t, e)| t <= e));
 }
 
+/// `--json-schema FILE` sends every request constrained by the repository's benchmark schema:
+/// every output parses (the fixture's weights are random, so only the constraint makes them
+/// JSON); cut short by `--max-tokens`, every output is counted as unparsable.
+#[test]
+fn json_schema_requests_are_constrained_and_their_outputs_checked() {
+    let server = strix_server();
+    let url = format!("http://{}/v1", server.addr());
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/assets/bench_schema.json");
+    let schema = schema.display().to_string();
+    for (endpoint, max_tokens, unparsable) in [("chat", 700, 0), ("completions", 700, 0), ("chat", 6, 3)] {
+        let out = bench_serve(
+            &format!(
+                "--url {url} --endpoint {endpoint} --clients 3 --requests 3 --warmup 0 --max-tokens {max_tokens} \
+                 --prompt-len 20 --prompt-kind words --temperature 1 --seed 5 --json-schema {schema}"
+            ),
+            &[],
+        );
+        assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
+        let r = report(&out);
+        assert_eq!(r["completed"], 3, "{r}");
+        assert_eq!(r["unparsable_outputs"], unparsable, "{endpoint} {max_tokens}: {r}");
+        assert_eq!(r["json_schema"].as_str(), Some(schema.as_str()));
+        if unparsable == 0 {
+            assert_eq!(r["finish_reasons"], serde_json::json!({"stop": 3}), "{r}");
+        }
+    }
+}
+
 /// Every prompt starts with the same ids: the server's prefix cache holds the shared blocks
 /// for every request after the first to prefill them, and the report counts what it said.
 #[test]

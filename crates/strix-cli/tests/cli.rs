@@ -1401,3 +1401,50 @@ fn perplexity_of_a_moe_model_is_what_its_logits_give() {
     println!("perplexity {printed} vs {ppl} from the logits");
     assert!((printed - ppl).abs() <= 1e-4 * ppl + 1e-4, "printed {printed}, from logits {ppl}");
 }
+
+/// `--json-schema FILE` and `--grammar FILE` constrain `run`'s output (the fixture's weights
+/// are random, so only the constraint makes it valid), sampled or greedy, plain or with the
+/// chat template; a schema llguidance cannot compile is one clean error naming it.
+#[test]
+fn json_schema_and_grammar_constrain_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema = dir.path().join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "c": {"enum": ["a", "b"]}}, "required": ["n", "c"], "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let grammar = dir.path().join("g.lark");
+    std::fs::write(&grammar, "start: \"<\" WORD (\",\" WORD)? \">\"\nWORD: /[a-z]{1,3}/\n").unwrap();
+    let model = fixture_arg("vlm-f32-gdn2x");
+    let schema_arg = schema.display().to_string();
+    let grammar_arg = grammar.display().to_string();
+    for sampling in [&["--temperature", "0"][..], &["--temperature", "1", "--seed", "4"]] {
+        for chat in [false, true] {
+            let mut args =
+                vec!["run", "--model", &model, "-n", "200", "--json", "--json-schema", &schema_arg];
+            args.extend_from_slice(sampling);
+            if chat {
+                args.push("--chat");
+            }
+            args.push("Give me a record");
+            let json = strix_json(&args);
+            let text = json["text"].as_str().unwrap();
+            let text = text.strip_prefix("</think>").unwrap_or(text).trim_start();
+            let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{args:?}: {e}: {json}"));
+            assert!((0..=99).contains(&v["n"].as_i64().unwrap()), "{json}");
+            assert!(["a", "b"].contains(&v["c"].as_str().unwrap()), "{json}");
+            assert_eq!(json["finish_reason"], "eos", "{json}");
+        }
+        let mut args = vec!["run", "--model", &model, "-n", "50", "--json", "--grammar", &grammar_arg];
+        args.extend_from_slice(sampling);
+        args.push("x");
+        let json = strix_json(&args);
+        let text = json["text"].as_str().unwrap();
+        assert!(text.starts_with('<') && text.ends_with('>') && text.len() <= 9, "{json}");
+    }
+    std::fs::write(&schema, r#"{"type": "objekt"}"#).unwrap();
+    let out = strix(&["run", "--model", &model, "-n", "5", "--json-schema", &schema_arg, "x"]);
+    assert_clean_error(&out, "cannot compile the JSON schema");
+}

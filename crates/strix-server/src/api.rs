@@ -12,7 +12,7 @@
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
@@ -26,6 +26,7 @@ use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use strix::chat::ChatTemplate;
+use strix::constraint::{thinking_prefix, Constraint, Constraints};
 use strix::generate::FinishReason;
 use strix::sampling::{Sampler, SamplingParams, StopMatcher, TokenLogprobs};
 use strix::tokenizer::Tokenizer;
@@ -55,6 +56,8 @@ pub struct AppState {
     pub created: u64,
     /// Turns at rendering and tokenizing prompts.
     pub prompt_gate: PromptGate,
+    /// The grammar compiler for structured output, or why this model has none.
+    pub constraints: Result<Constraints, String>,
 }
 
 type AppStateRef = Arc<AppState>;
@@ -239,7 +242,13 @@ async fn completions(State(state): State<AppStateRef>, headers: HeaderMap, body:
 async fn chat_inner(state: AppStateRef, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let submitted = Instant::now();
     let body = read_body(&headers, body, state.max_body).await?;
-    let req = request::parse_chat(&body, &state.defaults)?;
+    let mut req = request::parse_chat(&body, &state.defaults)?;
+    // A constrained answer comes without thinking unless thinking is asked for (then the
+    // grammar closes the thinking block first: `thinking_prefix`).
+    if req.gen.structured.is_some() && req.template.enable_thinking.is_none() {
+        req.template.enable_thinking = Some(false);
+    }
+    let compiler = compiler(&state, &req.gen)?;
     let template = state
         .template
         .clone()
@@ -248,13 +257,15 @@ async fn chat_inner(state: AppStateRef, headers: HeaderMap, body: Body) -> Resul
     let tokenizer = state.tokenizer.clone();
     let (messages, options) = (req.messages, req.template.clone());
     let turn = state.prompt_gate.enter().await?;
-    let (prompt_text, ids) = tokio::task::spawn_blocking(move || {
+    let structured = req.gen.structured.clone();
+    let (prompt_text, ids, constraint) = tokio::task::spawn_blocking(move || {
         let _turn = turn;
         let text = template.render(&messages, &options).map_err(|e| {
             ApiError::invalid_param("messages", format!("cannot apply the chat template: {e}"))
         })?;
+        let constraint = compile(compiler.as_ref(), structured.as_ref(), thinking_prefix(&text))?;
         let ids = tokenizer.encode_within(&text, limit).map_err(|e| ApiError::bad_request(e.to_string()))?;
-        Ok::<_, ApiError>((text, ids))
+        Ok::<_, ApiError>((text, ids, constraint))
     })
     .await
     .map_err(|_| ApiError::internal("rendering the prompt failed"))??;
@@ -262,7 +273,7 @@ async fn chat_inner(state: AppStateRef, headers: HeaderMap, body: Body) -> Resul
 
     let tools = if req.parse_tools { req.template.tools.clone() } else { None };
     let parser = OutputParser::new(OutputParser::prompt_opens_reasoning(&prompt_text), tools);
-    let events = submit(&state, ids, &req.gen, "messages", submitted)?;
+    let events = submit(&state, ids, &req.gen, constraint, "messages", submitted)?;
     let reply = Reply::new(&state, "chatcmpl-", req.gen.clone());
     if req.gen.stream {
         Ok(sse(chat_stream(reply, events, parser)))
@@ -275,6 +286,20 @@ async fn completion_inner(state: AppStateRef, headers: HeaderMap, body: Body) ->
     let submitted = Instant::now();
     let body = read_body(&headers, body, state.max_body).await?;
     let req = request::parse_completion(&body, &state.defaults)?;
+    let compiler = compiler(&state, &req.gen)?;
+    let structured = req.gen.structured.clone();
+    let constraint = match (&compiler, &structured) {
+        (Some(_), Some(_)) => {
+            let turn = state.prompt_gate.enter().await?;
+            tokio::task::spawn_blocking(move || {
+                let _turn = turn;
+                compile(compiler.as_ref(), structured.as_ref(), "")
+            })
+            .await
+            .map_err(|_| ApiError::internal("compiling the grammar failed"))??
+        }
+        _ => None,
+    };
     let ids = match req.prompt {
         Prompt::Ids(ids) => ids,
         Prompt::Text(text) => {
@@ -291,7 +316,7 @@ async fn completion_inner(state: AppStateRef, headers: HeaderMap, body: Body) ->
             .ok_or_else(|| prompt_too_long(&state, &req.gen, "prompt", limit))?
         }
     };
-    let events = submit(&state, ids, &req.gen, "prompt", submitted)?;
+    let events = submit(&state, ids, &req.gen, constraint, "prompt", submitted)?;
     let reply = Reply::new(&state, "cmpl-", req.gen.clone());
     if req.gen.stream {
         Ok(sse(completion_stream(reply, events)))
@@ -335,11 +360,38 @@ fn prompt_too_long(state: &AppState, gen: &GenOptions, prompt_param: &str, limit
     }
 }
 
+/// The grammar compiler when the request asks for structured output; 400 when this model
+/// has none.
+fn compiler(state: &AppState, gen: &GenOptions) -> Result<Option<Constraints>, ApiError> {
+    match (&gen.structured, &state.constraints) {
+        (None, _) => Ok(None),
+        (Some(_), Ok(constraints)) => Ok(Some(constraints.clone())),
+        (Some(s), Err(why)) => {
+            Err(ApiError::invalid_param(s.param, format!("structured output is unavailable: {why}")))
+        }
+    }
+}
+
+/// Compiles the request's grammar (on the blocking pool: a large schema takes milliseconds);
+/// what llguidance cannot compile is a 400 naming the field.
+fn compile(
+    compiler: Option<&Constraints>,
+    structured: Option<&request::Structured>,
+    prefix: &str,
+) -> Result<Option<Constraint>, ApiError> {
+    let (Some(compiler), Some(s)) = (compiler, structured) else { return Ok(None) };
+    compiler
+        .compile(&s.grammar, prefix)
+        .map(Some)
+        .map_err(|e| ApiError::invalid_param(s.param, e.to_string()))
+}
+
 /// Checks the prompt against the context, fixes `max_tokens` and queues the job.
 fn submit(
     state: &AppState,
     prompt: Vec<u32>,
     gen: &GenOptions,
+    constraint: Option<Constraint>,
     prompt_param: &str,
     submitted: Instant,
 ) -> Result<UnboundedReceiver<Event>, ApiError> {
@@ -391,6 +443,7 @@ fn submit(
         stops: StopMatcher::new(gen.stop.clone()),
         logprobs: gen.logprobs,
         ignore_eos: gen.ignore_eos,
+        constraint,
         events,
         submitted,
     })?;
@@ -726,7 +779,7 @@ fn finite(logprob: f32) -> f64 {
 /// `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs]) -> Value {
     let entry = |id: u32, logprob: f32| {
-        let bytes = token_bytes(tokenizer, id);
+        let bytes = tokenizer.token_bytes(id);
         json!({"token": String::from_utf8_lossy(&bytes), "logprob": finite(logprob), "bytes": bytes})
     };
     let content: Vec<Value> = tokens
@@ -742,7 +795,7 @@ fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs]) -> Value {
 
 /// The legacy completions form: parallel arrays, `top_logprobs` as maps from token to logprob.
 fn completion_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs], mut offset: usize) -> Value {
-    let text = |id: u32| String::from_utf8_lossy(&token_bytes(tokenizer, id)).into_owned();
+    let text = |id: u32| String::from_utf8_lossy(&tokenizer.token_bytes(id)).into_owned();
     let (mut strings, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
     for t in tokens {
         let token = text(t.token);
@@ -757,41 +810,6 @@ fn completion_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs], mut offs
     json!({"tokens": strings, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
 }
 
-/// The bytes of one token. Byte-level BPE vocabularies spell bytes as printable characters
-/// (GPT-2's table: `Ġ` is a space); tokens outside that alphabet (added tokens) are their
-/// own UTF-8. Ids without a token (embedding padding) have no bytes.
-fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
-    let Some(token) = tokenizer.id_to_token(id) else {
-        return Vec::new();
-    };
-    let table = byte_decoder();
-    token
-        .chars()
-        .map(|c| table.iter().position(|&t| t == c).map(|b| b as u8))
-        .collect::<Option<Vec<u8>>>()
-        .unwrap_or_else(|| token.into_bytes())
-}
-
-/// GPT-2's `bytes_to_unicode`: the character standing for each byte.
-fn byte_decoder() -> &'static [char; 256] {
-    static TABLE: OnceLock<[char; 256]> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        let printable =
-            |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let mut table = ['\0'; 256];
-        let mut next = 256u32;
-        for b in 0..256u32 {
-            table[b as usize] = if printable(b) {
-                char::from_u32(b).unwrap_or('\0')
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap_or('\0')
-            };
-        }
-        table
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -802,6 +820,7 @@ mod tests {
         let gen = GenOptions {
             max_tokens: None,
             max_tokens_param: "max_tokens",
+            structured: None,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             logprobs: None,
@@ -904,18 +923,6 @@ mod tests {
         assert!(waiter.as_mut().poll(&mut cx).is_pending(), "the cancelled waiter left the line");
         drop(turn);
         assert!(matches!(waiter.as_mut().poll(&mut cx), Poll::Ready(Ok(_))));
-    }
-
-    #[test]
-    fn the_byte_table_is_gpt2s() {
-        let t = byte_decoder();
-        assert_eq!(t[b'!' as usize], '!');
-        assert_eq!(t[b' ' as usize], 'Ġ');
-        assert_eq!(t[b'\n' as usize], 'Ċ');
-        let mut sorted = t.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        assert_eq!(sorted.len(), 256);
     }
 
     #[test]

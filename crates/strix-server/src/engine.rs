@@ -16,6 +16,11 @@
 //!    samples with its own [`Sampler`] and streams the new text; finished sequences leave the
 //!    batch and their session is dropped right away.
 //!
+//! Structured output: a job may carry a grammar ([`Constraint`], compiled by the HTTP layer, which
+//! answers a bad one with 400). Its sequence holds it; each step's masks are computed while the
+//! backend runs the step ([`Model::decode_batch_masked`], [`fill_masks`]) and applied before the
+//! draw, so unconstrained sequences in the batch pay nothing.
+//!
 //! Batch invariance: `decode_batch` rows are bitwise what decoding alone gives, and prompt
 //! chunks always end on multiples of [`Model::pass_tokens`] (the split one `forward` call
 //! makes by itself), so a sequence's logits never depend on what else was scheduled, and a
@@ -30,7 +35,8 @@ use std::time::{Duration, Instant};
 
 use strix::backend::Backend;
 use strix::config::LayerKind;
-use strix::generate::{FinishReason, Sequence};
+use strix::constraint::Constraint;
+use strix::generate::{fill_masks, FinishReason, Sequence};
 use strix::model::{attention_shape, deltanet_shape, Model};
 use strix::sampling::{Draw, NonFiniteLogits, Sampler, StopMatcher, TokenLogprobs};
 use strix::session::Session;
@@ -52,6 +58,8 @@ pub struct Job {
     /// `Some(n)`: report each token's log-probability and the `n` most likely alternatives.
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
+    /// Structured output: the grammar the generated tokens must follow.
+    pub constraint: Option<Constraint>,
     pub events: UnboundedSender<Event>,
     /// When the request arrived, for time-to-first-token.
     pub submitted: Instant,
@@ -368,7 +376,7 @@ impl<B: Backend> Engine<B> {
             if running >= self.config.max_seqs || (running > 0 && over_budget) {
                 break;
             }
-            let Some(job) = self.waiting.pop_front() else { break };
+            let Some(mut job) = self.waiting.pop_front() else { break };
             if let Some(error) = self.invalid(&job) {
                 let _ = job.events.send(Event::Error(error));
                 self.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -394,7 +402,8 @@ impl<B: Backend> Engine<B> {
                     &self.eos,
                     job.ignore_eos,
                     job.max_tokens,
-                ),
+                )
+                .with_constraint(job.constraint.take()),
                 fed: 0,
                 next: 0,
                 reserved: need,
@@ -469,9 +478,12 @@ impl<B: Backend> Engine<B> {
             let piece = &seq.job.prompt[start..end];
             let called = Instant::now();
             let result = if end == seq.job.prompt.len() {
-                let row =
+                let mut row =
                     seq.job.sampler.prepare(&seq.job.prompt, seq.sequence.generated(), seq.job.logprobs);
-                self.model.prefill_draw(&mut seq.session, piece, &row).map(Some)
+                seq.sequence.allowed().and_then(|mask| {
+                    row.allowed = mask;
+                    self.model.prefill_draw(&mut seq.session, piece, &row).map(Some)
+                })
             } else {
                 self.model.prefill(&mut seq.session, piece).map(|()| None)
             };
@@ -521,15 +533,24 @@ impl<B: Backend> Engine<B> {
             .iter_mut()
             .map(|s| s.job.sampler.prepare(&s.job.prompt, s.sequence.generated(), s.job.logprobs))
             .collect();
-        let mut sessions: Vec<&mut Session<B>> = self.decoding.iter_mut().map(|s| &mut s.session).collect();
+        let (mut sessions, mut sequences): (Vec<&mut Session<B>>, Vec<&mut Sequence>) =
+            self.decoding.iter_mut().map(|s| (&mut s.session, &mut s.sequence)).unzip();
+        // The grammar masks are computed while the backend runs the step.
+        let mut mask_errors = Vec::new();
+        let mut masks =
+            |rows: &mut [strix::sampling::PreparedSample]| mask_errors = fill_masks(&mut sequences, rows);
         let called = Instant::now();
-        let result = self.model.decode_batch_prepared(&mut sessions, &tokens, &rows);
+        let result = self.model.decode_batch_masked(&mut sessions, &tokens, rows, &mut masks);
         self.in_model += called.elapsed();
         match result {
             Ok(draws) => {
                 let batch = std::mem::take(&mut self.decoding);
-                for (seq, draw) in batch.into_iter().zip(draws) {
-                    self.take(seq, draw);
+                mask_errors.resize_with(batch.len(), || None);
+                for ((mut seq, draw), mask_error) in batch.into_iter().zip(draws).zip(mask_errors) {
+                    match mask_error {
+                        Some(e) => self.fail(&mut seq, e),
+                        None => self.take(seq, draw),
+                    }
                 }
             }
             Err(e) => self.fail_decoding(e),
@@ -550,20 +571,30 @@ impl<B: Backend> Engine<B> {
     fn take(&mut self, mut seq: Seq<B>, draw: Result<Draw, NonFiniteLogits>) {
         match draw {
             Ok(draw) => match self.accept(&mut seq, draw.token, draw.logprobs) {
-                Some(finish) => self.finish(seq, finish),
-                None => self.decoding.push(seq),
+                Ok(Some(finish)) => self.finish(seq, finish),
+                Ok(None) => self.decoding.push(seq),
+                Err(e) => self.fail(&mut seq, e),
             },
-            Err(e) => {
-                seq.send(Event::Error(ApiError::internal(format!("generation stopped: {e}"))));
-                self.metrics.finished.fetch_add(1, Ordering::Relaxed);
-                self.release(&seq);
-            }
+            Err(e) => self.fail(&mut seq, e),
         }
+    }
+
+    /// A sequence that cannot go on (logits no token can be drawn from, a failed grammar): the
+    /// error ends it.
+    fn fail(&mut self, seq: &mut Seq<B>, e: impl std::fmt::Display) {
+        seq.send(Event::Error(ApiError::internal(format!("generation stopped: {e}"))));
+        self.metrics.finished.fetch_add(1, Ordering::Relaxed);
+        self.release(seq);
     }
 
     /// Takes `token` as the sequence's next and streams its text; returns why the sequence
     /// ends, if it does.
-    fn accept(&self, seq: &mut Seq<B>, token: u32, logprobs: Option<TokenLogprobs>) -> Option<FinishReason> {
+    fn accept(
+        &self,
+        seq: &mut Seq<B>,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Result<Option<FinishReason>, strix::Error> {
         let now = Instant::now();
         match seq.last_token {
             None => self.metrics.ttft.observe(now - seq.job.submitted),
@@ -572,11 +603,11 @@ impl<B: Backend> Engine<B> {
         seq.last_token = Some(now);
         seq.next = token;
         self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
-        let accepted = seq.sequence.accept(token, seq.session.remaining());
+        let accepted = seq.sequence.accept(token, seq.session.remaining())?;
         if let Some(text) = accepted.text {
             seq.send(Event::Token { text, logprobs });
         }
-        accepted.finish
+        Ok(accepted.finish)
     }
 
     /// Releases the text held back, reports the end, and drops the sequence's state.
@@ -627,6 +658,7 @@ mod tests {
             stops: StopMatcher::new(Vec::new()),
             logprobs: None,
             ignore_eos: true,
+            constraint: None,
             events,
             submitted: Instant::now(),
         };

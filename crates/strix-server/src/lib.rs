@@ -277,6 +277,13 @@ impl Server {
 
         let metrics = Arc::new(metrics::Metrics::default());
         let ServedModel { model, tokenizer, template, defaults } = served;
+        // Built once: llguidance's index of the vocabulary, shared by every request's grammar.
+        let constraints = strix::constraint::Constraints::new(
+            &tokenizer,
+            model.config.vocab_size,
+            &model.config.eos_token_ids,
+        )
+        .map_err(|e| e.to_string());
         let (engine, engine_thread) =
             engine::EngineHandle::start(model, tokenizer.clone(), config.engine.clone(), metrics.clone())?;
         let state = Arc::new(api::AppState {
@@ -292,6 +299,7 @@ impl Server {
             prompt_gate: api::PromptGate::per_core(
                 config.engine.max_seqs.saturating_add(config.engine.max_queue),
             ),
+            constraints,
         });
 
         let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -9,14 +9,15 @@
 //! What the server does not do, it refuses rather than ignores: a field outside the lists of
 //! what each endpoint reads ([`CHAT_FIELDS`], [`COMPLETION_FIELDS`], [`COMMON_FIELDS`]) is a 400
 //! naming it, as OpenAI answers ("Unrecognized request argument supplied"), and so is a known
-//! field in a form the server cannot honour (`response_format` other than text, image or
-//! audio content parts, `tool_choice` forcing a call...). A few
+//! field in a form the server cannot honour (image or audio content parts, a
+//! `structured_outputs` key other than the ones read...). A few
 //! informational fields clients send are accepted and have no effect (`user`, `metadata`,
 //! `store`, `service_tier`). Nothing here panics on any input: the property tests in
 //! `tests/fuzz.rs` feed it random bytes and random JSON.
 
 use serde_json::{Map, Value};
 use strix::chat::{ChatMessage, ChatOptions};
+use strix::constraint::Grammar;
 use strix::sampling::{SamplingParams, LOGIT_BIAS_MAX};
 
 use crate::error::ApiError;
@@ -34,8 +35,10 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_LOGIT_BIAS: usize = 300;
 
 /// Fields both endpoints read; `user`, `metadata`, `store` and `service_tier` are
-/// informational (accepted, without effect).
-pub const COMMON_FIELDS: [&str; 22] = [
+/// informational (accepted, without effect). `structured_outputs` is vLLM's extension for
+/// grammars (`json`, `regex`, `grammar`, `choice`, `json_object`).
+pub const COMMON_FIELDS: [&str; 23] = [
+    "structured_outputs",
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -59,8 +62,8 @@ pub const COMMON_FIELDS: [&str; 22] = [
     "store",
     "service_tier",
 ];
-/// Fields only `/v1/chat/completions` reads (`response_format` and `modalities` only in the
-/// forms that ask for nothing more than text, `parallel_tool_calls` only as `true`).
+/// Fields only `/v1/chat/completions` reads (`modalities` only in the form that asks for
+/// nothing more than text, `parallel_tool_calls` only as `true`).
 pub const CHAT_FIELDS: [&str; 8] = [
     "messages",
     "top_logprobs",
@@ -72,8 +75,19 @@ pub const CHAT_FIELDS: [&str; 8] = [
     "modalities",
 ];
 /// Fields only `/v1/completions` reads (`echo` only as false, `best_of` only as 1; `suffix` is
-/// known to be refused).
-pub const COMPLETION_FIELDS: [&str; 4] = ["prompt", "echo", "suffix", "best_of"];
+/// known to be refused; `response_format` is an extension there, read as in chat).
+pub const COMPLETION_FIELDS: [&str; 5] = ["prompt", "echo", "suffix", "best_of", "response_format"];
+
+/// The most bytes of grammar text (a schema, a Lark grammar, a regex, the choices) a request
+/// may give; the body cap bounds it too, and llguidance bounds the work of compiling it.
+pub const MAX_GRAMMAR_BYTES: usize = 256 << 10;
+
+/// Structured output asked for: the grammar, and the field it came from (for errors).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Structured {
+    pub grammar: Grammar,
+    pub param: &'static str,
+}
 
 /// What both endpoints share: how much to generate, how to sample, when to stop, what to report.
 #[derive(Clone, Debug, PartialEq)]
@@ -91,6 +105,8 @@ pub struct GenOptions {
     pub include_usage: bool,
     /// vLLM's extension: keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// `response_format`, `structured_outputs` or a forced tool call: the output's grammar.
+    pub structured: Option<Structured>,
 }
 
 #[derive(Clone, Debug)]
@@ -122,17 +138,7 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
     let object = parse_object(body)?;
     let f = Fields(&object);
     f.only(&CHAT_FIELDS)?;
-    let gen = gen_options(&f, defaults, LogprobsStyle::Chat)?;
-    match f.get("response_format") {
-        None => {}
-        Some(Value::Object(format)) if format.get("type") == Some(&Value::from("text")) && format.len() == 1 => {}
-        Some(_) => {
-            return Err(ApiError::invalid_param(
-                "response_format",
-                "`response_format` is not supported: only {\"type\": \"text\"} (structured output is not implemented)",
-            ))
-        }
-    }
+    let mut gen = gen_options(&f, defaults, LogprobsStyle::Chat)?;
     match f.get("modalities") {
         None => {}
         Some(Value::Array(m)) if m.iter().all(|m| m == "text") => {}
@@ -178,23 +184,19 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
         }
         Some(_) => return Err(type_error("tools", "an array of tools")),
     };
-    let tool_choice_none = match f.get("tool_choice") {
-        None => false,
-        Some(Value::String(choice)) => match choice.as_str() {
-            "none" => true,
-            "auto" => false,
-            "required" => return Err(forced_tool_call()),
-            other => {
-                return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    format!("`tool_choice` must be \"none\" or \"auto\", got \"{other}\""),
-                ))
-            }
-        },
-        Some(Value::Object(_)) => return Err(forced_tool_call()),
-        Some(_) => return Err(type_error("tool_choice", "a string")),
-    };
+    let forced = forced_tools(f.get("tool_choice"), tools.as_ref())?;
+    let tool_choice_none = matches!(f.get("tool_choice"), Some(Value::String(c)) if c == "none");
     let tools = if tool_choice_none { None } else { tools };
+    if let Some(grammar) = forced {
+        if gen.structured.is_some() {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                "a forced tool call (`tool_choice` \"required\" or a function) cannot be combined with \
+                 `response_format` or `structured_outputs`",
+            ));
+        }
+        gen.structured = Some(Structured { grammar, param: "tool_choice" });
+    }
 
     let mut extra = match f.get("chat_template_kwargs") {
         None => Map::new(),
@@ -219,12 +221,167 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
     })
 }
 
-/// `tool_choice` that forces a call: the server cannot make the model call a tool.
-fn forced_tool_call() -> ApiError {
-    ApiError::invalid_param(
-        "tool_choice",
-        "forcing a tool call (`tool_choice` \"required\" or a function) is not supported; use \"auto\" or \"none\"",
-    )
+/// The grammar of a `tool_choice` that forces a call: `"required"` (one or more calls to any
+/// of `tools`) or `{"type": "function", "function": {"name": ...}}` (one call to that one);
+/// `None` for `"auto"`, `"none"` or no `tool_choice`.
+fn forced_tools(choice: Option<&Value>, tools: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let listed = || tools.and_then(Value::as_array).cloned().unwrap_or_default();
+    let name_of = |tool: &Value| {
+        tool.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).map(str::to_owned)
+    };
+    match choice {
+        None => Ok(None),
+        Some(Value::String(choice)) => match choice.as_str() {
+            "none" | "auto" => Ok(None),
+            "required" if listed().is_empty() => {
+                Err(ApiError::invalid_param("tool_choice", "`tool_choice` \"required\" needs `tools`"))
+            }
+            "required" => Ok(Some(Grammar::ToolCalls { tools: listed(), one: false })),
+            other => Err(ApiError::invalid_param(
+                "tool_choice",
+                format!(
+                    "`tool_choice` must be \"none\", \"auto\", \"required\" or a function, got \"{other}\""
+                ),
+            )),
+        },
+        Some(Value::Object(choice)) => {
+            let name =
+                match (choice.get("type"), choice.get("function").and_then(|f| f.get("name"))) {
+                    (Some(Value::String(t)), Some(Value::String(name))) if t == "function" => name.clone(),
+                    _ => return Err(ApiError::invalid_param(
+                        "tool_choice",
+                        "`tool_choice` must be {\"type\": \"function\", \"function\": {\"name\": string}}",
+                    )),
+                };
+            match listed().into_iter().find(|t| name_of(t).as_deref() == Some(name.as_str())) {
+                Some(tool) => Ok(Some(Grammar::ToolCalls { tools: vec![tool], one: true })),
+                None => Err(ApiError::invalid_param(
+                    "tool_choice",
+                    format!("`tool_choice` names the function \"{name}\", which is not among `tools`"),
+                )),
+            }
+        }
+        Some(_) => Err(type_error("tool_choice", "a string or an object")),
+    }
+}
+
+/// `response_format` (OpenAI's): `{"type": "text"}` (nothing), `{"type": "json_object"}`, or
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`.
+fn response_format(value: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    const P: &str = "response_format";
+    let Some(value) = value else { return Ok(None) };
+    let Value::Object(format) = value else { return Err(type_error(P, "an object")) };
+    let only = |keys: &[&str], at: &str| match format
+        .iter()
+        .find(|(k, v)| !keys.contains(&k.as_str()) && !v.is_null())
+    {
+        Some((k, _)) => Err(unrecognized(&format!("{at}.{k}"))),
+        None => Ok(()),
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => only(&["type"], P).map(|()| None),
+        Some("json_object") => only(&["type"], P).map(|()| Some(Grammar::JsonObject)),
+        Some("json_schema") => {
+            only(&["type", "json_schema"], P)?;
+            let Some(Value::Object(spec)) = format.get("json_schema") else {
+                return Err(type_error("response_format.json_schema", "an object with a `schema`"));
+            };
+            if let Some((k, _)) = spec.iter().find(|(k, v)| {
+                !["name", "schema", "strict", "description"].contains(&k.as_str()) && !v.is_null()
+            }) {
+                return Err(unrecognized(&format!("response_format.json_schema.{k}")));
+            }
+            if !matches!(spec.get("strict"), None | Some(Value::Null | Value::Bool(_))) {
+                return Err(type_error("response_format.json_schema.strict", "a boolean"));
+            }
+            match spec.get("schema") {
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                    Ok(Some(Grammar::JsonSchema(schema.clone())))
+                }
+                None | Some(Value::Null) => Err(ApiError::invalid_param(
+                    "response_format.json_schema.schema",
+                    "`response_format.json_schema.schema` is required",
+                )),
+                Some(_) => Err(type_error("response_format.json_schema.schema", "a JSON schema (an object)")),
+            }
+        }
+        _ => Err(ApiError::invalid_param(
+            P,
+            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+/// `structured_outputs` (vLLM's extension): exactly one of `json` (a schema, or its JSON text),
+/// `regex`, `grammar` (Lark, llguidance's dialect), `choice` (strings) or `json_object: true`.
+fn structured_outputs(value: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    const P: &str = "structured_outputs";
+    let Some(value) = value else { return Ok(None) };
+    let Value::Object(spec) = value else { return Err(type_error(P, "an object")) };
+    let given: Vec<(&String, &Value)> = spec.iter().filter(|(_, v)| !v.is_null()).collect();
+    let [(key, value)] = given.as_slice() else {
+        return Err(ApiError::invalid_param(
+            P,
+            "`structured_outputs` must hold exactly one of `json`, `regex`, `grammar`, `choice`, `json_object`",
+        ));
+    };
+    let param = format!("{P}.{key}");
+    match (key.as_str(), value) {
+        ("json", Value::String(text)) => match serde_json::from_str::<Value>(text) {
+            Ok(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(Some(Grammar::JsonSchema(schema))),
+            _ => Err(type_error(param, "a JSON schema (an object, or its JSON text)")),
+        },
+        ("json", schema @ (Value::Object(_) | Value::Bool(_))) => {
+            Ok(Some(Grammar::JsonSchema((*schema).clone())))
+        }
+        ("json", _) => Err(type_error(param, "a JSON schema (an object, or its JSON text)")),
+        ("regex", Value::String(rx)) => Ok(Some(Grammar::Regex(rx.clone()))),
+        ("grammar", Value::String(lark)) => Ok(Some(Grammar::Lark(lark.clone()))),
+        ("regex" | "grammar", _) => Err(type_error(param, "a string")),
+        ("choice", Value::Array(items)) if !items.is_empty() => items
+            .iter()
+            .map(|c| {
+                c.as_str().map(str::to_owned).ok_or_else(|| type_error(param.clone(), "an array of strings"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|choices| Some(Grammar::Choice(choices))),
+        ("choice", _) => Err(type_error(param, "a non-empty array of strings")),
+        ("json_object", Value::Bool(true)) => Ok(Some(Grammar::JsonObject)),
+        ("json_object", _) => Err(type_error(param, "true")),
+        _ => Err(unrecognized(&param)),
+    }
+}
+
+/// The grammar of `response_format` or `structured_outputs` (not both).
+fn structured(f: &Fields) -> Result<Option<Structured>, ApiError> {
+    let format = response_format(f.get("response_format"))?;
+    let outputs = structured_outputs(f.get("structured_outputs"))?;
+    let structured = match (format, outputs) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid_param(
+                "structured_outputs",
+                "give `response_format` or `structured_outputs`, not both",
+            ))
+        }
+        (Some(grammar), None) => Some(Structured { grammar, param: "response_format" }),
+        (None, Some(grammar)) => Some(Structured { grammar, param: "structured_outputs" }),
+        (None, None) => None,
+    };
+    if let Some(s) = &structured {
+        let bytes = match &s.grammar {
+            Grammar::JsonSchema(schema) => schema.to_string().len(),
+            Grammar::Lark(text) | Grammar::Regex(text) => text.len(),
+            Grammar::Choice(choices) => choices.iter().map(String::len).sum(),
+            Grammar::JsonObject | Grammar::ToolCalls { .. } => 0,
+        };
+        if bytes > MAX_GRAMMAR_BYTES {
+            return Err(ApiError::invalid_param(
+                s.param,
+                format!("the grammar is {bytes} bytes; at most {MAX_GRAMMAR_BYTES} are allowed"),
+            ));
+        }
+    }
+    Ok(structured)
 }
 
 /// Parses a `/v1/completions` body.
@@ -533,6 +690,7 @@ fn gen_options(f: &Fields, defaults: &SamplingParams, style: LogprobsStyle) -> R
         stream,
         include_usage,
         ignore_eos,
+        structured: structured(f)?,
     })
 }
 
@@ -802,7 +960,6 @@ mod tests {
             (r#"{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}"#, "messages"),
             (r#"{"prompt": "x", "tools": []}"#, "tools"),
             (r#"{"prompt": "x", "top_logprobs": 2}"#, "top_logprobs"),
-            (r#"{"prompt": "x", "response_format": {"type": "text"}}"#, "response_format"),
             (r#"{"prompt": "x", "guided_json": {}}"#, "guided_json"),
             (
                 r#"{"prompt": "x", "stream_options": {"include_usage": true, "include_obfuscation": true}}"#,
@@ -830,10 +987,16 @@ mod tests {
     fn features_the_server_lacks_are_refused_not_ignored() {
         let with = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {extra}}}"#);
         let cases = [
-            (with(r#""response_format": {"type": "json_object"}"#), "response_format"),
-            (with(r#""response_format": {"type": "json_schema", "json_schema": {}}"#), "response_format"),
+            (with(r#""response_format": {"type": "xml"}"#), "response_format"),
+            (
+                with(r#""response_format": {"type": "json_schema", "json_schema": {}}"#),
+                "response_format.json_schema.schema",
+            ),
+            (with(r#""response_format": {"type": "json_object", "schema": {}}"#), "response_format.schema"),
+            (with(r#""structured_outputs": {"structural_tag": "x"}"#), "structured_outputs.structural_tag"),
             (with(r#""functions": [{"name": "f"}]"#), "functions"),
             (with(r#""function_call": "auto""#), "function_call"),
+            // Forcing a tool call needs the tool.
             (with(r#""tool_choice": "required""#), "tool_choice"),
             (with(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#), "tool_choice"),
             (with(r#""parallel_tool_calls": false"#), "parallel_tool_calls"),

@@ -145,8 +145,14 @@ fn unimplemented_fields_are_refused_not_ignored() {
     let addr = server.addr();
     let user = json!([{"role": "user", "content": "hi"}]);
     for (field, value) in [
-        ("response_format", json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
+        ),
+        // vLLM's older spelling; `structured_outputs` is the one read.
         ("guided_regex", json!("a+")),
+        ("structured_outputs", json!({"regex": "a", "grammar": "b"})),
+        // A forced tool call without tools.
         ("tool_choice", json!("required")),
     ] {
         let mut body = json!({"messages": user, "max_tokens": 2});

@@ -497,7 +497,7 @@ fn what_the_server_does_not_do_is_refused_by_name() {
     let addr = server.addr();
     let chat = "/v1/chat/completions";
     let cases = [
-        (json!({"messages": user("x"), "response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"messages": user("x"), "response_format": {"type": "xml"}}), "response_format"),
         (json!({"messages": user("x"), "logit_bias": {"1": 10, "4000000000": 10}}), "logit_bias"),
         (json!({"messages": user("x"), "logit_bias": {"1": 101}}), "logit_bias"),
         (json!({"messages": user("x"), "functions": [{"name": "f"}]}), "functions"),

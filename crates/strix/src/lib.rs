@@ -11,6 +11,7 @@ pub mod backend;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod constraint;
 pub mod error;
 pub mod files;
 pub mod generate;

@@ -680,6 +680,20 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         rows: &[PreparedSample],
     ) -> Result<Vec<std::result::Result<Draw, NonFiniteLogits>>> {
+        self.decode_batch_masked(sessions, tokens, rows.to_vec(), &mut |_| {})
+    }
+
+    /// [`Model::decode_batch_prepared`] for rows whose grammar masks (structured output) are
+    /// still to come: `masks` fills them in (`PreparedSample::allowed`) after the step has been
+    /// handed to the backend and before the draws, so on a device that runs the step
+    /// asynchronously the host computes the masks while the device computes the logits.
+    pub fn decode_batch_masked(
+        &self,
+        sessions: &mut [&mut Session<B>],
+        tokens: &[u32],
+        mut rows: Vec<PreparedSample>,
+        masks: &mut dyn FnMut(&mut [PreparedSample]),
+    ) -> Result<Vec<std::result::Result<Draw, NonFiniteLogits>>> {
         if rows.len() != tokens.len() {
             return Err(Error::input(format!(
                 "a decode batch of {} tokens needs as many prepared draws, not {}",
@@ -688,9 +702,12 @@ impl<B: Backend> Model<B> {
             )));
         }
         let vocab = self.config.vocab_size;
-        let picks: Vec<(usize, &PreparedSample)> = rows.iter().enumerate().collect();
         let mut draws = Vec::new();
-        self.decode_step(sessions, tokens, &mut |b, out| draws = b.sample_rows(out, vocab, &picks))?;
+        self.decode_step(sessions, tokens, &mut |b, out| {
+            masks(&mut rows);
+            let picks: Vec<(usize, &PreparedSample)> = rows.iter().enumerate().collect();
+            draws = b.sample_rows(out, vocab, &picks);
+        })?;
         Ok(draws)
     }
 

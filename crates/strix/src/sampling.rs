@@ -4,6 +4,10 @@
 //!
 //! [`Sampler::sample`] applies, in this order (the order of llama.cpp and vLLM):
 //!
+//! 0. **grammar mask** (structured output, `constraint.rs`): a constrained sequence's tokens
+//!    that its grammar does not allow next get −∞, before anything else (as vLLM applies its
+//!    grammar bitmask before the sampler), so every setting below draws only allowed tokens
+//!    and the reported log-probabilities are those of the masked distribution;
 //! 0. **logit bias** (OpenAI's `logit_bias`): each listed token's bias is added to its logit,
 //!    before anything else, so the penalties, the greedy argmax, the filters and the reported
 //!    log-probabilities all see the biased logits (vLLM and OpenAI apply it first too); a bias
@@ -59,6 +63,7 @@ use aho_corasick::automaton::{Automaton, StateID};
 use aho_corasick::nfa::noncontiguous::NFA;
 use aho_corasick::{Anchored, MatchKind};
 
+use crate::constraint::TokenMask;
 use crate::error::{Error, Result};
 
 /// How to pick the next token; see the module documentation for the order the steps apply in.
@@ -314,7 +319,7 @@ impl Sampler {
     pub fn prepare(&mut self, prompt: &[u32], generated: &[u32], logprobs: Option<usize>) -> PreparedSample {
         let penalties = if self.params.penalises() { self.penalties(prompt, generated) } else { Vec::new() };
         let uniform = self.take_uniform();
-        PreparedSample { params: self.params.clone(), uniform, penalties, logprobs }
+        PreparedSample { params: self.params.clone(), uniform, penalties, logprobs, allowed: None }
     }
 
     /// The penalty list of `prompt` then `generated` (see [`PreparedSample::penalties`]). The
@@ -481,6 +486,9 @@ pub struct PreparedSample {
     pub penalties: Vec<(u32, u32)>,
     /// `Some(n)`: report the drawn token's log-probability and the `n` most likely tokens'.
     pub logprobs: Option<usize>,
+    /// A constrained sequence's grammar mask for this token: every token it does not allow
+    /// gets −∞ first (see the module documentation). `None`: unconstrained.
+    pub allowed: Option<TokenMask>,
 }
 
 /// A token drawn from a row of logits, with its log-probabilities when they were asked for.
@@ -508,6 +516,15 @@ pub fn usable(logits: &[f32]) -> bool {
         any |= l > f32::NEG_INFINITY;
     }
     any
+}
+
+/// Sets every logit `mask` does not allow to −∞ (ids past the mask's vocabulary included).
+pub fn apply_mask(logits: &mut [f32], mask: &TokenMask) {
+    for (id, l) in logits.iter_mut().enumerate() {
+        if !mask.allows(id as u32) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
 }
 
 /// Adds each `(id, bias)` to its logit (one f32 addition, which the CUDA kernel mirrors); ids
@@ -542,6 +559,9 @@ pub fn penalise(l: f32, flags: u32, p: &SamplingParams) -> f32 {
 /// modified in place; a bias or penalty naming an id outside it is ignored.
 pub fn sample_prepared(logits: &mut [f32], prepared: &PreparedSample) -> Result<Draw, NonFiniteLogits> {
     let p = &prepared.params;
+    if let Some(mask) = &prepared.allowed {
+        apply_mask(logits, mask);
+    }
     apply_bias(logits, &p.logit_bias);
     for &(t, flags) in &prepared.penalties {
         if let Some(l) = logits.get_mut(t as usize) {
@@ -1017,6 +1037,63 @@ mod tests {
                     "case {case} step {step}: {params:?}"
                 );
                 generated.push(want);
+            }
+        }
+    }
+
+    /// A grammar mask applies before everything else, with every setting: the draw is the one
+    /// `sample` makes from the logits with the disallowed tokens at −∞, never a disallowed
+    /// token (a +100 bias on one included), and the log-probabilities are those of the masked
+    /// distribution.
+    #[test]
+    fn a_mask_applies_first_with_every_setting() {
+        let mut rng = Xoshiro256StarStar::from_seed(7);
+        let mut uniform = move || rng.next_f64() as f32;
+        let vocab = 1000;
+        for case in 0..60u64 {
+            let allowed: Vec<u32> = (0..vocab as u32).filter(|i| (i * 7 + case as u32) % 13 < 2).collect();
+            let mask = TokenMask::from_ids(vocab, &allowed);
+            let banned = (0..vocab as u32).find(|&i| !mask.allows(i)).unwrap();
+            let params = SamplingParams {
+                temperature: if case % 4 == 0 { 0.0 } else { 0.3 + uniform() },
+                top_k: [0, 3, 50, 2000][case as usize % 4],
+                top_p: if case % 3 == 0 { 1.0 } else { 0.6 },
+                min_p: if case % 5 == 0 { 0.1 } else { 0.0 },
+                repetition_penalty: if case % 2 == 0 { 1.3 } else { 1.0 },
+                frequency_penalty: if case % 3 == 1 { 0.5 } else { 0.0 },
+                seed: Some(case),
+                logit_bias: vec![(banned, 100.0)],
+                ..SamplingParams::default()
+            };
+            let logprobs = (case % 2 == 1).then_some(5);
+            let (mut reference, mut prep) = (sampler(params.clone()), sampler(params.clone()));
+            let prompt = [banned, allowed[0], 3];
+            let mut generated = Vec::new();
+            for _ in 0..6 {
+                let logits: Vec<f32> = (0..vocab).map(|_| uniform() * 6.0).collect();
+                let mut masked = logits.clone();
+                apply_mask(&mut masked, &mask);
+                let mut row = prep.prepare(&prompt, &generated, logprobs);
+                row.allowed = Some(mask.clone());
+                let got = sample_prepared(&mut logits.clone(), &row).unwrap();
+                let want = match logprobs {
+                    Some(n) => {
+                        let (t, lp) = reference.sample_with_logprobs(&mut masked, &prompt, &generated, n);
+                        Draw { token: t, logprobs: Some(lp) }
+                    }
+                    None => {
+                        Draw { token: reference.sample(&mut masked, &prompt, &generated), logprobs: None }
+                    }
+                };
+                assert_eq!(got, want, "case {case}: {params:?}");
+                assert!(mask.allows(got.token), "case {case}: drew {} outside the mask", got.token);
+                if let Some(lp) = &got.logprobs {
+                    assert!(
+                        lp.top.iter().all(|&(id, l)| mask.allows(id) || l == f32::NEG_INFINITY),
+                        "{lp:?}"
+                    );
+                }
+                generated.push(got.token);
             }
         }
     }

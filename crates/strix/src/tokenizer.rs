@@ -164,10 +164,47 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The bytes a token stands for. Byte-level BPE vocabularies spell bytes as printable
+    /// characters (GPT-2's table: `Ġ` is a space); tokens outside that alphabet (added tokens)
+    /// are their own UTF-8. Ids without a token (embedding padding) have no bytes.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(token) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        token.chars().map(gpt2_byte).collect::<Option<Vec<u8>>>().unwrap_or_else(|| token.into_bytes())
+    }
+
+    /// The ids of the added tokens the tokenizer marks special (`<|im_end|>`...), ascending;
+    /// Qwen's `<think>` and `<tool_call>` are ordinary added tokens, not among them.
+    pub fn special_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// A decoder for the ids of one generation.
     pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder {
         StreamDecoder::new(self.clone(), skip_special_tokens)
     }
+}
+
+/// GPT-2's `bytes_to_unicode`, inverted: the byte a character of a byte-level BPE token
+/// stands for. Bytes 33..=126, 161..=172 and 174..=255 stand for themselves; the other 68,
+/// in order, are the characters from U+0100 on.
+fn gpt2_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let code = c as u32;
+    if code < 256 {
+        return printable(code).then_some(code as u8);
+    }
+    let nth = code.checked_sub(256)? as usize;
+    (0..256u32).filter(|&b| !printable(b)).nth(nth).map(|b| b as u8)
 }
 
 /// Bytes of text [`Tokenizer::encode_within`] tokenizes at a time (at least: a piece ends at
@@ -496,6 +533,18 @@ fn common_prefix_len(a: &str, b: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GPT-2's table inverted: each byte stands for exactly one character.
+    #[test]
+    fn the_byte_table_is_gpt2s() {
+        assert_eq!(gpt2_byte('!'), Some(b'!'));
+        assert_eq!(gpt2_byte('Ġ'), Some(b' '));
+        assert_eq!(gpt2_byte('Ċ'), Some(b'\n'));
+        assert_eq!(gpt2_byte(' '), None, "a space is spelled Ġ");
+        let mut seen: Vec<u8> = (0..0x200u32).filter_map(char::from_u32).filter_map(gpt2_byte).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..=255).collect::<Vec<u8>>());
+    }
 
     fn fixture(path: &str) -> std::path::PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(path)

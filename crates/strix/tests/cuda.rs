@@ -2406,6 +2406,91 @@ fn prepared_draws_on_the_device_match_the_host() {
     }
 }
 
+/// Grammar masks (structured output) are applied on the device before everything else, as the
+/// host applies them: in a batch where half the rows carry a packed mask (one allowed token, a
+/// few, or most of the vocabulary, the last word partly filled on an odd vocabulary) and half
+/// none, with every setting (greedy, temperature, top-k of both kernels, top-p, min-p,
+/// penalties, a +100 bias on a token the mask bans, log-probabilities), the device draws what
+/// the host's `sample_prepared` draws, every masked row's token is allowed, the greedy masked
+/// rows give the host's masked argmax, and an unconstrained row draws in this batch what it
+/// draws alone (it pays nothing for its neighbours' masks).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn masked_draws_on_the_device_draw_only_allowed_tokens_and_match_the_host() {
+    use strix::constraint::TokenMask;
+    use strix::sampling::{sample_prepared, SamplingParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(29);
+    for vocab in [1003usize, 4000, 248_320] {
+        let rows = 48;
+        let mut logits = Vec::with_capacity(rows * vocab);
+        let mut prepared = Vec::new();
+        for r in 0..rows {
+            logits.extend(rng.vec(vocab, 6.0));
+            let u = |rng: &mut Rng| rng.vec(1, 1.0)[0].abs().min(1.0);
+            let kind = (r / 2) % 8;
+            let mask = (r % 2 == 0).then(|| {
+                let allowed: Vec<u32> = match (r / 2) % 3 {
+                    0 => vec![((r * 7919) % vocab) as u32],
+                    1 => (0..vocab as u32).filter(|i| (i * 31 + r as u32) % 97 < 3).collect(),
+                    _ => (0..vocab as u32)
+                        .filter(|i| !(i + r as u32).is_multiple_of(5))
+                        .chain([vocab as u32 - 1])
+                        .collect(),
+                };
+                TokenMask::from_ids(vocab, &allowed)
+            });
+            let banned = mask.as_ref().and_then(|m| (0..vocab as u32).find(|&i| !m.allows(i)));
+            let params = SamplingParams {
+                temperature: if kind < 2 { 0.0 } else { 0.4 + u(&mut rng) },
+                top_k: match kind {
+                    3 => 40,
+                    4 => 1500.min(vocab - 1),
+                    _ => 0,
+                },
+                top_p: if kind == 5 { 0.8 } else { 1.0 },
+                min_p: if kind == 6 { 0.05 } else { 0.0 },
+                repetition_penalty: if kind == 1 || kind == 7 { 1.4 } else { 1.0 },
+                frequency_penalty: if kind == 7 { 0.3 } else { 0.0 },
+                seed: Some(r as u64),
+                logit_bias: banned.map(|b| vec![(b, 100.0)]).unwrap_or_default(),
+                ..SamplingParams::default()
+            };
+            let mut row = test_draw(params, (r % 3 == 0).then_some(4), vocab, r);
+            row.allowed = mask;
+            prepared.push(row);
+        }
+        let want: Vec<_> = (0..rows)
+            .map(|r| sample_prepared(&mut logits[r * vocab..(r + 1) * vocab].to_vec(), &prepared[r]))
+            .collect();
+        let picks: Vec<(usize, &strix::sampling::PreparedSample)> = prepared.iter().enumerate().collect();
+        let got = g.sample_rows(&g.upload(&logits), vocab, &picks);
+        same_draws(&format!("masked, vocab {vocab}"), &got, &want, &prepared);
+        for (r, draw) in got.iter().enumerate() {
+            let Some(mask) = &prepared[r].allowed else { continue };
+            let token = draw.as_ref().expect("masked rows have allowed finite logits").token;
+            assert!(mask.allows(token), "vocab {vocab} row {r}: drew {token}, which the mask bans");
+            if prepared[r].uniform.is_none() && prepared[r].penalties.is_empty() {
+                // Greedy: the masked argmax (the banned token's +100 bias cannot lift it).
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let best = (0..vocab as u32)
+                    .filter(|&i| mask.allows(i))
+                    .fold(None, |best: Option<u32>, i| match best {
+                        Some(b) if row[b as usize] >= row[i as usize] => Some(b),
+                        _ => Some(i),
+                    })
+                    .unwrap();
+                assert_eq!(token, best, "vocab {vocab} row {r}: greedy masked draw");
+            }
+        }
+        for r in (1..rows).step_by(2) {
+            let alone =
+                g.sample_rows(&g.upload(&logits[r * vocab..(r + 1) * vocab]), vocab, &[(0, &prepared[r])]);
+            assert_eq!(alone[0], got[r], "vocab {vocab} row {r}: unconstrained, alone vs beside masked rows");
+        }
+    }
+}
+
 /// A logit bias is applied on the device before everything else, exactly as the host applies
 /// it, in a batch where only some rows have one (rows without pay nothing and are untouched):
 /// greedy rows whose bias lifts a weak token above the argmax or bans the argmax (the device's

@@ -230,3 +230,48 @@ fn stream_decoder_on_a_tiny_sentencepiece_vocabulary() {
     assert_eq!(stream(&t, &with_eos, true).concat(), t.decode(&with_eos, true).unwrap());
     assert_eq!(stream(&t, &with_eos, false).concat(), t.decode(&with_eos, false).unwrap());
 }
+
+/// The real vocabulary indexed for structured output (`constraint.rs`): every token's bytes
+/// through GPT-2's table, padded to the model's 248,320 ids. The benchmark schema
+/// (`scripts/assets/bench_schema.json`) allows a valid document token by token and then only
+/// the end-of-sequence tokens, refuses an invalid one, and a forced tool call may begin with
+/// the `<tool_call>` token itself. Prints the time to index the vocabulary and per mask
+/// (figures, not assertions).
+#[test]
+fn the_real_vocabulary_constrains_a_schema() {
+    use strix::constraint::{Constraints, Grammar};
+    let t = qwen();
+    let eos = [t.token_to_id("<|im_end|>").unwrap(), t.token_to_id("<|endoftext|>").unwrap()];
+    let start = std::time::Instant::now();
+    let constraints = Constraints::new(t, 248_320, &eos).unwrap();
+    println!("indexed {} tokens in {:.2?}", t.vocab_size(), start.elapsed());
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/assets/bench_schema.json");
+    let schema: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let grammar = Grammar::JsonSchema(schema);
+    let doc = r#"{"order_id": "ORD-123456", "status": "paid", "priority": "high", "quantity": 3, "total_cents": 4599, "gift": false, "note": "leave at the door", "customer": {"name": "Ana María", "tier": "gold", "country": "PE"}, "items": [{"sku": "ABC-123", "count": 2, "unit": "box"}], "tags": ["fragile"]}"#;
+    let mut c = constraints.compile(&grammar, "").unwrap();
+    let ids = t.encode(doc, false).unwrap();
+    let start = std::time::Instant::now();
+    for &id in &ids {
+        assert!(c.allowed().unwrap().allows(id), "token {id} ({:?}) refused", t.decode(&[id], false));
+        c.advance(id).unwrap();
+    }
+    println!("{} masks in {:.2?}", ids.len(), start.elapsed());
+    let end = c.allowed().unwrap();
+    assert!(eos.iter().all(|&id| end.allows(id)) && end.count() == 2, "{} allowed at the end", end.count());
+    let mut c = constraints.compile(&grammar, "").unwrap();
+    let bad = t.encode(&doc.replace("\"paid\"", "\"lost\""), false).unwrap();
+    let mut refused = false;
+    for &id in &bad {
+        if !c.allowed().unwrap().allows(id) {
+            refused = true;
+            break;
+        }
+        c.advance(id).unwrap();
+    }
+    assert!(refused, "an invalid status was allowed");
+    let tool =
+        serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+    let mut c = constraints.compile(&Grammar::ToolCalls { tools: vec![tool], one: true }, "").unwrap();
+    assert!(c.allowed().unwrap().allows(t.token_to_id("<tool_call>").unwrap()));
+}

@@ -3,12 +3,16 @@
 Usage: python openai_client.py BASE_URL API_KEY MODEL
 Run by tests/openai_python.rs, which starts the server on the tiny fixture model (random
 weights: the text is gibberish, but greedy decoding is deterministic). Exits non-zero on
-the first failed check.
+the first failed check. Needs `jsonschema` beside `openai` (pydantic comes with openai).
 """
 
+import json
 import sys
+from typing import Literal
 
+import jsonschema
 import openai
+import pydantic
 
 base_url, api_key, model = sys.argv[1], sys.argv[2], sys.argv[3]
 client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
@@ -115,6 +119,80 @@ tools = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 with_tools = client.chat.completions.create(model=model, messages=messages, max_tokens=1, tools=tools)
 check(with_tools.usage.prompt_tokens > whole.usage.prompt_tokens, "tools in the prompt")
+
+# Structured output. The fixture's weights are random: only the constraint makes its output
+# valid, so every check below fails without it.
+record = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                  "required": ["name"], "additionalProperties": False},
+        "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b"]}},
+    },
+    "required": ["colour", "count", "owner", "tags"],
+    "additionalProperties": False,
+}
+for seed in range(4):
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=300, temperature=1.0, seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": record, "strict": True}},
+    ).choices[0]
+    check(r.finish_reason == "stop", f"json_schema finish {r.finish_reason}: {r.message.content!r}")
+    jsonschema.validate(json.loads(r.message.content), record)
+    checks += 1
+obj = client.chat.completions.create(
+    model=model, messages=messages, max_tokens=400, temperature=0.5, seed=1, response_format={"type": "json_object"}
+).choices[0]
+if obj.finish_reason == "stop":
+    check(isinstance(json.loads(obj.message.content), dict), f"json_object: {obj.message.content!r}")
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo", "Lima"]
+    days: int = pydantic.Field(ge=1, le=7)
+    windy: bool
+
+
+for seed in range(3):
+    parsed = client.beta.chat.completions.parse(
+        model=model, messages=messages, max_tokens=200, temperature=1.0, seed=seed, response_format=Weather
+    ).choices[0].message
+    check(isinstance(parsed.parsed, Weather) and 1 <= parsed.parsed.days <= 7, f"parse: {parsed!r}")
+
+# Forced tool calls: a named function and "required"; the arguments follow its schema.
+weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+forced_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=300, temperature=1.0, seed=3, tools=forced_tools,
+        tool_choice=choice,
+    ).choices[0]
+    check(r.finish_reason == "tool_calls" and r.message.tool_calls, f"forced call {choice}: {r}")
+    for call in r.message.tool_calls:
+        check(call.function.name == "get_weather", f"called {call.function.name}")
+        jsonschema.validate(json.loads(call.function.arguments), weather)
+        checks += 1
+
+# logit_bias +100 on one token forces it at every step (the fixture's id 74 is a one-byte token).
+biased = client.completions.create(
+    model=model, prompt=prompt, max_tokens=5, temperature=1.0, seed=4, logit_bias={"74": 100},
+    extra_body={"ignore_eos": True},
+).choices[0].text
+check(len(biased) == 5 and len(set(biased)) == 1, f"logit_bias: {biased!r}")
+
+# A schema llguidance cannot compile is a 400 naming response_format.
+try:
+    client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+    )
+    check(False, "a bad schema was accepted")
+except openai.BadRequestError as e:
+    check(e.param == "response_format" and "cannot compile the JSON schema" in str(e), f"bad schema: {e}")
 
 # Errors surface as the client's exceptions, with the server's message.
 try:

@@ -192,6 +192,8 @@ extern "C" __global__ void __launch_bounds__(128) argmax_finish(const float* par
 // ---------------------------------------------------------------------------------------------
 // Prepared draws. Every row the device takes is described by a DrawRow (DrawRow in sample.rs).
 // The launcher runs, on the stream:
+//  0. draw_mask: a constrained row's grammar mask (constraint.rs), the tokens it does not allow
+//     set to -inf before anything else, only for rows that have one;
 //  1. draw_adjust: each listed token's logit bias, then its penalties (separate roundings: no
 //     FMA, as the host), only for rows that have either;
 //  2. sample_topk: rows with a top-k of 2..SAMPLE_MAX_K below the vocabulary, one block each,
@@ -213,6 +215,27 @@ struct DrawRow {
     int bias_at;     // first (token, bias bits) pair of this row in `bias`
     int bias_count;
 };
+
+// The grammar masks of constrained rows: masked row `blockIdx.y` is logits row
+// `mask_rows[blockIdx.y]`, its mask the `words` packed words at `masks + blockIdx.y * words`
+// (bit c % 32 of word c / 32 allows token c; tokens past the mask's words are not allowed); every
+// token it does not allow gets -inf (sampling.rs's apply_mask). Each thread takes one word of
+// 32 columns, so a mask word is read once. grid (ceil(ceil(vocab / 32) / 256), masked rows),
+// block 256.
+extern "C" __global__ void __launch_bounds__(256) draw_mask(float* logits, int vocab, const u32* mask_rows,
+                                                            const u32* masks, int words) {
+    pdl_enter();
+    const int w = blockIdx.x * blockDim.x + threadIdx.x;
+    const int first = w * 32;
+    if (first >= vocab) return;
+    const u32 bits = w < words ? masks[(i64)blockIdx.y * words + w] : 0u;
+    if (bits == 0xffffffffu) return;
+    float* l = logits + (i64)mask_rows[blockIdx.y] * vocab;
+    const int last = min(first + 32, vocab);
+    for (int c = first; c < last; ++c) {
+        if (!((bits >> (c - first)) & 1u)) l[c] = NEG_INF;
+    }
+}
 
 // Block `blockIdx.x`: the logit bias, then the penalties, of rows[blockIdx.x], in place (the
 // host's order: sampling.rs's sample_prepared). Each list names a token at most once

@@ -3,7 +3,10 @@
 //! argmax, and prepared draws (`sampling.rs`'s `sample_prepared`, the host's algorithm step
 //! for step) with their log-probabilities:
 //!
-//! - first, rows with a logit bias or penalties get them (`draw_adjust`: only the few listed
+//! - first, constrained rows get their grammar mask (`draw_mask`: one packed bitmask of the
+//!   vocabulary per constrained row, uploaded once per step; unconstrained rows are not
+//!   touched and cost nothing), the tokens it does not allow set to −∞;
+//! - then, rows with a logit bias or penalties get them (`draw_adjust`: only the few listed
 //!   `(id, bias)` and `(id, flags)` pairs are uploaded; rows with neither are not touched);
 //! - rows with a top-k of 2..=[`PREPARED_TOP_K_MAX`] below the vocabulary go to `sample_topk`,
 //!   one block a row, which sorts the top-k and walks them as the host does;
@@ -178,6 +181,7 @@ fn mass_bits(vocab: usize) -> u32 {
 pub(super) struct Kernels {
     argmax_partial: CudaFunction,
     argmax_finish: CudaFunction,
+    draw_mask: CudaFunction,
     draw_adjust: CudaFunction,
     sample_topk: CudaFunction,
     full_max: CudaFunction,
@@ -213,6 +217,7 @@ impl Kernels {
         Ok(Kernels {
             argmax_partial: f("argmax_partial")?,
             argmax_finish: f("argmax_finish")?,
+            draw_mask: f("draw_mask")?,
             draw_adjust: f("draw_adjust")?,
             sample_topk: f("sample_topk")?,
             full_max: f("full_max")?,
@@ -312,6 +317,30 @@ impl Kernels {
 
         let ids = dev.upload_u32(&vec![NO_TOKEN; picks.len().max(1)]).unwrap_or_else(|e| panic!("{e}")).0;
 
+        // 0. Grammar masks, for the constrained rows: their packed words in one upload.
+        let masked: Vec<(usize, &crate::constraint::TokenMask)> =
+            picks.iter().filter_map(|&(row, p)| p.allowed.as_ref().map(|m| (row, m))).collect();
+        if !masked.is_empty() {
+            let words = vocab.div_ceil(32);
+            let mut packed = vec![0u32; masked.len() * words];
+            for (chunk, (_, mask)) in packed.chunks_mut(words).zip(&masked) {
+                // A mask of another vocabulary size allows nothing past its own words.
+                let n = mask.words().len().min(words);
+                chunk[..n].copy_from_slice(&mask.words()[..n]);
+            }
+            let rows: Vec<u32> = masked.iter().map(|&(row, _)| row as u32).collect();
+            let (_rows, rows_ptr) = dev.upload_u32(&rows).unwrap_or_else(|e| panic!("{e}"));
+            let (_masks, masks_ptr) = dev.upload_u32(&packed).unwrap_or_else(|e| panic!("{e}"));
+            dev.launch(
+                "draw_mask",
+                &self.draw_mask,
+                (words.div_ceil(256) as u32, masked.len() as u32, 1),
+                (256, 1, 1),
+                0,
+                kernel_args![logits.ptr(), vocab as i32, rows_ptr, masks_ptr, words as i32],
+            );
+        }
+
         // 1. Logit bias and penalties, for the rows that have either: only their (id, bias) and
         // (id, flags) pairs cross to the device.
         let mut adjusted = Vec::new();
@@ -403,10 +432,11 @@ impl Kernels {
                 host_count += 1;
                 let mut values = vec![0f32; vocab];
                 dev.download_f32(&mut values, logits.at(row * vocab)).unwrap_or_else(|e| panic!("{e}"));
-                // The bias and penalties applied on the device already stay applied.
+                // The mask, bias and penalties applied on the device already stay applied.
                 let mut host = p.clone();
                 host.penalties.clear();
                 host.params.logit_bias.clear();
+                host.allowed = None;
                 draws.push(sample_prepared(&mut values, &host));
                 continue;
             }
