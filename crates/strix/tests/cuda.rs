@@ -2253,13 +2253,12 @@ fn same_draws(
                     && match (&g.logprobs, &w.logprobs) {
                         (None, None) => true,
                         (Some(a), Some(b)) => {
+                            // Equal values first: a masked-out token's -inf minus -inf is NaN.
+                            let close = |x: f32, y: f32| x == y || (x - y).abs() <= 1e-5;
                             a.token == b.token
-                                && (a.logprob - b.logprob).abs() <= 1e-5
+                                && close(a.logprob, b.logprob)
                                 && a.top.len() == b.top.len()
-                                && a.top
-                                    .iter()
-                                    .zip(&b.top)
-                                    .all(|(x, y)| x.0 == y.0 && (x.1 - y.1).abs() <= 1e-5)
+                                && a.top.iter().zip(&b.top).all(|(x, y)| x.0 == y.0 && close(x.1, y.1))
                         }
                         _ => false,
                     }
