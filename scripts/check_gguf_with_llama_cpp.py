@@ -53,34 +53,38 @@ FIXTURE = ROOT / "tests/fixtures/models/causal-bf16-sharded"
 
 def make_gdn2x(out: Path) -> None:
     """causal-bf16-sharded's config with 8 value heads over 4 key heads, random bf16 weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     cfg = json.loads((FIXTURE / "config.json").read_text())
     cfg["linear_num_value_heads"] = 2 * cfg["linear_num_key_heads"]
     out.mkdir()
     (out / "config.json").write_text(json.dumps(cfg))
-    torch.manual_seed(7)
+    save_random(out, FIXTURE, seed=7, matrix_std=0.15, dims=(2,))
+
+
+def save_random(out: Path, template: Path, seed: int, matrix_std: float, dims: tuple[int, ...]) -> None:
+    """Random bf16 weights for the config in `out` (tensors of `dims` dimensions N(0, matrix_std),
+    norms N(0, 0.1), dt_bias N(0, 0.5)) and `template`'s tokenizer, template and generation
+    config beside them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
+            if p.dim() in dims:
+                p.normal_(0.0, matrix_std)
             elif name.endswith("norm.weight"):
                 p.normal_(0.0, 0.1)
             elif name.endswith("dt_bias"):
                 p.normal_(0.0, 0.5)
     model.to(torch.bfloat16).save_pretrained(out)
     for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]:
-        shutil.copy(FIXTURE / f, out / f)
+        shutil.copy(template / f, out / f)
 
 
 def make_moe(out: Path) -> None:
     """The MoE fixture `moe-causal-f32-top1`'s config grown to K-quant sizes (hidden, expert and
     head widths multiples of 256 or 64), 16 experts, top-2, random bf16 weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     moe_fixture = ROOT / "tests/fixtures/moe-models/moe-causal-f32-top1"
     cfg = json.loads((moe_fixture / "config.json").read_text())
     cfg.update(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=512,
@@ -90,19 +94,7 @@ def make_moe(out: Path) -> None:
                layer_types=["linear_attention"] * 3 + ["full_attention"])
     out.mkdir()
     (out / "config.json").write_text(json.dumps(cfg))
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.05)
-            elif name.endswith("norm.weight"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
-    model.to(torch.bfloat16).save_pretrained(out)
-    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]:
-        shutil.copy(moe_fixture / f, out / f)
+    save_random(out, moe_fixture, seed=11, matrix_std=0.05, dims=(2, 3))
 
 
 def read_kld_base(path: Path):

@@ -953,7 +953,7 @@ fn kernels_load_from_the_cache_the_second_time() {
     println!("first backend: {c}");
     // elementwise, sample, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
     assert_eq!(c.modules_compiled + c.modules_cached, 8);
-    let second = CudaBackend::with_options(0, &common::gpu_options()).unwrap();
+    let second = common::gpu_backend();
     let c = second.path_counts();
     println!("second backend: {c}");
     assert_eq!((c.modules_compiled, c.modules_cached), (0, 8));
@@ -1104,8 +1104,7 @@ fn fixtures_against(path: GemmPath, round_activations: bool, kv: KvCacheType, to
     let (mut worst_ref, mut worst_golden) = (0.0f32, 0.0f32);
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu =
-            Model::load(&dir, CudaBackend::with_options(0, &common::gpu_options()).unwrap(), None).unwrap();
+        let gpu = Model::load(&dir, common::gpu_backend(), None).unwrap();
         gpu.backend().set_gemm_path(path);
         gpu.backend().set_kv_cache_type(kv);
         // The precise path: split GEMMs and the f32 prefill kernels.
@@ -1241,8 +1240,7 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
     }
     for dir in moe_fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu =
-            Model::load(&dir, CudaBackend::with_options(0, &common::gpu_options()).unwrap(), None).unwrap();
+        let gpu = Model::load(&dir, common::gpu_backend(), None).unwrap();
         assert!(gpu.config.moe.is_some(), "{name}: not read as a MoE model");
         gpu.backend().set_gemm_path(GemmPath::CublasSplit);
         gpu.backend().set_prefill_path(PrefillPath::F32);
@@ -1340,13 +1338,7 @@ fn synthetic_model_with_real_head_shapes_matches_cpu() {
             None,
         )
         .unwrap();
-        let gpu = Model::from_source(
-            c.clone(),
-            &weights,
-            CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-            None,
-        )
-        .unwrap();
+        let gpu = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
         assert_eq!(gpu.backend().kv_cache_type(), KvCacheType::Bf16, "the CUDA default");
         gpu.backend().set_gemm_path(path);
         // The default path also runs the prompt's attention and delta rule on the tensor cores
@@ -1578,13 +1570,7 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
 fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
-    let model = Model::from_source(
-        c.clone(),
-        &weights,
-        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-        None,
-    )
-    .unwrap();
+    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
     model.backend().set_tensor_core_gemv(tensor_core);
     // Both cache types: sessions made under each setting.
     for kv in [KvCacheType::Bf16, KvCacheType::F32] {
@@ -1677,13 +1663,7 @@ fn recorded_decode_steps_equal_eager_steps_bitwise() {
 fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
-    let model = Model::from_source(
-        c.clone(),
-        &weights,
-        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-        None,
-    )
-    .unwrap();
+    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
     let mut rng = Rng(14);
     let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
     let g = model.backend();
@@ -1742,13 +1722,7 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
     }
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
-    let model = Model::from_source(
-        c.clone(),
-        &weights,
-        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-        None,
-    )
-    .unwrap();
+    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
     let mut rng = Rng(16);
     let prompts: Vec<Vec<u32>> = [3usize, 90, 1, 40, 17]
         .iter()
@@ -2063,13 +2037,7 @@ fn argmax_on_the_device_matches_the_host() {
 
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 19);
-    let model = Model::from_source(
-        c.clone(),
-        &weights,
-        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-        None,
-    )
-    .unwrap();
+    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
     let (mut a, mut b) = (model.try_new_session(64).unwrap(), model.try_new_session(64).unwrap());
     let mut logits = model.forward(&mut a, &[1, 2, 3], Logits::Last).unwrap();
     model.forward(&mut b, &[1, 2, 3], Logits::Last).unwrap();

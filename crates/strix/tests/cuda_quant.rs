@@ -488,13 +488,7 @@ fn compare_model(
 ) -> f32 {
     let cpu =
         Model::from_source(config.clone(), &Dequantized { inner: src }, CpuBackend::new(), None).unwrap();
-    let gpu = Model::from_source(
-        config.clone(),
-        src,
-        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-        None,
-    )
-    .unwrap();
+    let gpu = Model::from_source(config.clone(), src, common::gpu_backend(), None).unwrap();
     let path = if gpu.backend().has_cublas() { path } else { GemmPath::Auto };
     gpu.backend().set_gemm_path(path);
     // The CPU's cache is f32: so is this one, so that the comparison holds the packed weights'
@@ -845,13 +839,7 @@ fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
             let src = Quantized { inner: &weights, dtype };
             for tensor_cores in [false, true] {
                 let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
-                    let gpu = Model::from_source(
-                        c.clone(),
-                        &src,
-                        CudaBackend::with_options(0, &common::gpu_options()).unwrap(),
-                        None,
-                    )
-                    .unwrap();
+                    let gpu = Model::from_source(c.clone(), &src, common::gpu_backend(), None).unwrap();
                     gpu.backend().set_tensor_core_gemv(tensor_cores);
                     gpu.backend().set_producer_quant(on);
                     let (mut a, mut a2, mut b) =

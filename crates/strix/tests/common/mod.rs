@@ -295,6 +295,12 @@ pub fn gpu_options() -> strix::backend::cuda::CudaOptions {
     strix::backend::cuda::CudaOptions::from_vars(|k| std::env::var(k).ok()).expect("STRIX_* CUDA variables")
 }
 
+/// CUDA device 0 with [`gpu_options`], for a test that already knows there is one.
+#[allow(dead_code)] // not every test binary builds models on the GPU
+pub fn gpu_backend() -> CudaBackend {
+    CudaBackend::with_options(0, &gpu_options()).expect("CUDA device 0")
+}
+
 /// CUDA device 0, or `None` after printing why the test is skipped.
 pub fn gpu() -> Option<CudaBackend> {
     match CudaBackend::with_options(0, &gpu_options()) {
