@@ -31,7 +31,10 @@
 # (the device tool re-sends the working tree with each call; run this detached with setsid
 # and poll LOGDIR/summary.txt). Keep a poll call running the whole time: a lent machine
 # goes back ~30 s after a call ends, and with it everything the run wrote. The whole plan
-# takes ~25 minutes of device time (llama-server is slow at 16+ clients on 0.8B).
+# takes ~25 minutes of device time (llama-server is slow at 16+ clients on 0.8B). Bring the
+# results back as one tarball (the device tool returns only a few files per call), and stop
+# a run early with `pkill -f "[s]erve_compare"`: a plain pattern also matches, and kills, the
+# command line of the call that runs pkill.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 src=${1:?usage: serve_compare.sh LLAMA_SRC_TARBALL TOKENIZER_JSON LOGDIR [MODELS]}
