@@ -844,7 +844,7 @@ fn decode_runs<B: DeviceInfo>(
             Draw::Prepared | Draw::Temperature => {
                 let rows: Vec<_> =
                     samplers.iter_mut().zip(&generated).map(|(s, g)| s.prepare(&[], g, None)).collect();
-                let draws = model.decode_batch_prepared(&mut refs, tokens, &rows)?;
+                let draws = model.decode_batch_prepared(&mut refs, tokens, rows)?;
                 draws.into_iter().map(|d| d.map(|d| d.token)).collect::<Result<_, _>>()?
             }
             Draw::Host => {

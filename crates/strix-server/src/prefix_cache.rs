@@ -174,15 +174,16 @@ impl<B: Backend> PrefixCache<B> {
             // Its prefix was evicted: the block could never be resumed from.
             return Ok(());
         }
+        // A block larger than the whole budget, or one the device has no room for, is not
+        // copied at all.
         let needed = self.block_bytes.saturating_add(headroom);
-        if model.backend().free_memory().is_some_and(|free| (free as u64) < needed) {
+        if self.block_bytes > self.budget_bytes
+            || model.backend().free_memory().is_some_and(|free| (free as u64) < needed)
+        {
             return Ok(());
         }
         let block = model.save_block(session, end - self.block_tokens)?;
         let bytes = block.bytes() as u64;
-        if bytes > self.budget_bytes {
-            return Ok(());
-        }
         if let Some(p) = parent {
             if let Some(node) = self.nodes.get_mut(&p) {
                 node.children += 1;

@@ -610,7 +610,7 @@ impl<B: Backend> Model<B> {
         if ids.len() == 1 {
             // One token: the decode-step path, which a backend may record and replay.
             let mut one = [session];
-            let mut draws = self.decode_batch_prepared(&mut one, ids, std::slice::from_ref(row))?;
+            let mut draws = self.decode_batch_prepared(&mut one, ids, vec![row.clone()])?;
             return Ok(draws.remove(0));
         }
         let (head, last) = ids.split_at((ids.len() - 1) / self.pass_tokens * self.pass_tokens);
@@ -678,9 +678,9 @@ impl<B: Backend> Model<B> {
         &self,
         sessions: &mut [&mut Session<B>],
         tokens: &[u32],
-        rows: &[PreparedSample],
+        rows: Vec<PreparedSample>,
     ) -> Result<Vec<std::result::Result<Draw, NonFiniteLogits>>> {
-        self.decode_batch_masked(sessions, tokens, rows.to_vec(), &mut |_| {})
+        self.decode_batch_masked(sessions, tokens, rows, &mut |_| {})
     }
 
     /// [`Model::decode_batch_prepared`] for rows whose grammar masks (structured output) are

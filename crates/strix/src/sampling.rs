@@ -8,22 +8,22 @@
 //!    that its grammar does not allow next get −∞, before anything else (as vLLM applies its
 //!    grammar bitmask before the sampler), so every setting below draws only allowed tokens
 //!    and the reported log-probabilities are those of the masked distribution;
-//! 0. **logit bias** (OpenAI's `logit_bias`): each listed token's bias is added to its logit,
-//!    before anything else, so the penalties, the greedy argmax, the filters and the reported
+//! 1. **logit bias** (OpenAI's `logit_bias`): each listed token's bias is added to its logit,
+//!    right after the mask, so the penalties, the greedy argmax, the filters and the reported
 //!    log-probabilities all see the biased logits (vLLM and OpenAI apply it first too); a bias
 //!    of −100 all but bans a token, +100 all but forces it;
-//! 1. **penalties**: repetition penalty (CTRL / Hugging Face style) over every distinct token of
+//! 2. **penalties**: repetition penalty (CTRL / Hugging Face style) over every distinct token of
 //!    the prompt and the generated text, then frequency and presence penalties (OpenAI style)
 //!    over the generated text only: vLLM does the same, so that a prompt that quotes a document
 //!    does not make the model avoid that document's words;
-//! 2. **temperature**: logits are divided by it, after subtracting the largest so that a tiny
+//! 3. **temperature**: logits are divided by it, after subtracting the largest so that a tiny
 //!    temperature cannot overflow (0 means greedy: the argmax of the biased, penalised logits,
 //!    ties going to the lowest id, and nothing below applies);
-//! 3. **top-k**: keep the `k` most likely tokens;
-//! 4. **top-p** (nucleus): keep the smallest set of the most likely tokens whose probability,
+//! 4. **top-k**: keep the `k` most likely tokens;
+//! 5. **top-p** (nucleus): keep the smallest set of the most likely tokens whose probability,
 //!    renormalised over what top-k kept, reaches `p`;
-//! 5. **min-p**: drop tokens whose probability is below `min_p` times the most likely one's;
-//! 6. **softmax** over what is left, and a **draw**.
+//! 6. **min-p**: drop tokens whose probability is below `min_p` times the most likely one's;
+//! 7. **softmax** over what is left, and a **draw**.
 //!
 //! NaN logits count as −∞. Ties in the sort order (equal logits) always go to the lower token
 //! id, and the draw walks the kept tokens in an order fixed by the logits (never by how std's
@@ -520,9 +520,17 @@ pub fn usable(logits: &[f32]) -> bool {
 
 /// Sets every logit `mask` does not allow to −∞ (ids past the mask's vocabulary included).
 pub fn apply_mask(logits: &mut [f32], mask: &TokenMask) {
-    for (id, l) in logits.iter_mut().enumerate() {
-        if !mask.allows(id as u32) {
-            *l = f32::NEG_INFINITY;
+    // A word at a time: the mask's bits past its vocabulary are clear, and logits past its
+    // words meet zero words.
+    let words = mask.words().iter().copied().chain(std::iter::repeat(0));
+    for (chunk, word) in logits.chunks_mut(32).zip(words) {
+        if word == u32::MAX {
+            continue;
+        }
+        for (bit, l) in chunk.iter_mut().enumerate() {
+            if word >> bit & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
         }
     }
 }

@@ -203,8 +203,13 @@ fn gpt2_byte(c: char) -> Option<u8> {
     if code < 256 {
         return printable(code).then_some(code as u8);
     }
-    let nth = code.checked_sub(256)? as usize;
-    (0..256u32).filter(|&b| !printable(b)).nth(nth).map(|b| b as u8)
+    // The 68 others, in order: 0..=32, 127..=160, 173.
+    match code - 256 {
+        n @ 0..=32 => Some(n as u8),
+        n @ 33..=66 => Some((n - 33 + 127) as u8),
+        67 => Some(173),
+        _ => None,
+    }
 }
 
 /// Bytes of text [`Tokenizer::encode_within`] tokenizes at a time (at least: a piece ends at

@@ -219,7 +219,7 @@ fn prepared_draws_equal_host_sampling() {
             .map(|i| prep_samplers[i].prepare(&prompt, &generated[i], logprobs[i]))
             .collect();
         let picked = model
-            .decode_batch_prepared(&mut prep_sessions.iter_mut().collect::<Vec<_>>(), &tokens, &rows)
+            .decode_batch_prepared(&mut prep_sessions.iter_mut().collect::<Vec<_>>(), &tokens, rows)
             .unwrap();
         let logits = model.decode_batch(&mut host_sessions.iter_mut().collect::<Vec<_>>(), &tokens).unwrap();
         for i in 0..settings.len() {
@@ -239,7 +239,7 @@ fn prepared_draws_equal_host_sampling() {
         }
     }
     let mut s = model.new_session(8);
-    assert!(model.decode_batch_prepared(&mut [&mut s], &[1], &[]).is_err());
+    assert!(model.decode_batch_prepared(&mut [&mut s], &[1], Vec::new()).is_err());
 }
 
 /// A prompt's first token drawn next to its last logits (`Model::prefill_draw`, as the server

@@ -75,7 +75,6 @@ impl CudaOptions {
                 Some(v) => Err(format!("{k}={v}: expected {off} (off) or 1 (on, the default)")),
             }
         };
-        let d = CudaOptions::default();
         let tensor_core_kernel = match get("STRIX_CUDA_MMA_KERNEL").as_deref() {
             None => None,
             Some("warp") => Some(TensorCoreKernel::PerWarp),
@@ -131,7 +130,7 @@ impl CudaOptions {
             gemv_tiles,
             gdn_decode_cols,
             producer_quant: switch("STRIX_PRODUCER_QUANT", "0")?,
-            kernel_cache: kernel_cache.or(d.kernel_cache),
+            kernel_cache,
         })
     }
 }
