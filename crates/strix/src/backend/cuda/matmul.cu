@@ -262,12 +262,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// x[c], x[c+1] as hi = bf16x2(x) and lo = bf16x2(x - hi).
-__device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
-    hi = pack_bf16x2(a, b);
-    lo = pack_bf16x2(a - bf16_lo(hi), b - bf16_hi(hi));
-}
-
 // Eight bf16 weights of `row` from column c0 (zeros past the matrix). AL: cols % 8 == 0, so a
 // chunk is all in or all out and 16-byte aligned.
 template <bool AL>
@@ -497,10 +491,6 @@ struct GsStage {
 // sits at c ^ 4 when the row is odd, a token's x chunk c at c ^ 1 when the token is odd.
 __device__ __forceinline__ int gs_wchunk(int row, int c) { return row * GS_WROW + ((c ^ ((row & 1) << 2)) << 4); }
 __device__ __forceinline__ int gs_xchunk(int tok, int c) { return tok * GS_XROW + ((c ^ (tok & 1)) << 4); }
-
-// The 128-byte swizzle of wgmma's shared-memory tiles: rows of 128 bytes, the 16-byte chunk c
-// of row r at c ^ (r % 8) (so 8-row groups are 1024 bytes apart; tiles start 1 KB-aligned).
-__device__ __forceinline__ int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 // The weights of K stage `kt` (columns kt * GS_BK ..) of rows row0 .. row0 + GS_BM into `slot`,
 // zeros past the matrix, laid out for the warpgroup kernel (SW128: swz128) or the streamed one
@@ -748,57 +738,6 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS)
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Shared-memory matrix descriptor: start address, leading-byte offset (unused by swizzled
-// K-major tiles), stride-byte offset 1024 (between 8-row groups), 128-byte swizzle.
-__device__ __forceinline__ unsigned long long wg_desc(u32 addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
-// d (64 x N f32, N / 2 per thread) += A (64 x 16 bf16) * B (16 x N bf16), both from shared memory.
-template <int N>
-__device__ __forceinline__ void wg_mma(float* d, unsigned long long a, unsigned long long b);
-template <>
-__device__ __forceinline__ void wg_mma<8>(float* d, unsigned long long a, unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b));
-}
-template <>
-__device__ __forceinline__ void wg_mma<16>(float* d, unsigned long long a, unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b));
-}
-template <>
-__device__ __forceinline__ void wg_mma<32>(float* d, unsigned long long a, unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b));
-}
-template <>
-__device__ __forceinline__ void wg_mma<64>(float* d, unsigned long long a, unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b));
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// This thread's generic-proxy writes to shared memory (cp.async, stores) become visible to
-// the async proxy that wgmma reads through.
-__device__ __forceinline__ void wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // x's hi and lo tiles of K stage `kt` (wg_split_x's layout) into the slot after its weights.
 template <int NT>

@@ -210,7 +210,7 @@ fn gs_config(tokens: usize) -> usize {
 /// Contiguous K ranges the streamed kernel splits a `rows` × `cols` matrix into (1, 2, 4 or 8):
 /// the fewest that give every SM a block, keeping at least two stages per range. From the
 /// shape alone: it fixes each output's order of summation, which must not change with the batch.
-fn gs_nsplit(rows: usize, cols: usize, sm_count: usize) -> usize {
+pub(super) fn gs_nsplit(rows: usize, cols: usize, sm_count: usize) -> usize {
     let (blocks, stages) = (rows.div_ceil(GS_BM), cols.div_ceil(GS_BK));
     let mut split = 1;
     while split < 8 && blocks * split < sm_count && stages >= 4 * split {
