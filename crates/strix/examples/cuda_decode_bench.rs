@@ -10,6 +10,11 @@
 //! with `--profile-batch B` decode steps of B sessions at once (`Model::decode_batch_greedy`,
 //! the server's kernels); `--profile-prefill N` adds one N-token prefill of a fresh session
 //! (`Model::prefill`, as the server feeds a prompt before its last piece) to the range.
+//! `--quant SCHEME` (q8_0, q4_0, q4_k) quantizes the weights on load, as `strix --quant` does.
+//! `--batches 1,16,64` measures only decode batches of those sizes (`Model::decode_batch_greedy`
+//! on sessions at context 128, as `strix bench` does), with packed weights once per tensor-core
+//! arithmetic the device has (`PackedMma`; `--kinds int8,bf16` picks), and prints
+//! aggregate tok/s.
 //!
 //! Then a breakdown: every op of a decode step at the preset's shapes, each launched many
 //! times back to back, its time per call (the larger of the GPU's time and the host's time to
@@ -51,6 +56,9 @@ fn main() -> strix::Result<()> {
     let mut presets = Vec::new();
     let mut steps = 64usize;
     let (mut profile_batch, mut profile_prefill) = (1usize, 0usize);
+    let mut quant: Option<strix::quant::on_load::QuantScheme> = None;
+    let mut batches: Vec<usize> = Vec::new();
+    let mut kinds: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--steps" {
@@ -59,6 +67,13 @@ fn main() -> strix::Result<()> {
             profile_batch = args.next().and_then(|s| s.parse().ok()).expect("--profile-batch B");
         } else if a == "--profile-prefill" {
             profile_prefill = args.next().and_then(|s| s.parse().ok()).expect("--profile-prefill N");
+        } else if a == "--batches" {
+            let list = args.next().expect("--batches B,..");
+            batches = list.split(',').map(|b| b.parse().expect("--batches: numbers")).collect();
+        } else if a == "--kinds" {
+            kinds = Some(args.next().expect("--kinds int8,bf16"));
+        } else if a == "--quant" {
+            quant = Some(args.next().expect("--quant SCHEME").parse()?);
         } else {
             presets.push(a);
         }
@@ -84,7 +99,13 @@ fn main() -> strix::Result<()> {
         let cfg = preset(name)?;
         let t0 = Instant::now();
         let weights = SyntheticWeights::new(cfg.clone(), 1);
-        let model = Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?;
+        let model = match quant {
+            None => Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?,
+            Some(scheme) => {
+                let src = strix::quant::on_load::QuantizingSource::new(&weights, &cfg, scheme);
+                Model::from_source(cfg.clone(), &src, gpu::backend()?, None)?
+            }
+        };
         let bytes = model.weight_bytes_per_token();
         println!(
             "{name}: synthesised and uploaded in {:.1} s; {:.2} GB of weights read per token",
@@ -92,6 +113,10 @@ fn main() -> strix::Result<()> {
             bytes as f64 / 1e9
         );
 
+        if !batches.is_empty() {
+            batch_sweep(name, &model, &batches, quant.is_some(), kinds.as_deref())?;
+            continue;
+        }
         let mut session = model.new_session(PROMPT + WARMUP + steps + 8);
         let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 7919 + 13) % cfg.vocab_size as u32).collect();
         // One untimed prefill in a throwaway session warms cuBLAS's heuristics and the pool.
@@ -407,4 +432,58 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
     let secs = per_call(b, REPS, || b.embed(&embed, &[7], h, &mut e))?;
     ops.push(Op { name: "embed", shape: format!("{h}"), calls: 1, secs, bytes: 0 });
     Ok(ops)
+}
+
+/// `--batches`: aggregate decode tok/s at each batch size, per packed arithmetic.
+fn batch_sweep(
+    name: &str,
+    model: &Model<strix::backend::cuda::CudaBackend>,
+    batches: &[usize],
+    packed: bool,
+    only: Option<&str>,
+) -> strix::Result<()> {
+    use strix::backend::cuda::PackedMma;
+    const STEPS: usize = 32;
+    let vocab = model.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let kinds: Vec<PackedMma> = if packed {
+        [PackedMma::Int8, PackedMma::Bf16]
+            .into_iter()
+            .filter(|&m| model.backend().set_packed_mma(m))
+            .filter(|m| {
+                let name = match m {
+                    PackedMma::Int8 => "int8",
+                    PackedMma::Bf16 => "bf16",
+                };
+                only.is_none_or(|o| o.split(',').any(|k| k == name))
+            })
+            .collect()
+    } else {
+        vec![PackedMma::Int8]
+    };
+    for kind in kinds {
+        assert!(model.backend().set_packed_mma(kind));
+        for &b in batches {
+            let mut sessions: Vec<_> = (0..b).map(|_| model.new_session(PROMPT + STEPS + 8)).collect();
+            for s in &mut sessions {
+                model.prefill(s, &prompt)?;
+            }
+            let mut tokens = vec![prompt[0]; b];
+            // Two unmeasured steps: the second records the decode graph.
+            for _ in 0..2 {
+                tokens = model.decode_batch_greedy(&mut sessions.iter_mut().collect::<Vec<_>>(), &tokens)?;
+            }
+            let t = Instant::now();
+            for _ in 0..STEPS {
+                tokens = model.decode_batch_greedy(&mut sessions.iter_mut().collect::<Vec<_>>(), &tokens)?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!(
+                "{name} {kind:?} batch {b}: {:.2} ms/step, {:.1} tok/s",
+                secs / STEPS as f64 * 1e3,
+                (b * STEPS) as f64 / secs
+            );
+        }
+    }
+    Ok(())
 }

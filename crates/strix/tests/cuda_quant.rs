@@ -26,7 +26,7 @@ mod common;
 use common::{argmax, fixtures, gpu, rel_err, small_real_heads, Dequantized, Rng};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
-use strix::backend::cuda::{CudaBackend, GemmPath, PathCounts, QUANT_GEMV_MAX_TOKENS};
+use strix::backend::cuda::{CudaBackend, GemmPath, PackedMma, PathCounts, QUANT_GEMV_MAX_TOKENS};
 use strix::backend::{Backend, KvCacheType};
 use strix::checkpoint::Checkpoint;
 use strix::config::{LayerKind, ModelConfig};
@@ -236,6 +236,8 @@ fn gemv_and_decode_batch_match_reference() {
 fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
     g.set_tensor_core_gemv(true);
+    // These tests hold the int8 arithmetic to its own bounds (the warpgroup one has its test).
+    g.set_packed_mma(PackedMma::Int8);
     let mut rng = Rng(41);
     let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let mma_runs = |g: &CudaBackend| g.path_counts().gemv_quant_mma;
@@ -294,6 +296,86 @@ fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
     }
 }
 
+/// The dequantizing warpgroup GEMV (`PackedMma::Bf16`; Hopper only): against the f64 reference
+/// on the weights and the activations rounded to bf16, within
+/// `EXACT_TOL` (only f32 accumulation remains); every batch bitwise the token alone, fused
+/// projections of mixed formats included, and the path counted.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn warpgroup_packed_gemv_matches_bf16_reference_and_is_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    g.set_tensor_core_gemv(true);
+    if !g.set_packed_mma(PackedMma::Bf16) {
+        println!("skipped: no warpgroup packed GEMVs on this device (compute capability 9.0 only)");
+        return;
+    }
+    let mut rng = Rng(43);
+    let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let mma_runs = |g: &CudaBackend| g.path_counts().gemv_quant_mma;
+    for mma in [PackedMma::Bf16] {
+        assert!(g.set_packed_mma(mma));
+        for dtype in FORMATS {
+            let mut worst = 0f32;
+            for (rows, cols) in
+                [(1usize, 256usize), (7, 768), (33, 4096), (129, 256 * 23), (300, 1280), (5, 32768)]
+            {
+                let (t, deq) = packed(&mut rng, dtype, rows, cols);
+                let w = g.weight(&t, rows, cols).unwrap();
+                let deq16 = bf16_round(&deq);
+                let what = format!("{mma:?} {dtype:?} {rows}x{cols}");
+                for n in [1usize, 2, 9, 17, 64, 130] {
+                    let x = rng.blocky(n * cols);
+                    let mut out = poison(&g, n * rows);
+                    let before = mma_runs(&g);
+                    g.matmul_rows(&g.upload(&x), n, &w, &mut out);
+                    assert_eq!(mma_runs(&g) - before, 1, "{what} batch {n}: the tensor-core GEMV ran");
+                    let batched = down(&g, &out);
+                    let r = reference(&bf16_round(&x), n, &deq16, rows, cols);
+                    worst = worst.max(check(&format!("{what} batch {n}"), &batched, &r, EXACT_TOL));
+                    if n == 1 || (rows * cols > 1 << 20 && n > 17) {
+                        continue;
+                    }
+                    for i in 0..n {
+                        let mut one = poison(&g, rows);
+                        g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, &w, &mut one);
+                        assert!(
+                            bitwise(&down(&g, &one), &batched[i * rows..(i + 1) * rows]),
+                            "{what}: batch {n} token {i} differs from the token alone"
+                        );
+                    }
+                }
+            }
+            println!("{mma:?} {dtype:?}: worst error vs the bf16-weight reference {worst:.2e}");
+        }
+        // Fused projections of mixed formats (a Q4_K_M layer's): each row of each segment the
+        // same as the token alone.
+        let cols = 1024;
+        let mats: Vec<(DType, usize)> = vec![(DType::Q4_K, 300), (DType::Q6_K, 77), (DType::Q4_K, 130)];
+        let ws: Vec<_> = mats
+            .iter()
+            .map(|&(d, r)| (g.weight(&packed(&mut rng, d, r, cols).0, r, cols).unwrap(), r))
+            .collect();
+        let wrefs: Vec<_> = ws.iter().map(|(w, _)| w).collect();
+        for n in [1usize, 5, 64] {
+            let x = rng.blocky(n * cols);
+            let mut outs: Vec<_> = ws.iter().map(|(_, r)| poison(&g, n * r)).collect();
+            g.matmul_many(&g.upload(&x), n, &wrefs, &mut outs.iter_mut().collect::<Vec<_>>(), true);
+            let got: Vec<Vec<f32>> = outs.iter().map(|o| down(&g, o)).collect();
+            for i in 0..n {
+                for (j, (w, r)) in ws.iter().enumerate() {
+                    let mut one = poison(&g, *r);
+                    g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, w, &mut one);
+                    assert!(
+                        bitwise(&down(&g, &one), &got[j][i * r..(i + 1) * r]),
+                        "{mma:?} fused segment {j}: batch {n} token {i} differs from the token alone"
+                    );
+                }
+            }
+        }
+    }
+    assert!(g.set_packed_mma(PackedMma::Int8));
+}
+
 /// A layer's projections of one input in one decode step (`matmul_many`): packed weights of
 /// mixed formats and a bf16 one beside them, as a Q4_K_M file has. Every output within the
 /// int8 bound of the f32 reference, each sequence's rows bitwise the same in any batch, and
@@ -309,6 +391,8 @@ fn fused_packed_projections_match_reference_and_are_batch_invariant() {
 fn fused_packed_projections_on(tensor_cores: bool) {
     let Some(g) = gpu() else { return };
     g.set_tensor_core_gemv(tensor_cores);
+    // These tests hold the int8 arithmetic to its own bounds (the warpgroup one has its test).
+    g.set_packed_mma(PackedMma::Int8);
     println!("tensor-core GEMVs: {tensor_cores}");
     let mut rng = Rng(11);
     let cols = 512;
@@ -677,6 +761,8 @@ fn producer_quantized_activations_are_bitwise_and_never_stale() {
 fn producer_quantized_activations_on(tensor_cores: bool) {
     let Some(g) = gpu() else { return };
     g.set_tensor_core_gemv(tensor_cores);
+    // These tests hold the int8 arithmetic to its own bounds (the warpgroup one has its test).
+    g.set_packed_mma(PackedMma::Int8);
     println!("tensor-core GEMVs: {tensor_cores}");
     let mut rng = Rng(31);
     let eps = 1e-6f32;
@@ -841,6 +927,7 @@ fn decode_steps_are_bitwise_the_same_with_producer_quantization() {
                 let run = |on: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>, PathCounts) {
                     let gpu = Model::from_source(c.clone(), &src, common::gpu_backend(), None).unwrap();
                     gpu.backend().set_tensor_core_gemv(tensor_cores);
+                    gpu.backend().set_packed_mma(PackedMma::Int8);
                     gpu.backend().set_producer_quant(on);
                     let (mut a, mut a2, mut b) =
                         (gpu.new_session(64), gpu.new_session(64), gpu.new_session(64));

@@ -55,8 +55,8 @@ pub use attention::CudaCache;
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::{GemmPath, TensorCoreKernel};
 pub use options::CudaOptions;
-pub use quant::set_qgemv_rows;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
+pub use quant::{set_qgemv_rows, PackedMma};
 
 use device::{cuda_error, Device};
 
@@ -303,6 +303,12 @@ impl CudaBackend {
         let at = attention::Kernels::load(&module("attention", attention::SOURCE)?)?;
         let q = quant::Kernels::load(&module("quant", quant::SOURCE)?, &dev)?;
         q.set_producer_quant(options.producer_quant);
+        if !q.set_packed_mma(options.packed_mma) {
+            return Err(cuda_error(format!(
+                "CUDA options: packed_mma {:?} needs the warpgroup kernels (compute capability 9.0)",
+                options.packed_mma
+            )));
+        }
         let fa = flash_attention::Kernels::load(&module("flash_attention", flash_attention::SOURCE)?, &dev)?;
         let dtc =
             deltanet_chunked::Kernels::load(&module("deltanet_chunked", deltanet_chunked::SOURCE)?, &dev)?;
@@ -441,6 +447,19 @@ impl CudaBackend {
     /// needs compute capability 9.0, the streamed ones ~100 KB of shared memory per block).
     pub fn set_tensor_core_kernel(&self, kernel: TensorCoreKernel) -> bool {
         self.mm.set_tc_kernel(kernel)
+    }
+
+    /// The tensor-core arithmetic of packed decode batches from the next call on (as
+    /// [`CudaOptions::packed_mma`] picks at start): each is bitwise batch-invariant on its own;
+    /// decode steps recorded under another are not replayed. False, and nothing changes, for a
+    /// warpgroup one on a device without its kernels (compute capability 9.0 only).
+    pub fn set_packed_mma(&self, mma: PackedMma) -> bool {
+        self.q.set_packed_mma(mma)
+    }
+
+    /// The tensor-core arithmetic of packed decode batches.
+    pub fn packed_mma(&self) -> PackedMma {
+        self.q.packed_mma()
     }
 
     /// The kernel the tensor-core GEMVs run on.
@@ -709,11 +728,13 @@ impl Backend for CudaBackend {
     ) {
         self.dev.bind();
         // A recording holds the GEMV kernels of the mode it was made in (CUDA or tensor
-        // cores, which tensor-core kernel) and whether producers quantize for the packed GEMVs.
+        // cores, which tensor-core kernel), whether producers quantize for the packed GEMVs and
+        // which arithmetic packed batches run.
         let key =
             if self.mm.uses_mma() { key ^ ((self.mm.tc_kernel() as u64) << 61) } else { key ^ (1 << 63) };
         let key = if self.q.producer_quant() { key ^ (1 << 60) } else { key };
         let key = if self.deltanet_quant.load(Ordering::Relaxed) { key } else { key ^ (1 << 59) };
+        let key = key ^ ((self.q.packed_mma() as u64) << 57);
         let mut eager = |step: &mut dyn FnMut() -> CudaBuf| {
             bump(&self.counters.steps_eager);
             read(&step());

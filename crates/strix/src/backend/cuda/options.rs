@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 
 use super::matmul::{Kernels as MatmulKernels, TensorCoreKernel};
+use super::quant::PackedMma;
 
 /// The CUDA backend's settings. [`Default`] is what a plain build runs: graphs, programmatic
 /// dependent launch, tensor-core GEMVs on the best kernel the device has, tilings chosen by
@@ -37,6 +38,9 @@ pub struct CudaOptions {
     /// Whether the kernels whose output a packed GEMV reads next also write it quantized, so
     /// the GEMV skips its own quantization (`STRIX_PRODUCER_QUANT=0` turns it off).
     pub producer_quant: bool,
+    /// The tensor-core arithmetic of packed decode batches (`STRIX_CUDA_PACKED_MMA`: `int8`, the
+    /// default, or `bf16`, which needs compute capability 9.0): see [`PackedMma`].
+    pub packed_mma: PackedMma,
     /// Where compiled kernels are kept between runs (`STRIX_KERNEL_CACHE`, else
     /// `$XDG_CACHE_HOME/strix/kernels`, else `~/.cache/strix/kernels` in
     /// [`CudaOptions::from_vars`]); `None` compiles them at every start.
@@ -53,6 +57,7 @@ impl Default for CudaOptions {
             gemv_tiles: None,
             gdn_decode_cols: None,
             producer_quant: true,
+            packed_mma: PackedMma::Int8,
             kernel_cache: None,
         }
     }
@@ -118,6 +123,11 @@ impl CudaOptions {
             Some("simt") => false,
             Some(v) => return Err(format!("STRIX_CUDA_GEMV={v}: expected simt or mma (the default)")),
         };
+        let packed_mma = match get("STRIX_CUDA_PACKED_MMA").as_deref() {
+            None | Some("int8") => PackedMma::Int8,
+            Some("bf16") => PackedMma::Bf16,
+            Some(v) => return Err(format!("STRIX_CUDA_PACKED_MMA={v}: expected int8 (the default) or bf16")),
+        };
         let kernel_cache = get("STRIX_KERNEL_CACHE")
             .map(PathBuf::from)
             .or_else(|| get("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("strix/kernels")))
@@ -130,6 +140,7 @@ impl CudaOptions {
             gemv_tiles,
             gdn_decode_cols,
             producer_quant: switch("STRIX_PRODUCER_QUANT", "0")?,
+            packed_mma,
             kernel_cache,
         })
     }
@@ -178,6 +189,7 @@ mod tests {
             ("STRIX_CUDA_MMA_TILES", "8x2x4"),
             ("STRIX_GDN_DECODE_COLS", "64"),
             ("STRIX_PRODUCER_QUANT", "0"),
+            ("STRIX_CUDA_PACKED_MMA", "bf16"),
         ]))
         .unwrap();
         assert_eq!(
@@ -190,6 +202,7 @@ mod tests {
                 gemv_tiles: Some((8, 2, 4)),
                 gdn_decode_cols: Some(64),
                 producer_quant: false,
+                packed_mma: PackedMma::Bf16,
                 kernel_cache: None,
             }
         );
@@ -202,6 +215,7 @@ mod tests {
             ("STRIX_CUDA_MMA_KERNEL", "fast"),
             ("STRIX_CUDA_MMA_TILES", "8x2"),
             ("STRIX_CUDA_MMA_TILES", "3x3x3"),
+            ("STRIX_CUDA_PACKED_MMA", "fp8"),
             ("STRIX_GDN_DECODE_COLS", "48"),
             ("STRIX_CUDA_GEMV", "cublas"),
             ("STRIX_PRODUCER_QUANT", "off"),

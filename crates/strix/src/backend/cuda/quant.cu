@@ -1143,6 +1143,358 @@ QMMA_ALL(q4_k, Q4_KM, 5, 4, 3, 2)
 QMMA_ALL(q6_k, Q6_KM, 3, 3, 3, 2)
 
 // ---------------------------------------------------------------------------------------
+// Packed weights on the warpgroup MMA (decode batches, sm_90a): `qwg_*`. The bf16 wgmma GEMV
+// of matmul.cu (gemv_wg_n*) with the weight tiles dequantized in shared memory: each stage's
+// packed bytes (and scales) of 128 rows stream through a cp.async ring with x's bf16 tiles;
+// each thread turns one row's packed stage into 64 bf16 weights (the CPU's exact dequantized
+// f32 values, rounded to nearest even) in a swizzled A tile, double-buffered, so the MMAs of
+// stage i run while stage i + 1 is dequantized. x enters rounded to bf16 from qwg_split_x,
+// which writes its tiles in the format's stage order (x as hi + lo pairs, the bf16 GEMV's
+// precision, measured slower at every batch for no gain worth it over 4-8 bit weights).
+//
+// A stage is 64 weights of a row in unit order: units i = 64 kt / (16 RUNS) .., each giving
+// RUNS runs of 16 weights (F::decode); tile column 16 (RUNS ui + k) + l holds weight l of run
+// k of the stage's unit ui, which sits at column qwg_col<F>(i, k) + l of the matrix. (Natural
+// order for Q8_0 and Q4_0; Q4_K's and Q6_K's units interleave their runs, and x follows.)
+//
+// Batch invariance: as gemv_wg_n* (the columns of a wgmma are independent, and a column's
+// instruction sequence does not depend on N), so a token's outputs are bitwise the same in any
+// batch, the one-token call included.
+#define QW_THREADS 128
+
+template <class F> __device__ __forceinline__ int qwg_col(int i, int k);
+template <> __device__ __forceinline__ int qwg_col<Q8_0F>(int i, int) { return 16 * i; }
+template <> __device__ __forceinline__ int qwg_col<Q4_0F>(int i, int k) { return 32 * i + 16 * k; }
+template <> __device__ __forceinline__ int qwg_col<Q4_KF>(int i, int k) {
+    return (i >> 3) * 256 + 64 * ((i & 7) >> 1) + 16 * (i & 1) + 32 * k;
+}
+template <> __device__ __forceinline__ int qwg_col<Q6_KF>(int i, int k) { return Q6_KF::first(i) + 32 * k; }
+
+// A stage's packed bytes in shared memory: QB quant bytes then SB scale bytes per row, rows
+// one after another (quants of all 128 rows, then their scales).
+template <class F> struct QwStage;
+template <> struct QwStage<Q8_0F> { static constexpr int QB = 64, SB = 4; };
+template <> struct QwStage<Q4_0F> { static constexpr int QB = 32, SB = 4; };
+template <> struct QwStage<Q4_KF> { static constexpr int QB = 32, SB = 16; };
+template <> struct QwStage<Q6_KF> { static constexpr int QB = 48, SB = 8; };
+// Bytes of a stage's packed part, rounded up to the swizzle's 1 KB period.
+template <class F> __device__ __host__ constexpr int qwg_packed_bytes() {
+    return (GS_BM * (QwStage<F>::QB + QwStage<F>::SB) + 1023) / 1024 * 1024;
+}
+
+// The cp.asyncs of stage kt's packed bytes of one row (`row`, clamped into the matrix: rows
+// past it compute garbage that gs_finish drops) into its places in `dst`.
+template <class F>
+__device__ __forceinline__ void qwg_load_row(unsigned char* q, unsigned char* s, const u8* wq, const u8* ws,
+                                             int row, int rows, int cols, int kt);
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const u32 a = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(a), "l"(gmem) : "memory");
+}
+template <>
+__device__ __forceinline__ void qwg_load_row<Q8_0F>(unsigned char* q, unsigned char* s, const u8* wq, const u8* ws,
+                                                    int row, int, int cols, int kt) {
+    const u8* src = wq + (i64)row * cols + 64 * kt;
+#pragma unroll
+    for (int c = 0; c < 4; c++) cp_async16(q + 16 * c, src + 16 * c);
+    cp_async4(s, ws + 2 * ((i64)row * (cols >> 5) + 2 * kt));
+}
+template <>
+__device__ __forceinline__ void qwg_load_row<Q4_0F>(unsigned char* q, unsigned char* s, const u8* wq, const u8* ws,
+                                                    int row, int, int cols, int kt) {
+    const u8* src = wq + (i64)row * (cols >> 1) + 32 * kt;
+    cp_async16(q, src);
+    cp_async16(q + 16, src + 16);
+    cp_async4(s, ws + 2 * ((i64)row * (cols >> 5) + 2 * kt));
+}
+template <>
+__device__ __forceinline__ void qwg_load_row<Q4_KF>(unsigned char* q, unsigned char* s, const u8* wq, const u8* ws,
+                                                    int row, int, int cols, int kt) {
+    const u8* src = wq + (i64)row * (cols >> 1) + 32 * kt;
+    cp_async16(q, src);
+    cp_async16(q + 16, src + 16);
+    cp_async16(s, ws + 16 * ((i64)row * (cols >> 8) + (kt >> 2)));
+}
+template <>
+__device__ __forceinline__ void qwg_load_row<Q6_KF>(unsigned char* q, unsigned char* s, const u8* wq, const u8* ws,
+                                                    int row, int rows, int cols, int kt) {
+    const u8* src = wq + (i64)row * 3 * (cols >> 2) + 16 * kt;
+    const int plane = cols >> 2;
+#pragma unroll
+    for (int p = 0; p < 3; p++) cp_async16(q + 16 * p, src + (i64)p * plane);
+    cp_async4(s, ws + 4 * ((i64)row * (cols >> 6) + kt));
+    // d (f16, per super-block) by the aligned word that holds it.
+    const i64 di = (i64)rows * (cols >> 6) * 4 + 2 * ((i64)row * (cols >> 8) + (kt >> 2));
+    cp_async4(s + 4, ws + (di & ~3ll));
+}
+
+// Unit ui of the stage (unit index i of the row) from its packed bytes in shared memory.
+template <class F>
+__device__ __forceinline__ typename F::Raw qwg_raw(const unsigned char* q, const unsigned char* s, int ui, int i,
+                                                   int row, int cols);
+template <>
+__device__ __forceinline__ Q8_0F::Raw qwg_raw<Q8_0F>(const unsigned char* q, const unsigned char* s, int ui, int,
+                                                     int, int) {
+    return Q8_0F::Raw{*reinterpret_cast<const v4u*>(q + 16 * ui), reinterpret_cast<const u16*>(s)[ui >> 1]};
+}
+template <>
+__device__ __forceinline__ Q4_0F::Raw qwg_raw<Q4_0F>(const unsigned char* q, const unsigned char* s, int ui, int,
+                                                     int, int) {
+    return Q4_0F::Raw{*reinterpret_cast<const v4u*>(q + 16 * ui), reinterpret_cast<const u16*>(s)[ui]};
+}
+template <>
+__device__ __forceinline__ Q4_KF::Raw qwg_raw<Q4_KF>(const unsigned char* q, const unsigned char* s, int ui, int,
+                                                     int, int) {
+    return Q4_KF::Raw{*reinterpret_cast<const v4u*>(q + 16 * ui), *reinterpret_cast<const v4u*>(s)};
+}
+template <>
+__device__ __forceinline__ Q6_KF::Raw qwg_raw<Q6_KF>(const unsigned char* q, const unsigned char* s, int, int i,
+                                                     int row, int cols) {
+    Q6_KF::Raw r;
+    r.l0 = *reinterpret_cast<const v4u*>(q);
+    r.l1 = *reinterpret_cast<const v4u*>(q + 16);
+    r.h = *reinterpret_cast<const v4u*>(q + 32);
+    r.sc = *reinterpret_cast<const u32*>(s);
+    const u32 dw = *reinterpret_cast<const u32*>(s + 4);
+    // Which half of the word: the parity of d's index (the d array starts 4-byte aligned).
+    r.d = (u16)(dw >> (16 * (int)(((i64)row * (cols >> 8) + (i >> 2)) & 1)));
+    return r;
+}
+
+// x [tokens, cols] as the bf16 B tiles of nt tokens (nt one of 8, 16, 32, 64) of every stage,
+// in F's stage order (stage kt at kt * nt * 128 bytes, wg_split_x's swizzled layout; values
+// rounded to nearest even), zeros past the batch. grid (stages), block QW_THREADS.
+template <class F>
+__device__ __forceinline__ void qwg_split_x_body(const float* x, int tokens, int nt, int cols, unsigned char* xs) {
+    pdl_enter();
+    constexpr int U = 4 / F::RUNS;
+    const int kt = blockIdx.x;
+    unsigned char* tile = xs + (i64)kt * nt * 128;
+    for (int c = threadIdx.x; c < nt * 16; c += QW_THREADS) {
+        const int tok = c >> 4, q = c & 15;  // tile columns 4q .. 4q + 3: run q / 4, from 4 (q % 4)
+        const int r = q >> 2, ui = r / F::RUNS, k = r % F::RUNS;
+        const int col = qwg_col<F>(kt * U + ui, k) + 4 * (q & 3);
+        float e[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) e[j] = tok < tokens ? x[(i64)tok * cols + col + j] : 0.f;
+        const int off = swz128(tok, q >> 1) + (q & 1) * 8;
+        *reinterpret_cast<uint2*>(tile + off) = make_uint2(pack_bf16x2(e[0], e[1]), pack_bf16x2(e[2], e[3]));
+    }
+}
+#define QWG_SPLIT_X(NAME, F)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(QW_THREADS)                                                 \
+        qwg_split_x_##NAME(const float* x, int tokens, int nt, int cols, unsigned char* xs) {               \
+        qwg_split_x_body<F>(x, tokens, nt, cols, xs);                                                        \
+    }
+QWG_SPLIT_X(q8_0, Q8_0F)
+QWG_SPLIT_X(q4_0, Q4_0F)
+QWG_SPLIT_X(q4_k, Q4_KF)
+QWG_SPLIT_X(q6_k, Q6_KF)
+
+// Byte j of `w` (0..255) as the float 2^23 + byte: one byte permute instead of an
+// int-to-float conversion (which issues at a quarter of the rate); the caller subtracts 2^23
+// plus any offset in one exact add.
+__device__ __forceinline__ float qwg_byte(u32 w, int j) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | j));
+}
+
+// Run k of unit i (16 weights) as f32, the same values F::decode gives (bitwise: the integer
+// reaches f32 exactly through qwg_byte, then the same products and differences), written
+// as eight bf16 pairs (rounded to nearest even).
+template <class F>
+__device__ __forceinline__ void qwg_decode(const typename F::Raw& r, int i, u32 (&out)[F::RUNS][8]);
+template <>
+__device__ __forceinline__ void qwg_decode<Q8_0F>(const Q8_0F::Raw& r, int, u32 (&out)[1][8]) {
+    const float d = f16_to_f32(r.d);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const u32 w = word(r.w, k >> 1) ^ 0x80808080u;  // bytes + 128, unsigned
+        const int j = 2 * (k & 1);
+        out[0][k] = pack_bf16x2(__fmul_rn(qwg_byte(w, j) - 8388736.f, d), __fmul_rn(qwg_byte(w, j + 1) - 8388736.f, d));
+    }
+}
+template <>
+__device__ __forceinline__ void qwg_decode<Q4_0F>(const Q4_0F::Raw& r, int, u32 (&out)[2][8]) {
+    const float d = f16_to_f32(r.d);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const u32 w = word(r.w, k >> 1), lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+        const int j = 2 * (k & 1);
+        out[0][k] = pack_bf16x2(__fmul_rn(qwg_byte(lo, j) - 8388616.f, d), __fmul_rn(qwg_byte(lo, j + 1) - 8388616.f, d));
+        out[1][k] = pack_bf16x2(__fmul_rn(qwg_byte(hi, j) - 8388616.f, d), __fmul_rn(qwg_byte(hi, j + 1) - 8388616.f, d));
+    }
+}
+template <>
+__device__ __forceinline__ void qwg_decode<Q4_KF>(const Q4_KF::Raw& r, int i, u32 (&out)[2][8]) {
+    float d1, m1, d2, m2;
+    Q4_KF::scales(r, i, d1, m1, d2, m2);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const u32 w = word(r.w, k >> 1), lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+        const int j = 2 * (k & 1);
+        const auto v = [](u32 x, int b, float dd, float mm) {
+            return __fsub_rn(__fmul_rn(dd, qwg_byte(x, b) - 8388608.f), mm);
+        };
+        out[0][k] = pack_bf16x2(v(lo, j, d1, m1), v(lo, j + 1, d1, m1));
+        out[1][k] = pack_bf16x2(v(hi, j, d2, m2), v(hi, j + 1, d2, m2));
+    }
+}
+template <>
+__device__ __forceinline__ void qwg_decode<Q6_KF>(const Q6_KF::Raw& r, int, u32 (&out)[4][8]) {
+    const float d = f16_to_f32(r.d);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float ds = __fmul_rn(d, (float)(int)(i8)((r.sc >> (8 * k)) & 0xff));
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const u32 q = (u32)Q6_KF::quants(r, k, e >> 1);
+            const int j = 2 * (e & 1);
+            out[k][e] = pack_bf16x2(__fmul_rn(ds, qwg_byte(q, j) - 8388640.f), __fmul_rn(ds, qwg_byte(q, j + 1) - 8388640.f));
+        }
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// This thread's row of stage kt (unit indices from U kt), dequantized into the A tile `a`
+// (128 rows x 64 bf16, swizzled) at row `r`.
+template <class F>
+__device__ __forceinline__ void qwg_dequant(const unsigned char* slot_q, const unsigned char* slot_s, unsigned char* a,
+                                            int r, int row, int cols, int kt) {
+    constexpr int U = 4 / F::RUNS, QB = QwStage<F>::QB, SB = QwStage<F>::SB;
+    const unsigned char* q = slot_q + r * QB;
+    const unsigned char* s = slot_s + r * SB;
+#pragma unroll
+    for (int ui = 0; ui < U; ui++) {
+        const int i = kt * U + ui;
+        u32 v[F::RUNS][8];
+        qwg_decode<F>(qwg_raw<F>(q, s, ui, i, row, cols), i, v);
+#pragma unroll
+        for (int k = 0; k < F::RUNS; k++) {
+            const int chunk = 2 * (F::RUNS * ui + k);  // tile columns 8 chunk .. + 15
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                *reinterpret_cast<v4u*>(a + swz128(r, chunk + h)) =
+                    v4u{v[k][4 * h], v[k][4 * h + 1], v[k][4 * h + 2], v[k][4 * h + 3]};
+        }
+    }
+}
+#endif
+
+// One block: unit `u` (rows u.mblock * 128 .., K range u.split of u.nsplit), tokens 0 ..
+// min(tokens, NT) from qwg_split_x's tiles `xs`. Shared memory (1 KB-aligned): two A tiles of
+// 16 KB, then a STAGES-deep ring of slots [x tile][packed quants][scales].
+template <class F, int NT, int STAGES>
+__device__ __forceinline__ void qwg_body(const QmUnit& u, const unsigned char* xs, int cols, int tokens,
+                                         float* partials, unsigned* counters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char qwg_smem_raw[];
+    pdl_launch_dependents();
+    constexpr int XB = NT * 128, SLOT = XB + qwg_packed_bytes<F>(), ATILE = GS_BM * 128;
+    constexpr int QB = QwStage<F>::QB;
+    unsigned char* smem = reinterpret_cast<unsigned char*>(((unsigned long long)qwg_smem_raw + 1023) & ~1023ull);
+    unsigned char* ring = smem + 2 * ATILE;
+    const u32 smem_a = (u32)__cvta_generic_to_shared(smem);
+    const u32 ring_a = smem_a + 2 * ATILE;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row0 = u.mblock * GS_BM;
+    const int row = imin(row0 + tid, u.rows - 1);
+    const int nk = cols / 64;
+    const int kb = (int)((i64)nk * u.split / u.nsplit);
+    const int n = (int)((i64)nk * (u.split + 1) / u.nsplit) - kb;
+    constexpr int NA = NT / 2;
+    float acc[2][NA];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int i = 0; i < NA; i++) acc[m][i] = 0.f;
+    const auto load_w = [&](int s, int kt) {
+        unsigned char* slot = ring + s * SLOT + XB;
+        qwg_load_row<F>(slot + tid * QB, slot + GS_BM * QB + tid * QwStage<F>::SB, u.wq, u.ws, row, u.rows, cols, kt);
+    };
+    const auto load_x = [&](int s, int kt) {
+        const unsigned char* src = xs + (i64)kt * XB;
+        unsigned char* dst = ring + s * SLOT;
+        for (int c = tid * 16; c < XB; c += QW_THREADS * 16) cp_async16(dst + c, src + c);
+    };
+    const auto dequant = [&](int i) {
+        const unsigned char* slot = ring + (i % STAGES) * SLOT + XB;
+        qwg_dequant<F>(slot, slot + GS_BM * QB, smem + (i & 1) * ATILE, tid, row, cols, kb + i);
+    };
+    // The weights never depend on the previous kernel: the first stages' go out before the wait.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++)
+        if (s < n) load_w(s, kb + s);
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < n) load_x(s, kb + s);
+        cp_async_commit();
+    }
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (n > 0) dequant(0);
+    wg_proxy_fence();
+    __syncthreads();
+    for (int i = 0; i < n; i++) {
+        const u32 wa = smem_a + (i & 1) * ATILE, xa = ring_a + (i % STAGES) * SLOT;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                wg_mma<NT>(acc[m], wg_desc(wa + m * (ATILE / 2) + kk * 32), wg_desc(xa + kk * 32));
+            }
+        }
+        wg_commit();
+        // Stage i - 1's MMAs are done in every warp: its slot and its A tile are free.
+        wg_wait<1>();
+        __syncthreads();
+        const int next = i + STAGES - 1;
+        if (next < n) {
+            load_w(next % STAGES, kb + next);
+            load_x(next % STAGES, kb + next);
+        }
+        cp_async_commit();
+        if (i + 1 < n) {
+            // Stage i + 1 has landed (everyone's copies): dequantize it beside stage i's MMAs.
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            dequant(i + 1);
+            wg_proxy_fence();
+            __syncthreads();
+        }
+    }
+    wg_wait<0>();
+    cp_async_wait<0>();
+    // Accumulator layout as gemv_wg_n*'s.
+    const auto at = [&](int k) {
+        const int m = k / NA, i = k % NA;
+        return make_int2(m * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1));
+    };
+    gs_finish(reinterpret_cast<const float(&)[2 * NA]>(acc), at, u, tokens, partials, counters);
+#endif
+}
+
+// grid (units), block QW_THREADS, dynamic shared memory qwg_smem_bytes (quant.rs: 2 A tiles,
+// STAGES slots, 1 KB of alignment); segments as qmma_*.
+#define QWG(NAME, F, NT, STAGES)                                                                             \
+    extern "C" __global__ void __launch_bounds__(QW_THREADS, 2)                                              \
+        qwg_##NAME##_n##NT(QmSegs segs, const unsigned char* xs, int cols, int tokens, float* partials,      \
+                           unsigned* counters) {                                                             \
+        qwg_body<F, NT, STAGES>(qm_unit(segs), xs, cols, tokens, partials, counters);                       \
+    }
+// (format; ring depth at N = 8, 16, 32, 64): QWG_STAGES in quant.rs.
+#define QWG_ALL(NAME, F)                                                                                     \
+    QWG(NAME, F, 8, 6)                                                                                       \
+    QWG(NAME, F, 16, 5)                                                                                      \
+    QWG(NAME, F, 32, 4)                                                                                      \
+    QWG(NAME, F, 64, 4)
+QWG_ALL(q8_0, Q8_0F)
+QWG_ALL(q4_0, Q4_0F)
+QWG_ALL(q4_k, Q4_KF)
+QWG_ALL(q6_k, Q6_KF)
+
+// ---------------------------------------------------------------------------------------
 // One token on the tensor-core GEMV's arithmetic (qmv1_*, Q4_0 and Q4_K): bitwise what
 // qmma_* gives a token, and faster there than qmma_* for one token (quant.rs, ONE_TOKEN). The integer sums of a 32-column group are exact in
 // any order, so lanes form them in parallel: lane l of a warp takes group l % 8 of a stage

@@ -27,6 +27,16 @@
 //!   chain in group order), bitwise the same and 8–22 % faster there ([`ONE_TOKEN`]). The sums
 //!   are not the dp4a kernels', so a backend uses one kind for every batch size of a matrix
 //!   ([`Kernels::mma_takes`]).
+//! - **Dequantizing warpgroup GEMV** (`qwg_*`, Hopper only, opt-in: [`PackedMma::Bf16`],
+//!   `STRIX_CUDA_PACKED_MMA=bf16`): the same launches' products with each stage's packed
+//!   weights dequantized to bf16 in shared memory and met with bf16-rounded activations in
+//!   `wgmma`, the bf16 GEMV's structure. Measured on an H200, 9B at batch 1 / 16 / 64 (aggregate
+//!   tok/s of whole decode steps): Q4_K_M 141 / 2,047 / 5,036 against the int8 kernels' 320 /
+//!   2,837 / 3,913, Q4_0 165 / 2,132 / 5,437 against 359 / 3,518 / 4,706, Q8_0 (before the
+//!   conversion-free dequantization) 116 / 1,714 / 4,335 against 293 / 3,391 / 4,827: faster at
+//!   64 streams for 4-bit weights, slower below. Its dequantization, not its MMAs or its bytes,
+//!   bounds it (a step at batch 1 costs 6–7 ms against 3 for the int8 kernels), so it stays
+//!   an option for servers that run full batches until it is fed by more warps.
 //! - **Activations quantized by their producer**: a packed GEMV of one token usually reads the
 //!   output of a row norm, of the MLP's gate/up GEMV with the SwiGLU, of the delta rule or of
 //!   the attention merge.
@@ -50,12 +60,13 @@
 //! - **Embedding**: the rows of the packed table dequantized to f32, bit-identical to the CPU's
 //!   dequantization (a tied lm_head is the same packed weight through the GEMV).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
+use super::compile;
 use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
 use super::elementwise;
 use super::matmul::{self, Blas, GemmPath, SplitWorkspace, GS_BM};
@@ -116,6 +127,43 @@ fn qm_stage_bytes(dtype: DType, nt: usize) -> usize {
 /// Dynamic shared memory of format `fi`'s configuration `cfg`.
 fn qm_smem_bytes(fi: usize, cfg: usize) -> usize {
     QM_STAGES[fi][cfg] * qm_stage_bytes(FORMATS[fi].0, QM_NT[cfg])
+}
+
+/// Which arithmetic a packed decode batch runs on the tensor cores
+/// (`CudaOptions::packed_mma`; the kernels' doc in quant.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedMma {
+    /// `qmma_*`: activations quantized to int8 per 32 values meet the packed integers in
+    /// `mma.sync`, each group's integer sums scaled into f32 on the CUDA cores.
+    Int8,
+    /// `qwg_*` (Hopper): each stage's weights dequantized to bf16 in shared memory (the CPU's
+    /// values, rounded to nearest even) and multiplied by bf16-rounded activations in `wgmma`.
+    Bf16,
+}
+
+/// Ring depth of the dequantizing warpgroup GEMV (`QWG_ALL` in quant.cu) at N = 8, 16, 32,
+/// 64 tokens: the deepest ring that leaves room for two blocks an SM.
+const QWG_STAGES: [usize; 4] = [6, 5, 4, 4];
+/// The warpgroup GEMV's N of each configuration (`qwg_*_n{N}`).
+const QWG_N: [usize; 4] = [8, 16, 32, 64];
+
+/// Packed bytes of one stage of 128 rows of format `fi` (`qwg_packed_bytes`: quants and scales,
+/// rounded up to 1 KB).
+fn qwg_packed_bytes(fi: usize) -> usize {
+    let per_row = [64 + 4, 32 + 4, 32 + 16, 48 + 8][fi];
+    (GS_BM * per_row).next_multiple_of(1024)
+}
+
+/// Dynamic shared memory of the warpgroup GEMV of format `fi`, configuration `cfg`: two 16 KB
+/// A tiles, the ring of slots (x's tiles and the packed stage) and 1 KB to align them.
+fn qwg_smem_bytes(fi: usize, cfg: usize) -> usize {
+    2 * GS_BM * 128 + QWG_STAGES[cfg] * (QWG_N[cfg] * 128 + qwg_packed_bytes(fi)) + 1024
+}
+
+/// The dequantizing warpgroup GEMVs: `[format]` x-tile kernels and `[format][config]` GEMVs.
+struct Qwg {
+    split_x: Vec<CudaFunction>,
+    gemv: Vec<[CudaFunction; 4]>,
 }
 
 /// The tensor-core configuration for a launch of `tokens` (at most [`QM_TOKENS`]).
@@ -242,6 +290,10 @@ pub(super) struct Kernels {
     /// `[format]` one-token kernels on `qmma_*`'s arithmetic (`qmv1_*`), loaded with them for
     /// the formats in [`ONE_TOKEN`].
     qmv1: Vec<Option<CudaFunction>>,
+    /// The dequantizing warpgroup GEMVs, on Hopper (sm_90a) where their shared memory fits.
+    qwg: Option<Qwg>,
+    /// [`PackedMma`] as `u8` (0 int8, 1 bf16): which a decode batch runs.
+    packed_mma: AtomicU8,
     sm_count: usize,
     /// The last producer's side output, until the next op takes it (module docs).
     pre: Mutex<Option<Prequantized>>,
@@ -306,6 +358,8 @@ impl Kernels {
             embed: Vec::new(),
             qmma: None,
             qmv1: Vec::new(),
+            qwg: None,
+            packed_mma: AtomicU8::new(0),
             sm_count: dev.sm_count as usize,
             pre: Mutex::new(None),
             producer_quant: AtomicBool::new(true),
@@ -357,8 +411,71 @@ impl Kernels {
                 .zip(ONE_TOKEN)
                 .map(|((_, name), has)| has.then(|| f(&format!("qmv1_{name}"))).transpose())
                 .collect::<Result<_>>()?;
+            let fits = (0..FORMATS.len())
+                .all(|fi| (0..QWG_N.len()).all(|c| qwg_smem_bytes(fi, c) <= dev.max_smem_optin as usize));
+            if compile::device_arch(dev.cc).ends_with("90a") && fits {
+                let mut gemv = Vec::new();
+                for (fi, (_, name)) in FORMATS.iter().enumerate() {
+                    let fs: Vec<CudaFunction> = (0..QWG_N.len())
+                        .map(|c| -> Result<CudaFunction> {
+                            let kernel = format!("qwg_{name}_n{}", QWG_N[c]);
+                            let func = f(&kernel)?;
+                            func.set_attribute(
+                                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                qwg_smem_bytes(fi, c) as i32,
+                            )
+                            .map_err(|e| cuda_error(format!("{kernel} shared memory opt-in: {e}")))?;
+                            Ok(func)
+                        })
+                        .collect::<Result<_>>()?;
+                    gemv.push(fs.try_into().unwrap_or_else(|_| unreachable!("one kernel a configuration")));
+                }
+                let split_x = FORMATS
+                    .iter()
+                    .map(|(_, name)| f(&format!("qwg_split_x_{name}")))
+                    .collect::<Result<_>>()?;
+                k.qwg = Some(Qwg { split_x, gemv });
+            }
         }
         Ok(k)
+    }
+
+    /// Chooses the packed decode batches' tensor-core arithmetic; false (and nothing changes)
+    /// for a warpgroup one where its kernels did not load.
+    pub fn set_packed_mma(&self, mma: PackedMma) -> bool {
+        if mma != PackedMma::Int8 && self.qwg.is_none() {
+            return false;
+        }
+        self.packed_mma.store(mma as u8, Ordering::Relaxed);
+        true
+    }
+
+    pub fn packed_mma(&self) -> PackedMma {
+        match self.packed_mma.load(Ordering::Relaxed) {
+            0 => PackedMma::Int8,
+            _ => PackedMma::Bf16,
+        }
+    }
+
+    /// What the tensor-core GEMV reads besides `x`: `x` quantized to int8 for that arithmetic
+    /// (`pre`, the producer's quantization, if any), nothing for the warpgroup GEMVs.
+    fn mma_input(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        cols: usize,
+        pre: Option<XQuant>,
+    ) -> Option<XQuant> {
+        self.qwg_chosen().is_none().then(|| self.quantize_x(dev, x, tokens, cols, pre))
+    }
+
+    /// The warpgroup GEMVs, when they are the chosen arithmetic.
+    fn qwg_chosen(&self) -> Option<&Qwg> {
+        match self.packed_mma() {
+            PackedMma::Int8 => None,
+            PackedMma::Bf16 => self.qwg.as_ref(),
+        }
     }
 
     /// Whether the tensor-core GEMV takes `w`: its kernels loaded, and the width is a whole
@@ -369,13 +486,16 @@ impl Kernels {
     }
 
     /// `outs[j] = x · ws[j]ᵀ` on the tensor-core GEMV (weights of one format and width that
-    /// [`Kernels::mma_takes`]), the activations quantized in `xq`: one launch per group of
+    /// [`Kernels::mma_takes`]) in the chosen arithmetic ([`PackedMma`]): one launch per group of
     /// [`QM_TOKENS`] tokens and of up to [`MAX_SEGMENTS`] weights whose partial sums fit the
-    /// workspace; each weight split over K as it is alone. Returns the launches made.
+    /// workspace; each weight split over K as it is alone. `xq`: `x` quantized, which the int8
+    /// arithmetic reads ([`Kernels::mma_input`]). Returns the launches made.
+    #[allow(clippy::too_many_arguments)]
     fn mma(
         &self,
         dev: &Device,
-        xq: &XQuant,
+        x: &CudaBuf,
+        xq: Option<&XQuant>,
         tokens: usize,
         ws: &[&CudaWeight],
         outs: &[u64],
@@ -383,12 +503,16 @@ impl Kernels {
     ) -> usize {
         let (dtype, cols) = (ws[0].dtype(), ws[0].cols());
         let fi = format_index(dtype);
-        let kernels = &self.qmma.as_ref().expect("mma_takes checked that the kernels loaded")[fi];
-        if tokens == 1 && ONE_TOKEN[fi] {
+        let qwg = self.qwg_chosen();
+        if let (None, Some(xq), 1, true) = (qwg, xq, tokens, ONE_TOKEN[fi]) {
             return self.one_token(dev, xq, ws, outs);
         }
         // Launch groups: consecutive weights while they fit the segments and the slots.
-        let nsplits: Vec<usize> = ws.iter().map(|w| qm_nsplit(w.rows(), cols, self.sm_count)).collect();
+        let nsplit_of = |rows: usize| match qwg {
+            Some(_) => matmul::gs_nsplit(rows, cols, self.sm_count),
+            None => qm_nsplit(rows, cols, self.sm_count),
+        };
+        let nsplits: Vec<usize> = ws.iter().map(|w| nsplit_of(w.rows())).collect();
         let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
         let (mut start, mut slots) = (0, 0);
         for (j, (w, &nsplit)) in ws.iter().zip(&nsplits).enumerate() {
@@ -402,10 +526,28 @@ impl Kernels {
             slots += need;
         }
         groups.push(start..ws.len());
+        // The warpgroup GEMV's x tiles (bf16, one per 64-column stage), sized for the first and
+        // largest token group and reused by every group.
+        let stages = cols / 64;
+        let tiles = qwg.map(|_| {
+            let bytes = stages * QWG_N[qm_config(tokens.min(QM_TOKENS))] * 128;
+            dev.alloc(bytes / 4).unwrap_or_else(|e| panic!("{e}"))
+        });
         let mut launches = 0;
         for g0 in (0..tokens).step_by(QM_TOKENS) {
             let n = QM_TOKENS.min(tokens - g0);
             let cfg = qm_config(n);
+            if let (Some(q), Some(tiles)) = (qwg, &tiles) {
+                let xp = x.ptr() + (g0 * cols * 4) as u64;
+                dev.launch(
+                    "qwg_split_x",
+                    &q.split_x[fi],
+                    (stages as u32, 1, 1),
+                    (QM_THREADS, 1, 1),
+                    0,
+                    kernel_args![xp, n as i32, QWG_N[cfg] as i32, cols as i32, tiles.ptr()],
+                );
+            }
             for group in &groups {
                 let mut segs = QmSegs::default();
                 let (mut units, mut slot) = ([0; MAX_SEGMENTS], 0);
@@ -425,28 +567,47 @@ impl Kernels {
                 let total;
                 (segs.unit_end, total) = matmul::segment_ends(units[..group.len()].iter().copied());
                 assert!(total <= i32::MAX as usize, "qmma: {total} blocks");
-                let (xq_at, xd_at, xs_at) = (
-                    xq.q + (g0 * cols) as u64,
-                    xq.d + (g0 * cols / 32 * 4) as u64,
-                    xq.s + (g0 * cols / 16 * 4) as u64,
-                );
-                dev.launch(
-                    "qmma",
-                    &kernels[cfg],
-                    (total as u32, 1, 1),
-                    (QM_THREADS, 1, 1),
-                    qm_smem_bytes(fi, cfg) as u32,
-                    kernel_args![
-                        segs,
-                        xq_at,
-                        xd_at,
-                        xs_at,
-                        cols as i32,
-                        n as i32,
-                        split.partials,
-                        split.counters
-                    ],
-                );
+                if let (Some(q), Some(tiles)) = (qwg, &tiles) {
+                    dev.launch(
+                        "qwg",
+                        &q.gemv[fi][cfg],
+                        (total as u32, 1, 1),
+                        (QM_THREADS, 1, 1),
+                        qwg_smem_bytes(fi, cfg) as u32,
+                        kernel_args![
+                            segs,
+                            tiles.ptr(),
+                            cols as i32,
+                            n as i32,
+                            split.partials,
+                            split.counters
+                        ],
+                    );
+                } else {
+                    let xq = xq.expect("the int8 arithmetic reads x quantized");
+                    let (xq_at, xd_at, xs_at) = (
+                        xq.q + (g0 * cols) as u64,
+                        xq.d + (g0 * cols / 32 * 4) as u64,
+                        xq.s + (g0 * cols / 16 * 4) as u64,
+                    );
+                    dev.launch(
+                        "qmma",
+                        &self.qmma.as_ref().expect("mma_takes checked that the kernels loaded")[fi][cfg],
+                        (total as u32, 1, 1),
+                        (QM_THREADS, 1, 1),
+                        qm_smem_bytes(fi, cfg) as u32,
+                        kernel_args![
+                            segs,
+                            xq_at,
+                            xd_at,
+                            xs_at,
+                            cols as i32,
+                            n as i32,
+                            split.partials,
+                            split.counters
+                        ],
+                    );
+                }
                 launches += 1;
             }
         }
@@ -657,18 +818,26 @@ impl Kernels {
             return 0;
         }
         let cols = ws[0].cols();
+        // Every weight of a call has one width, so the tensor cores take all or none.
+        let mma = tensor_cores.filter(|_| self.mma_takes(ws[0]));
+        if let Some(split) = mma {
+            let xq = self.mma_input(dev, x, tokens, cols, pre);
+            let mut launches = 0;
+            for &(dtype, _) in &FORMATS {
+                let members: Vec<usize> = (0..ws.len()).filter(|&j| ws[j].dtype() == dtype).collect();
+                if members.is_empty() {
+                    continue;
+                }
+                let weights: Vec<&CudaWeight> = members.iter().map(|&j| ws[j]).collect();
+                let out_ptrs: Vec<u64> = members.iter().map(|&j| outs[j].ptr()).collect();
+                launches += self.mma(dev, x, xq.as_ref(), tokens, &weights, &out_ptrs, split);
+            }
+            return launches;
+        }
         let xq = self.quantize_x(dev, x, tokens, cols, pre);
         let mut launches = 0;
         for (fi, &(dtype, _)) in FORMATS.iter().enumerate() {
             let members: Vec<usize> = (0..ws.len()).filter(|&j| ws[j].dtype() == dtype).collect();
-            if let Some(split) =
-                tensor_cores.filter(|_| members.first().is_some_and(|&j| self.mma_takes(ws[j])))
-            {
-                let weights: Vec<&CudaWeight> = members.iter().map(|&j| ws[j]).collect();
-                let out_ptrs: Vec<u64> = members.iter().map(|&j| outs[j].ptr()).collect();
-                launches += self.mma(dev, &xq, tokens, &weights, &out_ptrs, split);
-                continue;
-            }
             for group in members.chunks(MAX_SEGMENTS) {
                 let total_rows: usize = group.iter().map(|&j| ws[j].rows()).sum();
                 let log2 = self.split_log2(total_rows, cols / unit_cols(dtype));
@@ -816,8 +985,8 @@ impl Kernels {
             return QRan::Gemv;
         }
         if let Some(split) = tensor_cores.filter(|_| self.mma_takes(w)) {
-            let xq = self.quantize_x(dev, x, tokens, w.cols(), pre);
-            self.mma(dev, &xq, tokens, &[w], &[out.ptr()], split);
+            let xq = self.mma_input(dev, x, tokens, w.cols(), pre);
+            self.mma(dev, x, xq.as_ref(), tokens, &[w], &[out.ptr()], split);
             return QRan::TensorCores;
         }
         self.gemv(dev, x, tokens, w, out, pre);
