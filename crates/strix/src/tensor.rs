@@ -118,6 +118,25 @@ impl Bytes {
         self.len() == 0
     }
 
+    /// Lets go of the resident pages of a mapped view (whole pages inside it) after a copy
+    /// has been made: they stay in the page cache, and a later read of the view faults them
+    /// back in from the file. Owned bytes, and systems other than Linux: nothing.
+    pub fn release_resident(&self) {
+        #[cfg(target_os = "linux")]
+        if let Bytes::Mapped { map, range } = self {
+            const PAGE: usize = 4096;
+            let base = map.as_ptr() as usize;
+            let (start, end) =
+                ((base + range.start).next_multiple_of(PAGE), (base + range.end) & !(PAGE - 1));
+            if end > start {
+                // SAFETY: a whole-page range inside a read-only file mapping, which
+                // MADV_DONTNEED only unmaps from this process (its contents come back from the
+                // file on the next read); failure is harmless.
+                unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+            }
+        }
+    }
+
     /// The bytes moved into an owned, 4-byte aligned buffer when the view is
     /// not aligned for `align`; otherwise a cheap clone of the same view.
     pub fn aligned(&self, align: usize) -> Bytes {
@@ -201,5 +220,24 @@ impl HostTensor {
                 .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_bytes_read_the_same_after_their_pages_are_released() {
+        let data: Vec<u8> = (0..3 * 4096 + 100).map(|i| (i * 7 % 251) as u8).collect();
+        let mut file = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut file, &data).unwrap();
+        // SAFETY: a private temporary file nobody else writes.
+        let map = Arc::new(unsafe { Mmap::map(&file) }.unwrap());
+        let bytes = Bytes::Mapped { map, range: 50..data.len() - 20 };
+        assert_eq!(bytes.as_slice(), &data[50..data.len() - 20]);
+        bytes.release_resident();
+        assert_eq!(bytes.as_slice(), &data[50..data.len() - 20]);
+        Bytes::owned(&data).release_resident();
     }
 }

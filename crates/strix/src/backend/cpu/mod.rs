@@ -9,6 +9,7 @@ pub mod deltanet;
 pub mod matmul;
 pub mod moe;
 pub mod optimes;
+pub mod pages;
 pub mod qmatmul;
 pub mod qpacked;
 pub mod simd;
@@ -89,8 +90,36 @@ pub struct CpuWeight {
     dtype: DType,
     rows: usize,
     cols: usize,
-    bytes: Bytes,
+    bytes: FloatBytes,
     packed: Option<Packed>,
+}
+
+/// A float matrix's bytes: copied into huge pages ([`pages`]) when large enough to be streamed
+/// every token, else the checkpoint's own (mapped or owned) bytes.
+enum FloatBytes {
+    View(Bytes),
+    Huge(pages::HugeBuf),
+}
+
+impl FloatBytes {
+    fn new(bytes: &Bytes, align: usize) -> FloatBytes {
+        let src = bytes.as_slice();
+        match pages::HugeBuf::zeroed_huge_only(src.len()) {
+            Some(mut buf) => {
+                buf.copy_from_slice(src);
+                bytes.release_resident();
+                FloatBytes::Huge(buf)
+            }
+            None => FloatBytes::View(bytes.aligned(align)),
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            FloatBytes::View(b) => b.as_slice(),
+            FloatBytes::Huge(b) => b,
+        }
+    }
 }
 
 impl CpuWeight {
@@ -104,8 +133,8 @@ impl CpuWeight {
             DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
                 unreachable!("CpuBackend::weight packs every block format")
             }
-            // SAFETY: `CpuBackend::weight` checked the length and `Bytes::aligned` the
-            // alignment for the element type; safetensors data is little-endian, as are the
+            // SAFETY: `CpuBackend::weight` checked the length, and `FloatBytes::new` gives the
+            // element type's alignment (a huge-page buffer is 64-byte aligned); safetensors data is little-endian, as are the
             // hosts we build for.
             DType::BF16 => KernelRef::Float(WeightRef::Bf16(unsafe {
                 std::slice::from_raw_parts(b.as_ptr() as *const u16, b.len() / 2)
@@ -178,11 +207,17 @@ impl Backend for CpuBackend {
                 dtype: t.dtype,
                 rows,
                 cols,
-                bytes: Bytes::owned(&[]),
+                bytes: FloatBytes::View(Bytes::owned(&[])),
                 packed: Some(packed),
             });
         }
-        Ok(CpuWeight { dtype: t.dtype, rows, cols, bytes: t.bytes.aligned(t.dtype.align()), packed: None })
+        Ok(CpuWeight {
+            dtype: t.dtype,
+            rows,
+            cols,
+            bytes: FloatBytes::new(&t.bytes, t.dtype.align()),
+            packed: None,
+        })
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {
@@ -230,7 +265,7 @@ impl Backend for CpuBackend {
     }
 
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
-        w.packed.as_ref().map_or(w.bytes.len(), |p| p.bytes())
+        w.packed.as_ref().map_or(w.bytes.as_slice().len(), |p| p.bytes())
     }
 
     fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {

@@ -102,7 +102,7 @@ pub struct Packed {
     kind: PackedKind,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: super::pages::HugeBuf,
 }
 
 impl Packed {
@@ -114,7 +114,7 @@ impl Packed {
         assert!(cols.is_multiple_of(kind.block()), "pack: {cols} columns is not a whole number of blocks");
         assert_eq!(bytes.len(), rows * nb * rb, "pack: bytes are not [rows, cols]");
         let groups = rows.div_ceil(GROUP);
-        let mut data = vec![0u8; groups * nb * gb];
+        let mut data = super::pages::HugeBuf::zeroed(groups * nb * gb);
         let zero = vec![0u8; rb];
         data.par_chunks_mut((nb * gb).max(1)).enumerate().for_each(|(g, dst)| {
             for (b, dst) in dst.chunks_exact_mut(gb).enumerate() {
