@@ -26,7 +26,7 @@ mod common;
 use common::{argmax, fixtures, gpu, rel_err, small_real_heads, Dequantized, Rng};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
-use strix::backend::cuda::{CudaBackend, GemmPath, PackedMma, PathCounts, QUANT_GEMV_MAX_TOKENS};
+use strix::backend::cuda::{CudaBackend, CudaWeight, GemmPath, PackedMma, PathCounts, QUANT_GEMV_MAX_TOKENS};
 use strix::backend::{Backend, KvCacheType};
 use strix::checkpoint::Checkpoint;
 use strix::config::{LayerKind, ModelConfig};
@@ -148,6 +148,28 @@ fn shapes(dtype: DType) -> Vec<(usize, usize)> {
     vec![(1, b), (7, 3 * b), (33, 4096), (300, 5 * b), (5, long), (4500, 256)]
 }
 
+/// Each of the `n` tokens of `x` alone through `matmul_rows` gives bitwise its rows of the
+/// batch's output `batched`.
+fn assert_each_token_alone(
+    g: &CudaBackend,
+    w: &CudaWeight,
+    x: &[f32],
+    n: usize,
+    batched: &[f32],
+    what: &str,
+) {
+    let (rows, cols) = (g.weight_shape(w).0, x.len() / n);
+    for i in 0..n {
+        let mut one = poison(g, rows);
+        g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, w, &mut one);
+        let one = down(g, &one);
+        assert!(
+            one.iter().zip(&batched[i * rows..(i + 1) * rows]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: batch {n} token {i} differs from the token alone"
+        );
+    }
+}
+
 fn counts_delta(before: PathCounts, after: PathCounts) -> (u64, u64, u64) {
     (
         after.gemv_quant - before.gemv_quant,
@@ -239,7 +261,6 @@ fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
     // These tests hold the int8 arithmetic to its own bounds (the warpgroup one has its test).
     g.set_packed_mma(PackedMma::Int8);
     let mut rng = Rng(41);
-    let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let mma_runs = |g: &CudaBackend| g.path_counts().gemv_quant_mma;
     for dtype in FORMATS {
         let mut worst = 0f32;
@@ -265,14 +286,7 @@ fn tensor_core_gemv_matches_reference_and_is_batch_invariant() {
                 if n == 1 || (rows * cols > 1 << 20 && n > 17) {
                     continue;
                 }
-                for i in 0..n {
-                    let mut one = poison(&g, rows);
-                    g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, &w, &mut one);
-                    assert!(
-                        bitwise(&down(&g, &one), &batched[i * rows..(i + 1) * rows]),
-                        "{what}: batch {n} token {i} differs from the token alone"
-                    );
-                }
+                assert_each_token_alone(&g, &w, &x, n, &batched, &what);
             }
         }
         println!("{dtype:?}: worst tensor-core GEMV error vs int8-x ref {worst:.2e}");
@@ -310,7 +324,6 @@ fn warpgroup_packed_gemv_matches_bf16_reference_and_is_batch_invariant() {
         return;
     }
     let mut rng = Rng(43);
-    let bitwise = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let mma_runs = |g: &CudaBackend| g.path_counts().gemv_quant_mma;
     for mma in [PackedMma::Bf16] {
         assert!(g.set_packed_mma(mma));
@@ -335,14 +348,7 @@ fn warpgroup_packed_gemv_matches_bf16_reference_and_is_batch_invariant() {
                     if n == 1 || (rows * cols > 1 << 20 && n > 17) {
                         continue;
                     }
-                    for i in 0..n {
-                        let mut one = poison(&g, rows);
-                        g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, &w, &mut one);
-                        assert!(
-                            bitwise(&down(&g, &one), &batched[i * rows..(i + 1) * rows]),
-                            "{what}: batch {n} token {i} differs from the token alone"
-                        );
-                    }
+                    assert_each_token_alone(&g, &w, &x, n, &batched, &what);
                 }
             }
             println!("{mma:?} {dtype:?}: worst error vs the bf16-weight reference {worst:.2e}");
@@ -361,15 +367,8 @@ fn warpgroup_packed_gemv_matches_bf16_reference_and_is_batch_invariant() {
             let mut outs: Vec<_> = ws.iter().map(|(_, r)| poison(&g, n * r)).collect();
             g.matmul_many(&g.upload(&x), n, &wrefs, &mut outs.iter_mut().collect::<Vec<_>>(), true);
             let got: Vec<Vec<f32>> = outs.iter().map(|o| down(&g, o)).collect();
-            for i in 0..n {
-                for (j, (w, r)) in ws.iter().enumerate() {
-                    let mut one = poison(&g, *r);
-                    g.matmul_rows(&g.upload(&x[i * cols..(i + 1) * cols]), 1, w, &mut one);
-                    assert!(
-                        bitwise(&down(&g, &one), &got[j][i * r..(i + 1) * r]),
-                        "{mma:?} fused segment {j}: batch {n} token {i} differs from the token alone"
-                    );
-                }
+            for (j, (w, _)) in ws.iter().enumerate() {
+                assert_each_token_alone(&g, w, &x, n, &got[j], &format!("{mma:?} fused segment {j}"));
             }
         }
     }

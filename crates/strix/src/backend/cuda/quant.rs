@@ -387,24 +387,30 @@ impl Kernels {
         let fits = (0..FORMATS.len())
             .all(|fi| (0..QM_NT.len()).all(|c| qm_smem_bytes(fi, c) <= dev.max_smem_optin as usize));
         if fits {
-            let mut qmma = Vec::new();
-            for (fi, (_, name)) in FORMATS.iter().enumerate() {
-                let by_config: Vec<CudaFunction> = (0..QM_NT.len())
-                    .map(|c| -> Result<CudaFunction> {
-                        let kernel = format!("qmma_{name}_n{}", QM_NT[c]);
-                        let func = f(&kernel)?;
-                        func.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            qm_smem_bytes(fi, c) as i32,
-                        )
-                        .map_err(|e| cuda_error(format!("{kernel} shared memory opt-in: {e}")))?;
-                        Ok(func)
-                    })
-                    .collect::<Result<_>>()?;
-                qmma.push(
-                    by_config.try_into().unwrap_or_else(|_| unreachable!("one kernel a configuration")),
-                );
-            }
+            // Each format's four configurations, `kernel(name, c)` with `smem(fi, c)` bytes of
+            // dynamic shared memory opted in.
+            let configs = |kernel: &dyn Fn(&str, usize) -> String,
+                           smem: &dyn Fn(usize, usize) -> usize|
+             -> Result<Vec<[CudaFunction; 4]>> {
+                let mut all = Vec::new();
+                for (fi, (_, name)) in FORMATS.iter().enumerate() {
+                    let fs: Vec<CudaFunction> = (0..4)
+                        .map(|c| -> Result<CudaFunction> {
+                            let kernel = kernel(name, c);
+                            let func = f(&kernel)?;
+                            func.set_attribute(
+                                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                smem(fi, c) as i32,
+                            )
+                            .map_err(|e| cuda_error(format!("{kernel} shared memory opt-in: {e}")))?;
+                            Ok(func)
+                        })
+                        .collect::<Result<_>>()?;
+                    all.push(fs.try_into().unwrap_or_else(|_| unreachable!("one kernel a configuration")));
+                }
+                Ok(all)
+            };
+            let qmma = configs(&|name, c| format!("qmma_{name}_n{}", QM_NT[c]), &qm_smem_bytes)?;
             k.qmma = Some(qmma);
             k.qmv1 = FORMATS
                 .iter()
@@ -414,22 +420,7 @@ impl Kernels {
             let fits = (0..FORMATS.len())
                 .all(|fi| (0..QWG_N.len()).all(|c| qwg_smem_bytes(fi, c) <= dev.max_smem_optin as usize));
             if compile::device_arch(dev.cc).ends_with("90a") && fits {
-                let mut gemv = Vec::new();
-                for (fi, (_, name)) in FORMATS.iter().enumerate() {
-                    let fs: Vec<CudaFunction> = (0..QWG_N.len())
-                        .map(|c| -> Result<CudaFunction> {
-                            let kernel = format!("qwg_{name}_n{}", QWG_N[c]);
-                            let func = f(&kernel)?;
-                            func.set_attribute(
-                                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                qwg_smem_bytes(fi, c) as i32,
-                            )
-                            .map_err(|e| cuda_error(format!("{kernel} shared memory opt-in: {e}")))?;
-                            Ok(func)
-                        })
-                        .collect::<Result<_>>()?;
-                    gemv.push(fs.try_into().unwrap_or_else(|_| unreachable!("one kernel a configuration")));
-                }
+                let gemv = configs(&|name, c| format!("qwg_{name}_n{}", QWG_N[c]), &qwg_smem_bytes)?;
                 let split_x = FORMATS
                     .iter()
                     .map(|(_, name)| f(&format!("qwg_split_x_{name}")))
