@@ -44,24 +44,7 @@ models=${4:-9b 0.8b}
 clients=${CLIENTS:-1 16 64}
 mixes=${MIXES:-greedy temperature}
 work=${WORK:-/tmp/serve-compare}
-mkdir -p "$logs" "$work/bin"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export STRIX_KERNEL_CACHE=${STRIX_KERNEL_CACHE:-$work/kernels}
-summary=$logs/summary.txt
-start=$(date +%s)
-note() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$summary"; }
-
-cp "${GPU_DIR:-.gpu}/strix" "$work/bin/" || { note "no strix binary in ${GPU_DIR:-.gpu}"; exit 1; }
-strix=$work/bin/strix
-mkdir -p "$work/tokenizer"
-case $tok in
-*.gz) gunzip -c "$tok" > "$work/tokenizer/tokenizer.json" ;;
-*) cp "$tok" "$work/tokenizer/tokenizer.json" ;;
-esac
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  lscpu | grep 'Model name'
-} > "$logs/machine.txt" 2>&1
+. scripts/gpu/serve_common.sh
 
 # llama.cpp, built in the background while the bf16 files are written.
 (

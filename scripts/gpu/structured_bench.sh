@@ -26,20 +26,7 @@ mix=${MIX:-temperature}
 mt=${MAX_TOKENS:-256}
 work=${WORK:-/tmp/structured-bench}
 schema=$PWD/scripts/assets/bench_schema.json
-mkdir -p "$logs" "$work/bin" "$work/tokenizer"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export STRIX_KERNEL_CACHE=${STRIX_KERNEL_CACHE:-$work/kernels}
-summary=$logs/summary.txt
-start=$(date +%s)
-note() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$summary"; }
-
-cp "${GPU_DIR:-.gpu}/strix" "$work/bin/" || { note "no strix binary in ${GPU_DIR:-.gpu}"; exit 1; }
-strix=$work/bin/strix
-case $tok in
-*.gz) gunzip -c "$tok" > "$work/tokenizer/tokenizer.json" ;;
-*) cp "$tok" "$work/tokenizer/tokenizer.json" ;;
-esac
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/machine.txt" 2>&1
+. scripts/gpu/serve_common.sh
 
 for m in $models; do
   file=$work/$m-bf16.gguf

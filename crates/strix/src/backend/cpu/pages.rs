@@ -11,7 +11,8 @@
 //! float matrix stays where the checkpoint holds it).
 
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex};
+#[cfg(target_os = "linux")]
+use std::sync::{Arc, Mutex, Weak};
 
 /// Bytes of a huge page, and the alignment of a chunk.
 const HUGE: usize = 2 << 20;
@@ -132,19 +133,21 @@ impl Drop for Chunk {
     }
 }
 
-/// The chunk being carved and the next free offset in it.
+/// The chunk being carved and the next free offset in it. Held weakly: a chunk is unmapped
+/// once every buffer carved from it is gone (a dropped model gives its memory back), and the
+/// next request then starts a new one.
 #[cfg(target_os = "linux")]
-static CURRENT: Mutex<Option<(Arc<Chunk>, usize)>> = Mutex::new(None);
+static CURRENT: Mutex<Option<(Weak<Chunk>, usize)>> = Mutex::new(None);
 
 /// A range of `len` bytes from the current chunk, or from a new one.
 #[cfg(target_os = "linux")]
 fn carve(len: usize) -> Option<(Arc<Chunk>, usize)> {
     let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((chunk, next)) = current.as_mut() {
-        if *next + len <= chunk.len {
+    if let Some((weak, next)) = current.as_mut() {
+        if let Some(chunk) = weak.upgrade().filter(|c| *next + len <= c.len) {
             let start = *next;
             *next = (start + len).next_multiple_of(ALIGN);
-            return Some((chunk.clone(), start));
+            return Some((chunk, start));
         }
     }
     if len >= CHUNK {
@@ -152,7 +155,7 @@ fn carve(len: usize) -> Option<(Arc<Chunk>, usize)> {
         return Some((Arc::new(Chunk::new(len.next_multiple_of(HUGE))?), 0));
     }
     let chunk = Arc::new(Chunk::new(CHUNK)?);
-    *current = Some((chunk.clone(), len.next_multiple_of(ALIGN)));
+    *current = Some((Arc::downgrade(&chunk), len.next_multiple_of(ALIGN)));
     Some((chunk, 0))
 }
 
@@ -172,5 +175,9 @@ mod tests {
         for (k, b) in bufs.iter().enumerate() {
             assert!(b.iter().all(|&v| v == k as u8 + 1), "buffer {k} was overwritten by another");
         }
+        // Once every buffer of a chunk is gone, new ones are zeroed again.
+        drop(bufs);
+        let again = HugeBuf::zeroed(3 << 20);
+        assert!(again.iter().all(|&v| v == 0), "a buffer after the drop is not zeroed");
     }
 }
