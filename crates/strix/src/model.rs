@@ -749,7 +749,10 @@ impl<B: Backend> Model<B> {
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |h, s| (h ^ s.buffers_id()).wrapping_mul(0x0000_0100_0000_01b3));
         // A backend that routes experts on the host cannot record a MoE step: run it op by op.
-        let recordable = self.config.moe.is_none() || b.moe_on_device();
+        let recordable = self.weights.layers.iter().all(|l| match &l.mlp {
+            Mlp::Dense(_) => true,
+            Mlp::Moe(m) => b.moe_on_device(&m.experts, m.top_k),
+        });
         let run_step = |step: &mut dyn FnMut() -> B::Buf, read: &mut dyn FnMut(&B::Buf)| {
             if recordable {
                 b.decode_step(key, tokens, &positions, step, read)

@@ -1225,8 +1225,84 @@ fn moe_fixtures() -> Vec<std::path::PathBuf> {
     dirs
 }
 
-/// MoE models on the GPU through the backends' default MoE ops (the experts routed on the
-/// host, until the CUDA backend has kernels of its own): on the precise path (split GEMMs, f32
+/// The routed experts of a decode batch on the device (`moe.rs`) against the CPU's grouped
+/// experts on the same bf16 weights, at awkward shapes (hidden and expert widths that are and
+/// are not multiples of 8, top-1 to top-4 of 3 to 9 experts), with exact router ties (they go
+/// to the lower expert id on both); every token of a batch of 64 bitwise what it gives alone;
+/// and the shared expert's sigmoid gate. F32_TOL: both sum f32 products of the same values,
+/// in different orders.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(31);
+    for &(n, k, hidden, inter) in
+        &[(4usize, 2usize, 64usize, 40usize), (9, 4, 72, 33), (3, 1, 70, 24), (5, 3, 256, 512)]
+    {
+        let mats = |rows: usize, cols: usize, rng: &mut Rng| -> Vec<HostTensor> {
+            (0..n)
+                .map(|_| tensor(DType::BF16, rows, cols, &rng.vec(rows * cols, 1.0 / (cols as f32).sqrt())))
+                .collect()
+        };
+        let (gate, up, down_w) =
+            (mats(inter, hidden, &mut rng), mats(inter, hidden, &mut rng), mats(hidden, inter, &mut rng));
+        let cpu_experts = strix::backend::MoeExperts::<CpuBackend> {
+            gate: gate.iter().map(|t| cpu.weight(t, inter, hidden).unwrap()).collect(),
+            up: up.iter().map(|t| cpu.weight(t, inter, hidden).unwrap()).collect(),
+            down: down_w.iter().map(|t| cpu.weight(t, hidden, inter).unwrap()).collect(),
+        };
+        let gpu_experts = strix::backend::MoeExperts::<CudaBackend> {
+            gate: gate.iter().map(|t| g.weight(t, inter, hidden).unwrap()).collect(),
+            up: up.iter().map(|t| g.weight(t, inter, hidden).unwrap()).collect(),
+            down: down_w.iter().map(|t| g.weight(t, hidden, inter).unwrap()).collect(),
+        };
+        assert!(g.moe_on_device(&gpu_experts, k), "{n} bf16 experts, top {k}: not on the device");
+        for tokens in [1usize, 3, 64] {
+            let x = rng.vec(tokens * hidden, 1.0);
+            let mut logits = rng.vec(tokens * n, 2.0);
+            // Exact ties: token 0's experts all equal; the last token's first two equal.
+            logits[..n].fill(0.5);
+            let last = (tokens - 1) * n;
+            logits[last + 1] = logits[last];
+            let mut reference = vec![0.0; tokens * hidden];
+            cpu.moe_experts(&x, tokens, &logits, &cpu_experts, k, &mut reference, true);
+            let (xg, lg) = (g.upload(&x), g.upload(&logits));
+            let mut out = poison(&g, tokens * hidden);
+            let before = g.path_counts().moe_device;
+            g.moe_experts(&xg, tokens, &lg, &gpu_experts, k, &mut out, true);
+            assert_eq!(g.path_counts().moe_device, before + 1, "{}", g.path_counts());
+            let got = down(&g, &out);
+            check(
+                &format!("moe {n} experts top {k} hidden {hidden} inter {inter} T={tokens}"),
+                &got,
+                &reference,
+                F32_TOL,
+            );
+            for t in 0..tokens {
+                let mut alone = poison(&g, hidden);
+                let xt = g.upload(&x[t * hidden..(t + 1) * hidden]);
+                let lt = g.upload(&logits[t * n..(t + 1) * n]);
+                g.moe_experts(&xt, 1, &lt, &gpu_experts, k, &mut alone, true);
+                assert!(
+                    down(&g, &alone) == got[t * hidden..(t + 1) * hidden],
+                    "moe {n}/{k} T={tokens}: token {t} differs from the token alone"
+                );
+            }
+        }
+    }
+    // The shared expert's gate.
+    let (rows, dim) = (5, 77);
+    let (o, x, gate) = (rng.vec(rows * dim, 1.0), rng.vec(rows * dim, 1.0), rng.vec(rows, 3.0));
+    let mut expected = o.clone();
+    cpu.add_sigmoid_gated(&mut expected, &x, &gate, rows, dim);
+    let mut og = g.upload(&o);
+    g.add_sigmoid_gated(&mut og, &g.upload(&x), &g.upload(&gate), rows, dim);
+    check("add_sigmoid_gated", &down(&g, &og), &expected, F32_TOL);
+}
+
+/// MoE models on the GPU (prompts routed on the host, decode steps on the device's MoE
+/// kernels, recorded as graphs): on the precise path (split GEMMs, f32
 /// prefill kernels, f32 cache), every fixture's prompt logits and ten decode steps within
 /// `BF16_TOL` of the CPU on the weights the GPU holds (bf16), greedy picks equal wherever the
 /// margin is decisive. The fixtures' routers have no near ties, so both sides route alike.
@@ -1276,6 +1352,9 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
             );
             assert!(ep <= BF16_TOL && ed <= BF16_TOL, "{name} T={}: rel err {ep:.2e} / {ed:.2e}", case.len);
         }
+        let counts = gpu.backend().path_counts();
+        println!("{name}: {counts}");
+        assert!(counts.moe_device > 0 && counts.moe_host > 0, "{name}: {counts}");
     }
 }
 

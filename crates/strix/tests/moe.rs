@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use common::{argmax, cases, rel_err};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
-use strix::backend::Backend;
+use strix::backend::{Backend, MoeExperts};
 use strix::config::ModelConfig;
 use strix::model::{Logits, Model};
 use strix::tensor::HostTensor;
@@ -138,7 +138,8 @@ fn default_moe_ops_match_transformers() {
     for name in ["moe-causal-bf16-sharded", "moe-causal-f32-top1"] {
         let dir = fixture(name);
         let model = Model::load(&dir, HostMoe(CpuBackend::new()), None).unwrap();
-        assert!(!model.backend().moe_on_device());
+        let no_experts = MoeExperts::<HostMoe> { gate: Vec::new(), up: Vec::new(), down: Vec::new() };
+        assert!(!model.backend().moe_on_device(&no_experts, 1));
         check_against_goldens(&dir, &model, "default ops");
     }
 }

@@ -379,11 +379,13 @@ pub trait Backend: Send + Sync {
     ) {
         add_sigmoid_gated_on_host(self, out, x, gate, rows, dim);
     }
-    /// Whether [`Backend::moe_experts`] and [`Backend::add_sigmoid_gated`] run without reading
-    /// anything back to the host, so that a decode step of a MoE model may be recorded
-    /// ([`Backend::decode_step`]). The defaults route on the host: a backend that keeps their
-    /// defaults answers `false`, and the model then runs MoE decode steps op by op.
-    fn moe_on_device(&self) -> bool {
+    /// Whether [`Backend::moe_experts`] with these experts and `top_k`, and
+    /// [`Backend::add_sigmoid_gated`], run a decode batch without reading anything back to the
+    /// host, so that a decode step of a MoE model may be recorded ([`Backend::decode_step`]).
+    /// The defaults route on the host: a backend that keeps their defaults answers `false`,
+    /// and the model then runs MoE decode steps op by op.
+    fn moe_on_device(&self, experts: &MoeExperts<Self>, top_k: usize) -> bool {
+        let _ = (experts, top_k);
         false
     }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.

@@ -335,7 +335,7 @@ impl Backend for CpuBackend {
     }
 
     // Nothing to record on the CPU: every op runs where the routing is decided.
-    fn moe_on_device(&self) -> bool {
+    fn moe_on_device(&self, _experts: &MoeExperts<CpuBackend>, _top_k: usize) -> bool {
         true
     }
 

@@ -195,7 +195,7 @@ mod tests {
             return;
         }
         use crate::backend::cuda::{
-            attention, deltanet, deltanet_chunked, elementwise, flash_attention, matmul, quant, sample,
+            attention, deltanet, deltanet_chunked, elementwise, flash_attention, matmul, moe, quant, sample,
         };
         for (name, src) in [
             ("elementwise", elementwise::SOURCE),
@@ -206,6 +206,7 @@ mod tests {
             ("quant", quant::SOURCE),
             ("flash_attention", flash_attention::SOURCE),
             ("deltanet_chunked", deltanet_chunked::SOURCE),
+            ("moe", moe::SOURCE),
         ] {
             for arch in ["sm_90", "sm_90a"] {
                 let cubin = compile(name, &full_source(name, src), &options(arch)).unwrap();

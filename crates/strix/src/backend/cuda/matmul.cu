@@ -12,29 +12,6 @@
 
 #define GEMV_UNROLL 8
 
-// Weights are read exactly once per call: keep them out of L1 so x stays cached there.
-__device__ __forceinline__ v4u ld_stream(const v4u* p) {
-    v4u r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ float dot8(v4u w, const float* x) {
-    const v4f a = *reinterpret_cast<const v4f*>(x);
-    const v4f b = *reinterpret_cast<const v4f*>(x + 4);
-    float s = bf16_lo(w.x) * a.x;
-    s = fmaf(bf16_hi(w.x), a.y, s);
-    s = fmaf(bf16_lo(w.y), a.z, s);
-    s = fmaf(bf16_hi(w.y), a.w, s);
-    s = fmaf(bf16_lo(w.z), b.x, s);
-    s = fmaf(bf16_hi(w.z), b.y, s);
-    s = fmaf(bf16_lo(w.w), b.z, s);
-    s = fmaf(bf16_hi(w.w), b.w, s);
-    return s;
-}
-
 // GEMV blocks are GEMV_WARPS warps. S warps share one weight row (S = 1, 2, 4 or 8, chosen from
 // the row count so that short matrices still spread over the whole GPU): warp part s takes the
 // 16-byte chunks s*32 + lane, s*32 + lane + 32*S, ... of the row, and the S partial sums are

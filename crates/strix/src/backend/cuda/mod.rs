@@ -37,6 +37,7 @@ mod elementwise;
 mod flash_attention;
 mod graph;
 mod matmul;
+mod moe;
 mod options;
 mod packed;
 mod quant;
@@ -46,7 +47,7 @@ mod xquant;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType};
+use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType, MoeExperts};
 use crate::error::Result;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::tensor::HostTensor;
@@ -139,6 +140,11 @@ path_counters! {
     gdn_decode_fused,
     /// Of those, the calls on the tensor-core kernels (`deltanet_chunked.rs`).
     gdn_chunked_tc,
+    /// MoE blocks of a decode batch whose routed experts ran on the device (`moe.rs`: the
+    /// router, the picked experts and their sum; no read-back).
+    moe_device,
+    /// MoE blocks whose routed experts were routed on the host (prompts, packed experts).
+    moe_host,
     /// Attention calls (every kernel).
     attention,
     /// Of those, prompt runs on the tensor-core flash kernel (`flash_attention.rs`).
@@ -193,7 +199,7 @@ impl std::fmt::Display for PathCounts {
         write!(
             f,
             "gemv {} fused {} (with swiglu {}) tensor-core {} (streamed {}) | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
-             gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | attention {} (multi-split {}, flash {}) | \
+             gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | moe device {} host {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
              packed gemv {} rows {} tensor-core {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} (sorted {}) host {}",
@@ -211,6 +217,8 @@ impl std::fmt::Display for PathCounts {
             self.gdn_chunked,
             self.gdn_chunked_tc,
             self.gdn_decode_fused,
+            self.moe_device,
+            self.moe_host,
             self.attention,
             self.attention_multi_split,
             self.flash_attention,
@@ -251,6 +259,7 @@ pub struct CudaBackend {
     at: attention::Kernels,
     fa: flash_attention::Kernels,
     dtc: deltanet_chunked::Kernels,
+    moe: moe::Kernels,
     blas: Option<matmul::Blas>,
     gemm_path: AtomicU8,
     prefill_path: AtomicU8,
@@ -312,6 +321,7 @@ impl CudaBackend {
         let fa = flash_attention::Kernels::load(&module("flash_attention", flash_attention::SOURCE)?, &dev)?;
         let dtc =
             deltanet_chunked::Kernels::load(&module("deltanet_chunked", deltanet_chunked::SOURCE)?, &dev)?;
+        let moe = moe::Kernels::load(&module("moe", moe::SOURCE)?)?;
         let blas = matmul::Blas::open(&dev)?;
         let use_graphs = options.graphs;
         Ok(CudaBackend {
@@ -324,6 +334,7 @@ impl CudaBackend {
             at,
             fa,
             dtc,
+            moe,
             blas,
             gemm_path: AtomicU8::new(0),
             prefill_path: AtomicU8::new(0),
@@ -1099,6 +1110,45 @@ impl Backend for CudaBackend {
             return;
         }
         crate::backend::matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CudaBuf,
+        tokens: usize,
+        router_logits: &CudaBuf,
+        experts: &MoeExperts<CudaBackend>,
+        top_k: usize,
+        out: &mut CudaBuf,
+        decode_batch: bool,
+    ) {
+        // A decode batch on bf16 experts stays on the device; a prompt's tokens are grouped by
+        // expert on the host so that each expert's rows go through one GEMM.
+        if decode_batch && moe::Kernels::supports(experts, top_k) {
+            self.dev.bind();
+            self.moe.experts(&self.dev, x, tokens, router_logits, experts, top_k, out);
+            return bump(&self.counters.moe_device);
+        }
+        bump(&self.counters.moe_host);
+        crate::backend::moe_experts_on_host(
+            self,
+            x,
+            tokens,
+            router_logits,
+            experts,
+            top_k,
+            out,
+            decode_batch,
+        );
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut CudaBuf, x: &CudaBuf, gate: &CudaBuf, rows: usize, dim: usize) {
+        self.dev.bind();
+        self.moe.add_sigmoid_gated(&self.dev, out, x, gate, rows, dim);
+    }
+
+    fn moe_on_device(&self, experts: &MoeExperts<CudaBackend>, top_k: usize) -> bool {
+        moe::Kernels::supports(experts, top_k)
     }
 
     fn mlp(

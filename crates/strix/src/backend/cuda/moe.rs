@@ -1,0 +1,255 @@
+//! Launchers for `moe.cu`: a sparse MoE block's routed experts on the device for a decode
+//! batch — the router's softmax and top-k, each pick's gate/up rows with the SwiGLU, and each
+//! token's down rows summed over its picks (in a batch, each picked expert runs once over all
+//! its picks, bitwise as the one-token kernels) — plus the shared expert's sigmoid gate. Nothing
+//! comes back to the host, so a MoE decode step can be recorded as a CUDA graph. Experts in
+//! bf16 only (up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]); packed experts and prompts
+//! keep the host-routed default (`backend::moe_experts_on_host`).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule};
+
+use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
+use crate::backend::MoeExperts;
+use crate::error::Result;
+use crate::tensor::DType;
+
+pub(super) const SOURCE: &str = include_str!("moe.cu");
+
+/// `MOE_MAX_EXPERTS`, `MOE_MAX_K`, `MOE_WARPS` and `MOE_ROUTE_WARPS` of the kernels.
+pub const MAX_EXPERTS: usize = 512;
+pub const MAX_TOP_K: usize = 16;
+const WARPS: usize = 8;
+const ROUTE_WARPS: usize = 4;
+
+/// `MoeTable` of `moe.cu`: one weight pointer per expert, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeTable {
+    w: [u64; MAX_EXPERTS],
+}
+
+/// `MoePair` of `moe.cu`: the gate and up pointers per expert.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoePair {
+    a: [u64; MAX_EXPERTS],
+    b: [u64; MAX_EXPERTS],
+}
+
+fn table(ws: &[CudaWeight]) -> [u64; MAX_EXPERTS] {
+    let mut t = [0u64; MAX_EXPERTS];
+    for (slot, w) in t.iter_mut().zip(ws) {
+        *slot = w.ptr();
+    }
+    t
+}
+
+pub(super) struct Kernels {
+    route: CudaFunction,
+    gate_up: CudaFunction,
+    down_sum: CudaFunction,
+    bucket: CudaFunction,
+    gate_up_grouped: CudaFunction,
+    down_grouped: CudaFunction,
+    combine: CudaFunction,
+    sigmoid_gated: CudaFunction,
+}
+
+impl Kernels {
+    pub fn load(module: &Arc<CudaModule>) -> Result<Kernels> {
+        let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(format!("kernel {n}: {e}")));
+        Ok(Kernels {
+            route: f("moe_route")?,
+            gate_up: f("moe_gate_up")?,
+            down_sum: f("moe_down_sum")?,
+            bucket: f("moe_bucket")?,
+            gate_up_grouped: f("moe_gate_up_grouped")?,
+            down_grouped: f("moe_down_grouped")?,
+            combine: f("moe_combine")?,
+            sigmoid_gated: f("add_sigmoid_gated")?,
+        })
+    }
+
+    /// Whether [`Kernels::experts`] takes these experts: all bf16 of one shape, at most
+    /// [`MAX_EXPERTS`] of them, `top_k` in 1..=[`MAX_TOP_K`] and no more than the experts.
+    pub fn supports(experts: &MoeExperts<super::CudaBackend>, top_k: usize) -> bool {
+        let n = experts.len();
+        let Some(first) = experts.gate.first() else { return false };
+        let (inter, hidden) = (first.rows(), first.cols());
+        let shaped = |ws: &[CudaWeight], rows: usize, cols: usize| {
+            ws.len() == n
+                && ws.iter().all(|w| w.dtype() == DType::BF16 && w.rows() == rows && w.cols() == cols)
+        };
+        (1..=MAX_EXPERTS).contains(&n)
+            && (1..=MAX_TOP_K.min(n)).contains(&top_k)
+            && inter > 0
+            && hidden > 0
+            && inter <= i32::MAX as usize
+            && hidden <= i32::MAX as usize
+            && shaped(&experts.gate, inter, hidden)
+            && shaped(&experts.up, inter, hidden)
+            && shaped(&experts.down, hidden, inter)
+    }
+
+    /// `out[t] = Σ weight · expert(x[t])` over the `top_k` experts `router_logits[t]` picks, for
+    /// `tokens` rows (`x`, `out`: `[tokens, hidden]`). The caller checked
+    /// [`Kernels::supports`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn experts(
+        &self,
+        dev: &Device,
+        x: &CudaBuf,
+        tokens: usize,
+        router_logits: &CudaBuf,
+        experts: &MoeExperts<super::CudaBackend>,
+        top_k: usize,
+        out: &mut CudaBuf,
+    ) {
+        assert!(Self::supports(experts, top_k), "moe: unsupported experts or top_k {top_k}");
+        let n = experts.len();
+        let (inter, hidden) = (experts.gate[0].rows(), experts.gate[0].cols());
+        let picks = tokens * top_k;
+        assert!(x.len() >= tokens * hidden, "moe: x holds {} floats, not [{tokens}, {hidden}]", x.len());
+        assert!(
+            router_logits.len() >= tokens * n,
+            "moe: the router logits hold {} floats",
+            router_logits.len()
+        );
+        assert!(
+            out.len() >= tokens * hidden,
+            "moe: out holds {} floats, not [{tokens}, {hidden}]",
+            out.len()
+        );
+        if tokens == 0 {
+            return;
+        }
+        let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));
+        // Ids are i32 in an f32 buffer of as many elements.
+        let (ids, weights, act) = (alloc(picks), alloc(picks), alloc(picks * inter));
+        let (t32, n32, k32, i32_, h32) = (tokens as i32, n as i32, top_k as i32, inter as i32, hidden as i32);
+        dev.launch(
+            "moe_route",
+            &self.route,
+            (tokens.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+            ((ROUTE_WARPS * 32) as u32, 1, 1),
+            (ROUTE_WARPS * n * 4) as u32,
+            kernel_args![router_logits.ptr(), t32, n32, k32, ids.ptr(), weights.ptr()],
+        );
+        let gate_up = MoePair { a: table(&experts.gate), b: table(&experts.up) };
+        let down = MoeTable { w: table(&experts.down) };
+        if tokens > 1 {
+            // Each picked expert once over all its picks: the same arithmetic per pick as the
+            // one-token kernels below, its weights read once per step.
+            let (count, active, start, members) = (alloc(1), alloc(n), alloc(n + 1), alloc(picks));
+            let y = alloc(picks * hidden);
+            dev.launch(
+                "moe_bucket",
+                &self.bucket,
+                (1, 1, 1),
+                (1024, 1, 1),
+                0,
+                kernel_args![
+                    ids.ptr(),
+                    picks as i32,
+                    n32,
+                    count.ptr(),
+                    active.ptr(),
+                    start.ptr(),
+                    members.ptr()
+                ],
+            );
+            let most = picks.min(n) as u32;
+            dev.launch(
+                "moe_gate_up_grouped",
+                &self.gate_up_grouped,
+                (inter.div_ceil(WARPS) as u32, most, 1),
+                ((WARPS * 32) as u32, 1, 1),
+                0,
+                kernel_args![
+                    gate_up,
+                    x.ptr(),
+                    k32,
+                    i32_,
+                    h32,
+                    count.ptr(),
+                    active.ptr(),
+                    start.ptr(),
+                    members.ptr(),
+                    act.ptr()
+                ],
+            );
+            dev.launch(
+                "moe_down_grouped",
+                &self.down_grouped,
+                (hidden.div_ceil(WARPS) as u32, most, 1),
+                ((WARPS * 32) as u32, 1, 1),
+                0,
+                kernel_args![
+                    down,
+                    act.ptr(),
+                    i32_,
+                    h32,
+                    count.ptr(),
+                    active.ptr(),
+                    start.ptr(),
+                    members.ptr(),
+                    y.ptr()
+                ],
+            );
+            dev.launch(
+                "moe_combine",
+                &self.combine,
+                (dev.grid_for(tokens * hidden, 256), 1, 1),
+                (256, 1, 1),
+                0,
+                kernel_args![y.ptr(), weights.ptr(), k32, t32, h32, out.ptr()],
+            );
+            return;
+        }
+        dev.launch(
+            "moe_gate_up",
+            &self.gate_up,
+            (inter.div_ceil(WARPS) as u32, picks as u32, 1),
+            ((WARPS * 32) as u32, 1, 1),
+            0,
+            kernel_args![gate_up, x.ptr(), ids.ptr(), k32, i32_, h32, act.ptr()],
+        );
+        dev.launch(
+            "moe_down_sum",
+            &self.down_sum,
+            (hidden.div_ceil(WARPS) as u32, tokens as u32, 1),
+            ((WARPS * 32) as u32, 1, 1),
+            0,
+            kernel_args![down, act.ptr(), ids.ptr(), weights.ptr(), k32, i32_, h32, out.ptr()],
+        );
+    }
+
+    /// `out[r] += sigmoid(gate[r]) * x[r]` for `rows` rows of `dim`.
+    pub fn add_sigmoid_gated(
+        &self,
+        dev: &Device,
+        out: &mut CudaBuf,
+        x: &CudaBuf,
+        gate: &CudaBuf,
+        rows: usize,
+        dim: usize,
+    ) {
+        let n = rows * dim;
+        assert!(out.len() >= n && x.len() >= n, "add_sigmoid_gated: buffers smaller than [{rows}, {dim}]");
+        assert!(gate.len() >= rows, "add_sigmoid_gated: {} gate logits for {rows} rows", gate.len());
+        assert!(rows <= i32::MAX as usize && dim <= i32::MAX as usize);
+        if n == 0 {
+            return;
+        }
+        dev.launch(
+            "add_sigmoid_gated",
+            &self.sigmoid_gated,
+            (dev.grid_for(n, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            kernel_args![out.ptr(), x.ptr(), gate.ptr(), rows as i32, dim as i32],
+        );
+    }
+}
