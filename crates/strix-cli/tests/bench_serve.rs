@@ -77,6 +77,15 @@ fn report(out: &Output) -> Value {
     })
 }
 
+/// A successful `strix bench-serve` against `server` (its URL ends in `path`), with the words
+/// of `flags` and then `more` as arguments: the output and its JSON report.
+fn measured(server: &Server, path: &str, flags: &str, more: &[&str]) -> (Output, Value) {
+    let out = bench_serve(&format!("--url http://{}{path} {flags}", server.addr()), more);
+    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
+    let r = report(&out);
+    (out, r)
+}
+
 /// Checks a latency distribution's shape and returns its [p50, p90, p99, max].
 #[track_caller]
 fn percentiles(d: &Value, count: u64) -> [f64; 4] {
@@ -89,16 +98,13 @@ fn percentiles(d: &Value, count: u64) -> [f64; 4] {
 #[test]
 fn measures_a_strix_server_with_every_request_accounted_for() {
     let server = strix_server();
-    let url = format!("http://{}", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --clients 3 --requests 8 --warmup 2 --max-tokens 6 --prompt-len 12,30 \
-             --vocab 300 --mix greedy,temperature,top-p --seed 1"
-        ),
+    let (out, r) = measured(
+        &server,
+        "",
+        "--clients 3 --requests 8 --warmup 2 --max-tokens 6 --prompt-len 12,30 \
+         --vocab 300 --mix greedy,temperature,top-p --seed 1",
         &[],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
 
     assert_eq!(r["server"]["model"], "fixture", "the model comes from /v1/models");
     assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(8), Some(0)), "{r}");
@@ -153,16 +159,13 @@ fn measures_a_strix_server_with_every_request_accounted_for() {
 #[test]
 fn chat_requests_with_word_prompts_on_fresh_connections_are_measured() {
     let server = strix_server();
-    let url = format!("http://{}/v1", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --endpoint chat --clients 2 --requests 3 --warmup 0 --max-tokens 4 \
-             --prompt-len 20 --temperature 0.5 --keep-alive false"
-        ),
+    let (_, r) = measured(
+        &server,
+        "/v1",
+        "--endpoint chat --clients 2 --requests 3 --warmup 0 --max-tokens 4 \
+         --prompt-len 20 --temperature 0.5 --keep-alive false",
         &["--extra-body", r#"{"chat_template_kwargs": {"enable_thinking": false}}"#],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
     assert_eq!(r["server"]["endpoint"], "/v1/chat/completions");
     assert_eq!(r["keep_alive"], false);
     assert_eq!((r["completed"].as_u64(), r["output_tokens"].as_u64()), (Some(3), Some(12)), "{r}");
@@ -180,19 +183,18 @@ fn chat_requests_with_word_prompts_on_fresh_connections_are_measured() {
 #[test]
 fn json_schema_requests_are_constrained_and_their_outputs_checked() {
     let server = strix_server();
-    let url = format!("http://{}/v1", server.addr());
     let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/assets/bench_schema.json");
     let schema = schema.display().to_string();
     for (endpoint, max_tokens, unparsable) in [("chat", 700, 0), ("completions", 700, 0), ("chat", 6, 3)] {
-        let out = bench_serve(
+        let (_, r) = measured(
+            &server,
+            "/v1",
             &format!(
-                "--url {url} --endpoint {endpoint} --clients 3 --requests 3 --warmup 0 --max-tokens {max_tokens} \
+                "--endpoint {endpoint} --clients 3 --requests 3 --warmup 0 --max-tokens {max_tokens} \
                  --prompt-len 20 --prompt-kind words --temperature 1 --seed 5 --json-schema {schema}"
             ),
             &[],
         );
-        assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-        let r = report(&out);
         assert_eq!(r["completed"], 3, "{r}");
         assert_eq!(r["unparsable_outputs"], unparsable, "{endpoint} {max_tokens}: {r}");
         assert_eq!(r["json_schema"].as_str(), Some(schema.as_str()));
@@ -207,16 +209,13 @@ fn json_schema_requests_are_constrained_and_their_outputs_checked() {
 #[test]
 fn a_shared_prefix_is_sent_and_the_cached_tokens_are_counted() {
     let server = strix_server_with_pass(Some(64));
-    let url = format!("http://{}", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --clients 2 --requests 6 --warmup 0 --max-tokens 4 --shared-prefix-len 130 \
-             --prompt-len 10 --vocab 300"
-        ),
+    let (out, r) = measured(
+        &server,
+        "",
+        "--clients 2 --requests 6 --warmup 0 --max-tokens 4 --shared-prefix-len 130 \
+         --prompt-len 10 --vocab 300",
         &[],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
     assert_eq!(r["completed"], 6, "{r}");
     assert_eq!(r["prompt"]["shared_prefix_len"], 130);
     assert_eq!(r["prompt_tokens"], 6 * 140, "the server counted the shared ids too");
@@ -230,16 +229,13 @@ fn a_shared_prefix_is_sent_and_the_cached_tokens_are_counted() {
 #[test]
 fn multi_turn_conversations_resend_the_history_and_report_each_turn() {
     let server = strix_server_with_pass(Some(64));
-    let url = format!("http://{}", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --clients 2 --requests 2 --warmup 0 --max-tokens 5 --turns 3 --turn-len 70 \
-             --vocab 300"
-        ),
+    let (out, r) = measured(
+        &server,
+        "",
+        "--clients 2 --requests 2 --warmup 0 --max-tokens 5 --turns 3 --turn-len 70 \
+         --vocab 300",
         &[],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
     assert_eq!((r["completed"].as_u64(), r["turns"].as_u64()), (Some(6), Some(3)), "{r}");
     let turns = r["per_turn"].as_array().unwrap();
     assert_eq!(turns.len(), 3);

@@ -39,14 +39,20 @@ fn alone(src: &Path, dir: &Path) -> String {
     dst.to_string_lossy().into_owned()
 }
 
-#[test]
-fn gguf_models_run_with_the_tokenizer_and_template_of_their_metadata() {
+/// The GGUF file `gguf` (under the fixtures), alone in a folder, gives the greedy tokens of the
+/// model directory `dir` it was converted from, on a plain prompt and through the chat template
+/// (the file's tokenizer and template come from its metadata).
+fn assert_runs_like_its_directory(gguf: &str, dir: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = fixtures().join("models/causal-bf16-gdn3x");
-    let file = alone(&fixtures().join("gguf-models/causal-bf16-gdn3x.bf16.gguf"), tmp.path());
-    let dir = dir.to_string_lossy().into_owned();
+    let file = alone(&fixtures().join(gguf), tmp.path());
+    let dir = fixtures().join(dir).to_string_lossy().into_owned();
     assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
     assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
+}
+
+#[test]
+fn gguf_models_run_with_the_tokenizer_and_template_of_their_metadata() {
+    assert_runs_like_its_directory("gguf-models/causal-bf16-gdn3x.bf16.gguf", "models/causal-bf16-gdn3x");
 }
 
 /// `strix quantize` writes a file strix runs; for Q8_0 it holds what llama-quantize makes of
@@ -74,78 +80,36 @@ fn quantize_writes_a_runnable_gguf() {
 #[test]
 fn bad_arguments_are_one_clean_error() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = fixtures().join("models/causal-bf16-gdn3x");
-    let out = tmp.path().join("x.gguf");
+    let model = fixtures().join("models/causal-bf16-gdn3x");
+    let paths = [
+        model.clone(),
+        model.join("config.json"),
+        model.join("tokenizer.json"),
+        tmp.path().to_path_buf(),
+        tmp.path().join("x.gguf"),
+    ];
+    let [dir, config, tokenizer, empty_dir, out] = paths.each_ref().map(|p| p.to_str().unwrap());
     for (args, needle) in [
+        (vec!["quantize", "--model", dir, "--quant", "q5_1", "--out", out], "q5_1"),
+        (vec!["quantize", "--model", empty_dir, "--quant", "q8_0", "--out", out], "config.json"),
+        (vec!["run", "--model", config, "hi"], "give the directory that holds it"),
+        (vec!["quantize", "--preset", "qwen3.5-1b", "--quant", "bf16", "--out", out], "known:"),
         (
-            vec![
-                "quantize",
-                "--model",
-                dir.to_str().unwrap(),
-                "--quant",
-                "q5_1",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            "q5_1",
-        ),
-        (
-            vec![
-                "quantize",
-                "--model",
-                tmp.path().to_str().unwrap(),
-                "--quant",
-                "q8_0",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            "config.json",
-        ),
-        (
-            vec!["run", "--model", dir.join("config.json").to_str().unwrap(), "hi"],
-            "give the directory that holds it",
-        ),
-        (
-            vec!["quantize", "--preset", "qwen3.5-1b", "--quant", "bf16", "--out", out.to_str().unwrap()],
-            "known:",
-        ),
-        (
-            vec![
-                "quantize",
-                "--preset",
-                "qwen3.5-0.8b",
-                "--model",
-                dir.to_str().unwrap(),
-                "--quant",
-                "bf16",
-                "--out",
-                out.to_str().unwrap(),
-            ],
+            vec!["quantize", "--preset", "qwen3.5-0.8b", "--model", dir, "--quant", "bf16", "--out", out],
             "cannot be used with",
         ),
-        (
-            vec![
-                "quantize",
-                "--tokenizer",
-                dir.to_str().unwrap(),
-                "--quant",
-                "bf16",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            "--preset",
-        ),
+        (vec!["quantize", "--tokenizer", dir, "--quant", "bf16", "--out", out], "--preset"),
         (
             vec![
                 "quantize",
                 "--preset",
                 "qwen3.5-0.8b",
                 "--tokenizer",
-                dir.join("tokenizer.json").to_str().unwrap(),
+                tokenizer,
                 "--quant",
                 "bf16",
                 "--out",
-                out.to_str().unwrap(),
+                out,
             ],
             "not a directory",
         ),
@@ -162,13 +126,12 @@ fn bad_arguments_are_one_clean_error() {
 /// the converter's own (so the same tokens), and a Q4_K_M mixture that runs.
 #[test]
 fn moe_gguf_runs_like_its_directory_and_quantize_writes_one() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = fixtures().join("moe-models/moe-causal-bf16-sharded");
-    let file = alone(&fixtures().join("moe-gguf/moe-causal-bf16-sharded.bf16.gguf"), tmp.path());
-    let dir = dir.to_string_lossy().into_owned();
-    assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
-    assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
+    assert_runs_like_its_directory(
+        "moe-gguf/moe-causal-bf16-sharded.bf16.gguf",
+        "moe-models/moe-causal-bf16-sharded",
+    );
 
+    let tmp = tempfile::tempdir().unwrap();
     let src = fixtures().join("moe-models/moe-causal-f32-top1");
     let src = src.to_string_lossy();
     let q8 = tmp.path().join("moe-q8.gguf");
