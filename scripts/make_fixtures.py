@@ -948,6 +948,31 @@ def readme_intro(title, script):
     ]
 
 
+def readme_section(fx, cls, weights, layers, dims, files, size, columns, cells):
+    """One fixture's README section: its class, its weights (dtype, then `weights`), its layer
+    types (then `layers`), `dims`, its files, and a table of `columns` with a row of `cells` per
+    prompt length."""
+    t = fx["text"]
+    return [
+        f"## {fx['name']}",
+        "",
+        f"- class: {cls}",
+        f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, {weights}",
+        f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}"
+        + layers,
+        f"- {dims}",
+        f"- files: {', '.join(files)} ({size / 1024:.1f} KiB)",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ] + ["| " + " | ".join(row) + " |" for row in cells] + [""]
+
+
+def write_lines(path, lines):
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
 def write_readme(summary, files):
     """tests/fixtures/models/README.md: what each fixture is (generated; deterministic)."""
     lines = readme_intro("Model fixtures", "make_fixtures.py") + [
@@ -966,29 +991,22 @@ def write_readme(summary, files):
         fx = by_name[name]
         t = fx["text"]
         cls = "Qwen3_5ForConditionalGeneration (model_type qwen3_5, text under text_config, weights under model.language_model.*, plus model.visual.*)" if fx["arch"] == "vlm" else "Qwen3_5ForCausalLM (model_type qwen3_5_text, flat config, weights under model.*)"
-        lines += [
-            f"## {name}",
-            "",
-            f"- class: {cls}",
-            f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, "
+        weights = (
             f"{'tied (no lm_head.weight stored)' if fx['tied'] else 'untied (lm_head.weight stored)'}, "
             + ("single model.safetensors" if fx["shards"] == 1 else f"{fx['shards']} shards + model.safetensors.index.json")
-            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else ""),
-            f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}"
-            + (f" (config.json has NO layer_types, only full_attention_interval={fx['drop_layer_types']})" if fx["drop_layer_types"] else " (explicit layer_types in config.json)"),
-            f"- intermediate_size {t['intermediate_size']}; GDN: linear_num_key_heads {t['linear_num_key_heads']}, "
-            f"linear_num_value_heads {t['linear_num_value_heads']}, linear_key_head_dim {t['linear_key_head_dim']}, "
-            f"linear_value_head_dim {t['linear_value_head_dim']}",
-            f"- files: {', '.join(files[name])} ({size / 1024:.1f} KiB)",
-            "",
-            "| T | max abs logit | min greedy margin | margin / max | decode vs full-forward | golden vs f64 | naive f32 vs f64 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for T, maxabs, m, x0, x, std, greedy, eg, e32 in rows:
-            lines.append(f"| {T} | {maxabs:.3f} | {m:.4f} | {m / maxabs:.2e} | {x:.1e} | {eg:.1e} | {e32:.1e} |")
-        lines.append("")
-    with open(os.path.join(OUT_ROOT, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else "")
+        )
+        layers = (f" (config.json has NO layer_types, only full_attention_interval={fx['drop_layer_types']})"
+                  if fx["drop_layer_types"] else " (explicit layer_types in config.json)")
+        dims = (f"intermediate_size {t['intermediate_size']}; GDN: linear_num_key_heads {t['linear_num_key_heads']}, "
+                f"linear_num_value_heads {t['linear_num_value_heads']}, linear_key_head_dim {t['linear_key_head_dim']}, "
+                f"linear_value_head_dim {t['linear_value_head_dim']}")
+        columns = ["T", "max abs logit", "min greedy margin", "margin / max", "decode vs full-forward", "golden vs f64",
+                   "naive f32 vs f64"]
+        cells = [[f"{T}", f"{maxabs:.3f}", f"{m:.4f}", f"{m / maxabs:.2e}", f"{x:.1e}", f"{eg:.1e}", f"{e32:.1e}"]
+                 for T, maxabs, m, x0, x, std, greedy, eg, e32 in rows]
+        lines += readme_section(fx, cls, weights, layers, dims, files[name], size, columns, cells)
+    write_lines(os.path.join(OUT_ROOT, "README.md"), lines)
 
 
 def prepare_reference():

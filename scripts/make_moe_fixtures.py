@@ -313,29 +313,21 @@ def write_readme(summary, files):
         cls = ("Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe, text under text_config, weights under "
                "model.language_model.*, plus model.visual.*)") if fx["arch"] == "vlm" else \
             "Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text, flat config, weights under model.*)"
-        lines += [
-            f"## {name}",
-            "",
-            f"- class: {cls}",
-            f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, "
+        weights = (
             f"{'tied' if fx['tied'] else 'untied'}, "
             + ("single model.safetensors" if fx["shards"] == 1 else f"{fx['shards']} shards + index")
             + (", experts fused (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)" if fx["fused"] else ", experts one by one")
-            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else ""),
-            f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}",
-            f"- experts {t['num_experts']}, top-{t['num_experts_per_tok']}, moe_intermediate_size {t['moe_intermediate_size']}, "
-            f"shared_expert_intermediate_size {t['shared_expert_intermediate_size']}; GDN k heads {t['linear_num_key_heads']}, "
-            f"v heads {t['linear_num_value_heads']}, k dim {t['linear_key_head_dim']}, v dim {t['linear_value_head_dim']}",
-            f"- files: {', '.join(files[name])} ({size / 1024:.1f} KiB)",
-            "",
-            "| T | max abs logit | min greedy margin | decode vs full-forward | router gap | golden vs f64 | naive f32 vs f64 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for T, maxabs, m, x0, x, gap, greedy, eg, e32 in rows:
-            lines.append(f"| {T} | {maxabs:.3f} | {m:.4f} | {x:.1e} | {gap:.2e} | {eg:.1e} | {e32:.1e} |")
-        lines.append("")
-    with open(os.path.join(OUT_ROOT, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else "")
+        )
+        dims = (f"experts {t['num_experts']}, top-{t['num_experts_per_tok']}, moe_intermediate_size {t['moe_intermediate_size']}, "
+                f"shared_expert_intermediate_size {t['shared_expert_intermediate_size']}; GDN k heads {t['linear_num_key_heads']}, "
+                f"v heads {t['linear_num_value_heads']}, k dim {t['linear_key_head_dim']}, v dim {t['linear_value_head_dim']}")
+        columns = ["T", "max abs logit", "min greedy margin", "decode vs full-forward", "router gap", "golden vs f64",
+                   "naive f32 vs f64"]
+        cells = [[f"{T}", f"{maxabs:.3f}", f"{m:.4f}", f"{x:.1e}", f"{gap:.2e}", f"{eg:.1e}", f"{e32:.1e}"]
+                 for T, maxabs, m, x0, x, gap, greedy, eg, e32 in rows]
+        lines += mf.readme_section(fx, cls, weights, "", dims, files[name], size, columns, cells)
+    mf.write_lines(os.path.join(OUT_ROOT, "README.md"), lines)
 
 
 def main():
