@@ -122,94 +122,40 @@ VISION = dict(
     num_position_embeddings=16,
 )
 
+
+def fixture(name, arch, dtype, *, tied, seed, shards, mtp, prompts, layers, gdn, drop_layer_types=None, **text):
+    """One row of a fixtures table: the fixture's name, class (`vlm`: conditional generation,
+    with the VISION tower; `causal`: the text model alone), weight dtype, tying, seed, number of
+    weight files, whether extra `mtp.*` tensors are added, and prompt lengths. Its text config
+    (over COMMON_TEXT) sets the layer types `layers`, the GDN shape `gdn` (key heads, value heads,
+    key head dim, value head dim) and the fields `text`, with ROPE's rotary parameters (plus the
+    published checkpoints' multimodal sections for a vlm: irrelevant for text-only positions).
+    `drop_layer_types`: config.json gets full_attention_interval=N instead of layer_types."""
+    k_heads, v_heads, k_dim, v_dim = gdn
+    rope = dict(ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True) if arch == "vlm" else dict(ROPE)
+    fx = dict(name=name, arch=arch, dtype=dtype, tied=tied, seed=seed, shards=shards, inject_mtp=mtp,
+              drop_layer_types=drop_layer_types, prompts=prompts)
+    fx["text"] = dict(num_hidden_layers=len(layers), layer_types=layers, linear_num_key_heads=k_heads,
+                      linear_num_value_heads=v_heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim,
+                      rope_parameters=rope, **text)
+    if arch == "vlm":
+        fx["vision"] = dict(VISION)
+    return fx
+
+
 FIXTURES = [
-    dict(
-        name="vlm-f32-gdn2x",
-        arch="vlm",
-        dtype=torch.float32,
-        tied=False,
-        seed=1001,
-        text=dict(
-            num_hidden_layers=5,
-            layer_types=[L, F, L, F, L],  # ends with a linear-attention layer
-            intermediate_size=96,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=24,
-            # as in the published checkpoints (irrelevant for text-only positions)
-            rope_parameters=dict(ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True),
-        ),
-        vision=dict(VISION),
-        shards=1,
-        inject_mtp=True,
-        drop_layer_types=None,
-        prompts=[1, 63, 64, 65, 130],
-    ),
-    dict(
-        name="causal-bf16-sharded",
-        arch="causal",
-        dtype=torch.bfloat16,
-        tied=True,
-        seed=2002,
-        text=dict(
-            num_hidden_layers=6,
-            layer_types=[L, L, F, L, L, F],  # == full_attention_interval 3
-            intermediate_size=96,
-            linear_num_key_heads=4,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            rope_parameters=dict(ROPE),
-        ),
-        shards=3,
-        inject_mtp=True,
-        drop_layer_types=3,  # config.json: no layer_types, full_attention_interval=3 instead
-        prompts=[1, 64, 130],
-    ),
-    dict(
-        name="causal-f32-tied-gdn2x",
-        arch="causal",
-        dtype=torch.float32,
-        tied=True,
-        seed=3003,
-        text=dict(
-            num_hidden_layers=4,
-            layer_types=[F, L, L, F],  # full attention first
-            intermediate_size=64,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
-            linear_key_head_dim=32,
-            linear_value_head_dim=16,
-            rope_parameters=dict(ROPE),
-        ),
-        shards=1,
-        inject_mtp=False,
-        drop_layer_types=None,
-        prompts=[65, 130],
-    ),
-    dict(
-        # extra: value heads = 3x key heads, untied bf16 causal LM (bf16 lm_head), single file
-        name="causal-bf16-gdn3x",
-        arch="causal",
-        dtype=torch.bfloat16,
-        tied=False,
-        seed=4004,
-        text=dict(
-            num_hidden_layers=4,
-            layer_types=[L, F, L, F],
-            intermediate_size=64,
-            linear_num_key_heads=2,
-            linear_num_value_heads=6,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-            rope_parameters=dict(ROPE),
-        ),
-        shards=1,
-        inject_mtp=False,
-        drop_layer_types=None,
-        prompts=[3, 97],
-    ),
+    # ends with a linear-attention layer
+    fixture("vlm-f32-gdn2x", "vlm", torch.float32, tied=False, seed=1001, shards=1, mtp=True, prompts=[1, 63, 64, 65, 130],
+            layers=[L, F, L, F, L], gdn=(2, 4, 16, 24), intermediate_size=96),
+    # layer types == full_attention_interval 3, which config.json gives instead
+    fixture("causal-bf16-sharded", "causal", torch.bfloat16, tied=True, seed=2002, shards=3, mtp=True, prompts=[1, 64, 130],
+            layers=[L, L, F, L, L, F], gdn=(4, 4, 16, 16), intermediate_size=96, drop_layer_types=3),
+    # full attention first
+    fixture("causal-f32-tied-gdn2x", "causal", torch.float32, tied=True, seed=3003, shards=1, mtp=False, prompts=[65, 130],
+            layers=[F, L, L, F], gdn=(1, 2, 32, 16), intermediate_size=64),
+    # extra: value heads = 3x key heads, untied bf16 causal LM (bf16 lm_head), single file
+    fixture("causal-bf16-gdn3x", "causal", torch.bfloat16, tied=False, seed=4004, shards=1, mtp=False, prompts=[3, 97],
+            layers=[L, F, L, F], gdn=(2, 6, 8, 12), intermediate_size=64),
 ]
 
 TOKENIZER_TEXT = """\
@@ -948,16 +894,22 @@ def readme_intro(title, script):
     ]
 
 
-def readme_section(fx, cls, weights, layers, dims, files, size, columns, cells):
-    """One fixture's README section: its class, its weights (dtype, then `weights`), its layer
-    types (then `layers`), `dims`, its files, and a table of `columns` with a row of `cells` per
-    prompt length."""
+def readme_section(fx, cls, weights, layers, dims, files, size, rows, middle):
+    """One fixture's README section: its class, its weights (dtype, then `weights`, then the
+    mtp.* tensors if any), its layer types (then `layers`), `dims`, its files, and a table with
+    a row per prompt length (`rows`: make_fixture's summary rows) of T, max |logit|, the
+    smallest greedy margin, the columns of `middle` (title -> the cell of a row), and the
+    golden's and the naive f32 run's errors against float64."""
     t = fx["text"]
+    columns = ["T", "max abs logit", "min greedy margin", *middle, "golden vs f64", "naive f32 vs f64"]
+    cells = [[f"{r[0]}", f"{r[1]:.3f}", f"{r[2]:.4f}", *(cell(*r) for cell in middle.values()), f"{r[-2]:.1e}", f"{r[-1]:.1e}"]
+             for r in rows]
     return [
         f"## {fx['name']}",
         "",
         f"- class: {cls}",
-        f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, {weights}",
+        f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, {weights}"
+        + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else ""),
         f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}"
         + layers,
         f"- {dims}",
@@ -994,18 +946,17 @@ def write_readme(summary, files):
         weights = (
             f"{'tied (no lm_head.weight stored)' if fx['tied'] else 'untied (lm_head.weight stored)'}, "
             + ("single model.safetensors" if fx["shards"] == 1 else f"{fx['shards']} shards + model.safetensors.index.json")
-            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else "")
         )
         layers = (f" (config.json has NO layer_types, only full_attention_interval={fx['drop_layer_types']})"
                   if fx["drop_layer_types"] else " (explicit layer_types in config.json)")
         dims = (f"intermediate_size {t['intermediate_size']}; GDN: linear_num_key_heads {t['linear_num_key_heads']}, "
                 f"linear_num_value_heads {t['linear_num_value_heads']}, linear_key_head_dim {t['linear_key_head_dim']}, "
                 f"linear_value_head_dim {t['linear_value_head_dim']}")
-        columns = ["T", "max abs logit", "min greedy margin", "margin / max", "decode vs full-forward", "golden vs f64",
-                   "naive f32 vs f64"]
-        cells = [[f"{T}", f"{maxabs:.3f}", f"{m:.4f}", f"{m / maxabs:.2e}", f"{x:.1e}", f"{eg:.1e}", f"{e32:.1e}"]
-                 for T, maxabs, m, x0, x, std, greedy, eg, e32 in rows]
-        lines += readme_section(fx, cls, weights, layers, dims, files[name], size, columns, cells)
+        middle = {
+            "margin / max": lambda T, maxabs, m, *_: f"{m / maxabs:.2e}",
+            "decode vs full-forward": lambda T, maxabs, m, x0, x, *_: f"{x:.1e}",
+        }
+        lines += readme_section(fx, cls, weights, layers, dims, files[name], size, rows, middle)
     write_lines(os.path.join(OUT_ROOT, "README.md"), lines)
 
 
