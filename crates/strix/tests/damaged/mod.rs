@@ -30,8 +30,8 @@ pub fn gguf_model(name: &str) -> PathBuf {
     fixtures().join("gguf-models").join(name)
 }
 
-/// The message of the error loading the model at `path` (a directory or a GGUF file) on the
-/// CPU must return.
+/// Loads the model at `path` (a directory or a GGUF file) on the CPU, which must fail; the
+/// error's message.
 pub fn load_error(path: &Path) -> String {
     match Model::load_path(path, CpuBackend::new(), None) {
         Ok(_) => panic!("{} loaded, but it is broken", path.display()),

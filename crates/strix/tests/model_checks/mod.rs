@@ -1,8 +1,8 @@
 //! Checks of whole models that several test files run the same way: the fixture directories
 //! that hold goldens, a model's prompt and greedy decode against a fixture's `transformers`
-//! goldens, a prompt fed in pieces, and the sessions the decode-batch tests start from. The
-//! users declare `mod common;` beside `mod model_checks;` (the goldens and the error measure
-//! come from there).
+//! goldens, a prompt fed in pieces, and decode batches against each sequence decoding alone.
+//! The users declare `mod common;` beside `mod model_checks;` (the goldens and the error
+//! measure come from there).
 
 #![allow(dead_code)]
 
