@@ -4,13 +4,16 @@
 //! an error mid-stream, a stream cut short, a stream that stalls) it ends in bounded time with
 //! the reason, never a panic or a hang.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::{fixtures, stderr, strix_bin};
 use serde_json::Value;
 use strix::backend::cpu::CpuBackend;
 use strix_server::{ServedModel, Server, ServerConfig};
@@ -24,7 +27,7 @@ fn strix_server() -> Server {
 
 /// A fixture server; `Some(n)`: prefill passes (and prefix cache blocks) of `n` tokens.
 fn strix_server_with_pass(pass: Option<usize>) -> Server {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
+    let dir = fixtures().join("models/vlm-f32-gdn2x");
     let mut served = ServedModel::load(&dir, CpuBackend::new()).expect("load the fixture model");
     let mut config = ServerConfig::new("fixture", 1024);
     config.port = 0;
@@ -41,9 +44,7 @@ fn bench_serve(line: &str, more: &[&str]) -> Output {
     let args: Vec<&str> = line.split_whitespace().chain(more.iter().copied()).collect();
     // `$STRIX_BIN`, as in tests/cli.rs: a prebuilt binary (or a copy, where others rebuild the
     // shared target directory's).
-    let strix =
-        std::env::var_os("STRIX_BIN").map_or_else(|| env!("CARGO_BIN_EXE_strix").into(), PathBuf::from);
-    let mut child = Command::new(strix)
+    let mut child = Command::new(strix_bin())
         .arg("bench-serve")
         .args(&args)
         .stdin(Stdio::null())
@@ -61,10 +62,6 @@ fn bench_serve(line: &str, more: &[&str]) -> Output {
         std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().expect("collect the output")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn report(out: &Output) -> Value {

@@ -8,12 +8,14 @@
 //! directory (or `$STRIX_FIXTURES`). Without a CUDA device they check the clean error of
 //! `--device cuda` instead of running on the GPU.
 
+mod common;
 #[path = "../../strix/tests/mock_hub/mod.rs"]
 mod mock_hub;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use common::{cmd, json_of, stderr, stdout, strix, strix_bin, strix_json, strix_with_stdin};
 use safetensors::SafeTensors;
 use serde_json::Value;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
@@ -24,7 +26,7 @@ use strix::tokenizer::Tokenizer;
 fn fixtures_root() -> PathBuf {
     let candidates = [
         std::env::var_os("STRIX_FIXTURES").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")),
+        Some(common::fixtures().join("models")),
         Some(PathBuf::from("tests/fixtures/models")),
     ];
     candidates
@@ -38,67 +40,8 @@ fn fixture(name: &str) -> PathBuf {
     fixtures_root().join(name)
 }
 
-/// The `strix` under test: `$STRIX_BIN` when set (a prebuilt binary), else the one cargo built.
-fn strix_bin() -> PathBuf {
-    std::env::var_os("STRIX_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_strix")), PathBuf::from)
-}
-
 fn fixture_arg(name: &str) -> String {
     fixture(name).display().to_string()
-}
-
-/// Runs `strix` with `args` and `stdin` (empty when `None`). The device defaults to the CPU
-/// (through `STRIX_DEVICE`, which a `--device` flag overrides): the goldens hold the CPU to
-/// 1e-4, and on a machine with a GPU `auto` would pick the GPU; the `device_*` tests pass
-/// `--device` themselves.
-fn strix_with_stdin(args: &[&str], stdin: Option<&str>) -> Output {
-    use std::io::Write;
-    let mut child = Command::new(strix_bin())
-        .args(args)
-        .env("STRIX_DEVICE", "cpu")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start strix");
-    let mut pipe = child.stdin.take().expect("stdin");
-    if let Some(text) = stdin {
-        pipe.write_all(text.as_bytes()).expect("write stdin");
-    }
-    drop(pipe);
-    child.wait_with_output().expect("wait for strix")
-}
-
-fn strix(args: &[&str]) -> Output {
-    strix_with_stdin(args, None)
-}
-
-/// The command line `strix COMMAND --model MODEL FLAGS`, the flags written as one string (split
-/// at white space: none of them holds a space).
-fn cmd<'a>(command: &'a str, model: &'a str, flags: &'a str) -> Vec<&'a str> {
-    [command, "--model", model].into_iter().chain(flags.split_whitespace()).collect()
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Runs `strix` and parses its stdout as one JSON object, failing with stderr on error.
-fn strix_json(args: &[&str]) -> Value {
-    json_of(args, &strix(args))
-}
-
-/// The stdout of a successful run (`what` names it) as one JSON object; a failure, or output
-/// that is not JSON, fails the test with what it printed.
-#[track_caller]
-fn json_of(what: impl std::fmt::Debug, out: &Output) -> Value {
-    assert!(out.status.success(), "strix {what:?} failed: {}", stderr(out));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout of {what:?} is not JSON ({e}): {}", stdout(out)))
 }
 
 /// `strix run` greedy: `n` tokens after the prompt `ids` (comma-separated), at temperature 0

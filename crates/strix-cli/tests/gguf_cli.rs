@@ -1,28 +1,12 @@
 //! The `strix` binary on GGUF files: `--model FILE.gguf` (tokenizer and chat template from the
 //! file's metadata), `strix quantize`, and their errors.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+
+use common::{fixtures, stderr, strix, strix_json as json};
 use serde_json::Value;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn strix(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strix"))
-        .args(args)
-        .env("STRIX_DEVICE", "cpu")
-        .output()
-        .expect("run strix")
-}
-
-fn json(args: &[&str]) -> Value {
-    let out = strix(args);
-    assert!(out.status.success(), "strix {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
-}
 
 fn greedy(model: &str, extra: &[&str]) -> (Value, Value) {
     let mut args = vec!["run", "--model", model, "--temperature", "0", "--max-tokens", "12", "--json"];
@@ -71,8 +55,8 @@ fn quantize_writes_a_runnable_gguf() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-    assert!(String::from_utf8_lossy(&run.stderr).contains("Q8_0"));
+    assert!(run.status.success(), "{}", stderr(&run));
+    assert!(stderr(&run).contains("Q8_0"));
     let theirs = fixtures().join("gguf-models/causal-bf16-gdn3x.q8_0.gguf");
     assert_eq!(greedy(out.to_str().unwrap(), &[]), greedy(theirs.to_str().unwrap(), &[]));
 }
@@ -115,7 +99,7 @@ fn bad_arguments_are_one_clean_error() {
         ),
     ] {
         let o = strix(&args);
-        let err = String::from_utf8_lossy(&o.stderr);
+        let err = stderr(&o);
         assert!(!o.status.success() && !err.contains("panicked"), "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.contains(needle), "{args:?}: {err}");
     }
@@ -136,13 +120,13 @@ fn moe_gguf_runs_like_its_directory_and_quantize_writes_one() {
     let src = src.to_string_lossy();
     let q8 = tmp.path().join("moe-q8.gguf");
     let run = strix(&["quantize", "--model", &src, "--quant", "q8_0", "--out", &q8.to_string_lossy()]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{}", stderr(&run));
     let theirs = fixtures().join("moe-gguf/moe-causal-f32-top1.q8_0.gguf");
     assert_eq!(greedy(&q8.to_string_lossy(), &[]), greedy(&theirs.to_string_lossy(), &[]));
 
     let q4 = tmp.path().join("moe-q4k.gguf");
     let run = strix(&["quantize", "--model", &src, "--quant", "q4_k", "--out", &q4.to_string_lossy()]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{}", stderr(&run));
     let (_, ids) = greedy(&q4.to_string_lossy(), &[]);
     assert_eq!(ids.as_array().map(Vec::len), Some(12), "{ids}");
 }
