@@ -108,106 +108,54 @@ COMMON_TEXT = dict(
     bos_token_id=None,
 )
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+# The vision tower of the conditional-generation fixtures (irrelevant to the text goldens).
+VISION = dict(
+    depth=1,
+    hidden_size=16,
+    num_heads=2,
+    intermediate_size=32,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    in_channels=3,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+)
+
+
+def fixture(name, arch, dtype, *, tied, seed, shards, mtp, prompts, layers, gdn, drop_layer_types=None, **text):
+    """One row of a fixtures table: the fixture's name, class (`vlm`: conditional generation,
+    with the VISION tower; `causal`: the text model alone), weight dtype, tying, seed, number of
+    weight files, whether extra `mtp.*` tensors are added, and prompt lengths. Its text config
+    (over COMMON_TEXT) sets the layer types `layers`, the GDN shape `gdn` (key heads, value heads,
+    key head dim, value head dim) and the fields `text`, with ROPE's rotary parameters (plus the
+    published checkpoints' multimodal sections for a vlm: irrelevant for text-only positions).
+    `drop_layer_types`: config.json gets full_attention_interval=N instead of layer_types."""
+    k_heads, v_heads, k_dim, v_dim = gdn
+    rope = dict(ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True) if arch == "vlm" else dict(ROPE)
+    fx = dict(name=name, arch=arch, dtype=dtype, tied=tied, seed=seed, shards=shards, inject_mtp=mtp,
+              drop_layer_types=drop_layer_types, prompts=prompts)
+    fx["text"] = dict(num_hidden_layers=len(layers), layer_types=layers, linear_num_key_heads=k_heads,
+                      linear_num_value_heads=v_heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim,
+                      rope_parameters=rope, **text)
+    if arch == "vlm":
+        fx["vision"] = dict(VISION)
+    return fx
+
 
 FIXTURES = [
-    dict(
-        name="vlm-f32-gdn2x",
-        arch="vlm",
-        dtype=torch.float32,
-        tied=False,
-        seed=1001,
-        text=dict(
-            num_hidden_layers=5,
-            layer_types=[L, F, L, F, L],  # ends with a linear-attention layer
-            intermediate_size=96,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=24,
-            # as in the published checkpoints (irrelevant for text-only positions)
-            rope_parameters=dict(ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True),
-        ),
-        vision=dict(
-            depth=1,
-            hidden_size=16,
-            num_heads=2,
-            intermediate_size=32,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            in_channels=3,
-            out_hidden_size=64,
-            num_position_embeddings=16,
-        ),
-        shards=1,
-        inject_mtp=True,
-        drop_layer_types=None,
-        prompts=[1, 63, 64, 65, 130],
-    ),
-    dict(
-        name="causal-bf16-sharded",
-        arch="causal",
-        dtype=torch.bfloat16,
-        tied=True,
-        seed=2002,
-        text=dict(
-            num_hidden_layers=6,
-            layer_types=[L, L, F, L, L, F],  # == full_attention_interval 3
-            intermediate_size=96,
-            linear_num_key_heads=4,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            rope_parameters=dict(ROPE),
-        ),
-        shards=3,
-        inject_mtp=True,
-        drop_layer_types=3,  # config.json: no layer_types, full_attention_interval=3 instead
-        prompts=[1, 64, 130],
-    ),
-    dict(
-        name="causal-f32-tied-gdn2x",
-        arch="causal",
-        dtype=torch.float32,
-        tied=True,
-        seed=3003,
-        text=dict(
-            num_hidden_layers=4,
-            layer_types=[F, L, L, F],  # full attention first
-            intermediate_size=64,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
-            linear_key_head_dim=32,
-            linear_value_head_dim=16,
-            rope_parameters=dict(ROPE),
-        ),
-        shards=1,
-        inject_mtp=False,
-        drop_layer_types=None,
-        prompts=[65, 130],
-    ),
-    dict(
-        # extra: value heads = 3x key heads, untied bf16 causal LM (bf16 lm_head), single file
-        name="causal-bf16-gdn3x",
-        arch="causal",
-        dtype=torch.bfloat16,
-        tied=False,
-        seed=4004,
-        text=dict(
-            num_hidden_layers=4,
-            layer_types=[L, F, L, F],
-            intermediate_size=64,
-            linear_num_key_heads=2,
-            linear_num_value_heads=6,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-            rope_parameters=dict(ROPE),
-        ),
-        shards=1,
-        inject_mtp=False,
-        drop_layer_types=None,
-        prompts=[3, 97],
-    ),
+    # ends with a linear-attention layer
+    fixture("vlm-f32-gdn2x", "vlm", torch.float32, tied=False, seed=1001, shards=1, mtp=True, prompts=[1, 63, 64, 65, 130],
+            layers=[L, F, L, F, L], gdn=(2, 4, 16, 24), intermediate_size=96),
+    # layer types == full_attention_interval 3, which config.json gives instead
+    fixture("causal-bf16-sharded", "causal", torch.bfloat16, tied=True, seed=2002, shards=3, mtp=True, prompts=[1, 64, 130],
+            layers=[L, L, F, L, L, F], gdn=(4, 4, 16, 16), intermediate_size=96, drop_layer_types=3),
+    # full attention first
+    fixture("causal-f32-tied-gdn2x", "causal", torch.float32, tied=True, seed=3003, shards=1, mtp=False, prompts=[65, 130],
+            layers=[F, L, L, F], gdn=(1, 2, 32, 16), intermediate_size=64),
+    # extra: value heads = 3x key heads, untied bf16 causal LM (bf16 lm_head), single file
+    fixture("causal-bf16-gdn3x", "causal", torch.bfloat16, tied=False, seed=4004, shards=1, mtp=False, prompts=[3, 97],
+            layers=[L, F, L, F], gdn=(2, 6, 8, 12), intermediate_size=64),
 ]
 
 TOKENIZER_TEXT = """\
@@ -264,17 +212,19 @@ def check_pure_torch():
             sys.exit(f"error: {fn} resolves to {mod}, not the pure-torch implementation")
 
 
-def build_config(fx):
+def build_config(fx, vlm_config=Qwen3_5Config, text_config_cls=Qwen3_5TextConfig):
+    """The fixture's config: COMMON_TEXT with its text fields, flat (causal) or with its vision
+    tower under a conditional-generation config (the classes are make_moe_fixtures.py's for MoE)."""
     text = dict(COMMON_TEXT)
     text.update(fx["text"])
     text["tie_word_embeddings"] = fx["tied"]
     if fx["arch"] == "vlm":
-        return Qwen3_5Config(
+        return vlm_config(
             text_config=text,
             vision_config=dict(fx["vision"]),
             tie_word_embeddings=fx["tied"],
         )
-    return Qwen3_5TextConfig(**text)
+    return text_config_cls(**text)
 
 
 def text_config(cfg):
@@ -706,53 +656,192 @@ def run_case(model, ids):
     return logits, greedy, decode, xerr, xerr0
 
 
-def make_fixture(fx, tok_dir, summary):
-    name = fx["name"]
-    out_dir = os.path.join(OUT_ROOT, name)
+# ----------------------------------------------------------------------------------------------
+# the steps of making one fixture (make_moe_fixtures.py runs them too)
+
+
+def fresh_dir(root, name):
+    """root/name, emptied."""
+    out_dir = os.path.join(root, name)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
+    return out_dir
 
+
+def random_model(fx, cls, config_of, reinit):
+    """A `cls` model of the fixture's config (`config_of(fx)`) with seeded random weights
+    (`reinit(model, seed, tied)`), in the fixture's dtype (bf16 rounding happens here:
+    round-to-nearest-even). Returns the config and the model."""
     torch.manual_seed(fx["seed"])
-    cfg = build_config(fx)
-    cls = Qwen3_5ForConditionalGeneration if fx["arch"] == "vlm" else Qwen3_5ForCausalLM
+    cfg = config_of(fx)
     model = cls(cfg).eval()
-    reinit_(model, fx["seed"], fx["tied"])
-    model = model.to(fx["dtype"])  # bf16 rounding happens here (round-to-nearest-even)
+    reinit(model, fx["seed"], fx["tied"])
+    return cfg, model.to(fx["dtype"])
 
-    # ---- save
-    if fx["shards"] == 1:
+
+def save_weights(model, out_dir, shards):
+    """save_pretrained into one file or `shards` shards; returns a copy of the state dict."""
+    if shards == 1:
         model.save_pretrained(out_dir)
         assert os.path.exists(os.path.join(out_dir, "model.safetensors"))
     else:
-        save_sharded(model, out_dir, fx["shards"])
-    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    del model
+        save_sharded(model, out_dir, shards)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
+
+def write_generation_config(out_dir):
     gen = GenerationConfig(eos_token_id=[IM_END_ID, ENDOFTEXT_ID], pad_token_id=ENDOFTEXT_ID, bos_token_id=None)
     gen.save_pretrained(out_dir)
 
+
+def rewrite_config_json(out_dir, edit=None):
+    """config.json re-written with sorted keys (after `edit(cfg_json)`, if given)."""
     cfg_path = os.path.join(out_dir, "config.json")
     with open(cfg_path) as f:
         cfg_json = json.load(f)
-    if fx["drop_layer_types"]:
-        assert cfg_json.pop("layer_types") == fx["text"]["layer_types"]
-        cfg_json["full_attention_interval"] = fx["drop_layer_types"]
+    if edit:
+        edit(cfg_json)
     write_json(cfg_path, cfg_json)
 
-    if fx["inject_mtp"]:
-        inject_extra(out_dir, mtp_tensors(cfg, fx["dtype"], fx["seed"]), sharded=fx["shards"] > 1)
 
+def copy_tokenizer(tok_dir, out_dir):
+    """The tokenizer files, and the chat template when it exists."""
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tok_dir, f), os.path.join(out_dir, f))
     if os.path.exists(CHAT_TEMPLATE):
         shutil.copy(CHAT_TEMPLATE, os.path.join(out_dir, "chat_template.jinja"))
 
-    # ---- verify files on disk
+
+def read_weights_of_dtype(out_dir, dtype):
+    """Every weight stored under out_dir, each checked to be of `dtype`."""
     on_disk = read_all_weights(out_dir)
-    want_dtype = fx["dtype"]
     for k, v in on_disk.items():
-        assert v.dtype == want_dtype, (k, v.dtype)
+        assert v.dtype == dtype, (k, v.dtype)
+    return on_disk
+
+
+def reload_f32(cls, out_dir, fx, expected):
+    """Exactly what is on disk, reloaded in float32 with eager attention: nothing missing,
+    nothing unexpected but mtp.*, the fixture's layer types, the saved weights. Returns the
+    model and its text config."""
+    model, info = cls.from_pretrained(
+        out_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    model.eval()
+    assert not info["missing_keys"], info
+    assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), info
+    tc = text_config(model.config)
+    assert tc.layer_types == fx["text"]["layer_types"], (tc.layer_types, fx["text"]["layer_types"])
+    sd = model.state_dict()
+    for k, v in expected.items():
+        assert torch.equal(sd[k], v.float()), f"reloaded {k} differs"
+    return model, tc
+
+
+def find_case(model, name, seed, T, vocab, naive64, naive32, attempts, reject=None):
+    """A golden case of T prompt tokens: the prompt is re-seeded (deterministically) until
+    greedy decoding has no near tie and the case is well conditioned, and, when given, until
+    `reject()` (called after the model ran the case) returns None rather than a reason.
+    Returns (prompt seed, ids, logits, greedy, decode logits, xerr, xerr0, margin, max|logit|,
+    golden vs f64, naive f32 vs f64)."""
+    for attempt in range(attempts):
+        pseed = seed * 100000 + T * 100 + attempt
+        gp = torch.Generator().manual_seed(pseed)
+        ids = torch.randint(0, vocab, (T,), generator=gp, dtype=torch.long)
+        logits, greedy, decode, xerr, xerr0 = run_case(model, ids)
+        why = reject() if reject else None
+        m = margins(torch.cat([logits[-1:], decode])).min().item()
+        maxabs = max(logits.abs().max().item(), decode.abs().max().item())
+        if why:
+            log(f"  {name} T={T}: {why}; re-seeding prompt")
+            continue
+        if m < MARGIN_FRAC * maxabs * 3:  # aim for 3x the required margin
+            log(f"  {name} T={T}: near tie (margin {m:.3g}, max|logit| {maxabs:.3g}); re-seeding prompt")
+            continue
+        if len(set(greedy.tolist())) < MIN_DISTINCT_GREEDY:  # tied models like to repeat a token
+            log(f"  {name} T={T}: degenerate greedy continuation {greedy.tolist()}; re-seeding prompt")
+            continue
+        seq = torch.cat([ids, greedy])
+        gold = torch.cat([logits, decode]).double()
+        r64 = naive64.run(seq)
+        r32 = naive32.run(seq)
+        err_gold = ((gold - r64).abs().max() / maxabs).item()
+        err_n32 = ((r32 - r64).abs().max() / maxabs).item()
+        # the naive float64 model must reproduce the greedy path
+        assert torch.equal(r64[T - 1 :].argmax(-1)[:N_DECODE], greedy), f"{name} T={T}: naive f64 greedy differs"
+        if err_gold > 1e-4:
+            raise RuntimeError(f"{name} T={T}: naive reference disagrees with transformers ({err_gold:.2e})")
+        if max(err_gold, err_n32) <= COND_TOL:
+            break
+        log(f"  {name} T={T}: ill-conditioned (golden vs f64 {err_gold:.2e}, naive f32 vs f64 {err_n32:.2e}); "
+            "re-seeding prompt")
+    else:
+        raise RuntimeError(f"{name} T={T}: could not find a suitable prompt")
+    assert m >= MARGIN_FRAC * maxabs
+    return pseed, ids, logits, greedy, decode, xerr, xerr0, m, maxabs, err_gold, err_n32
+
+
+def add_golden(goldens, T, ids, logits, greedy, decode):
+    goldens[f"p{T}.ids"] = ids.contiguous()
+    goldens[f"p{T}.logits"] = logits.contiguous()
+    goldens[f"p{T}.greedy"] = greedy.contiguous()
+    goldens[f"p{T}.decode_logits"] = decode.contiguous()
+
+
+def golden_metadata(fx, seeds, min_margin_all, f64errs, **extra):
+    """The goldens' string metadata (`extra` adds fields)."""
+    return {
+        "fixture": fx["name"],
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "prompt_lengths": ",".join(str(t) for t in fx["prompts"]),
+        "prompt_seeds": ",".join(str(s) for s in seeds),
+        "layer_types": ",".join(fx["text"]["layer_types"]),
+        "min_greedy_margin": f"{min_margin_all:.6g}",
+        "weight_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[fx["dtype"]],
+        "decode_steps": str(N_DECODE),
+        "compute_dtype": "float32",
+        # per prompt length: max|golden - naive float64 reference| / max|logit|
+        "rel_err_vs_f64": ",".join(f"{e:.2e}" for e in f64errs),
+        **extra,
+    }
+
+
+def finish_fixture(out_dir, goldens, meta):
+    """Writes goldens.safetensors, checks the tokenizer files, makes every file 0644; returns
+    the directory's size."""
+    save_safetensors_deterministic(goldens, os.path.join(out_dir, "goldens.safetensors"), meta)
+    check_tokenizer(out_dir)
+    for f in os.listdir(out_dir):
+        os.chmod(os.path.join(out_dir, f), 0o644)
+    return sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
+
+
+def make_fixture(fx, tok_dir, summary):
+    name = fx["name"]
+    out_dir = fresh_dir(OUT_ROOT, name)
+    cls = Qwen3_5ForConditionalGeneration if fx["arch"] == "vlm" else Qwen3_5ForCausalLM
+    cfg, model = random_model(fx, cls, build_config, reinit_)
+
+    # ---- save
+    expected = save_weights(model, out_dir, fx["shards"])
+    del model
+    write_generation_config(out_dir)
+
+    def drop_layer_types(cfg_json):
+        if fx["drop_layer_types"]:
+            assert cfg_json.pop("layer_types") == fx["text"]["layer_types"]
+            cfg_json["full_attention_interval"] = fx["drop_layer_types"]
+
+    rewrite_config_json(out_dir, drop_layer_types)
+
+    if fx["inject_mtp"]:
+        inject_extra(out_dir, mtp_tensors(cfg, fx["dtype"], fx["seed"]), sharded=fx["shards"] > 1)
+    copy_tokenizer(tok_dir, out_dir)
+
+    # ---- verify files on disk
+    on_disk = read_weights_of_dtype(out_dir, fx["dtype"])
     text_prefix = "model.language_model." if fx["arch"] == "vlm" else "model."
     assert ("lm_head.weight" in on_disk) == (not fx["tied"]), "lm_head presence must match tying"
     assert all(k.startswith((text_prefix, "model.visual.", "lm_head.", "mtp.")) for k in on_disk), sorted(on_disk)
@@ -766,18 +855,8 @@ def make_fixture(fx, tok_dir, summary):
         assert set(wm) == set(on_disk) and len(set(wm.values())) == fx["shards"]
 
     # ---- reload exactly what is on disk, in float32
-    model, info = cls.from_pretrained(
-        out_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    model.eval()
-    assert not info["missing_keys"], info
-    assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), info
-    tc = text_config(model.config)
-    assert tc.layer_types == fx["text"]["layer_types"], (tc.layer_types, fx["text"]["layer_types"])
+    model, tc = reload_f32(cls, out_dir, fx, expected)
     assert tc._attn_implementation == "eager" or model.config._attn_implementation == "eager"
-    sd = model.state_dict()
-    for k, v in expected.items():
-        assert torch.equal(sd[k], v.float()), f"reloaded {k} differs"
     if fx["tied"]:
         emb = model.get_input_embeddings().weight
         assert model.lm_head.weight.data_ptr() == emb.data_ptr(), "lm_head not tied after reload"
@@ -785,85 +864,70 @@ def make_fixture(fx, tok_dir, summary):
         assert not torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)
 
     # ---- goldens
-    vocab = tc.vocab_size
     goldens, rows, seeds, f64errs = {}, [], [], []
     min_margin_all = math.inf
     naive64, naive32 = NaiveQwen35(out_dir, torch.float64), NaiveQwen35(out_dir, torch.float32)
     for T in fx["prompts"]:
-        # re-seed the prompt (deterministically) until greedy decoding has no near tie and the
-        # case is well conditioned
-        for attempt in range(100):
-            pseed = fx["seed"] * 100000 + T * 100 + attempt
-            gp = torch.Generator().manual_seed(pseed)
-            ids = torch.randint(0, vocab, (T,), generator=gp, dtype=torch.long)
-            logits, greedy, decode, xerr, xerr0 = run_case(model, ids)
-            m = margins(torch.cat([logits[-1:], decode])).min().item()
-            maxabs = max(logits.abs().max().item(), decode.abs().max().item())
-            if m < MARGIN_FRAC * maxabs * 3:  # aim for 3x the required margin
-                log(f"  {name} T={T}: near tie (margin {m:.3g}, max|logit| {maxabs:.3g}); re-seeding prompt")
-                continue
-            if len(set(greedy.tolist())) < MIN_DISTINCT_GREEDY:  # tied models like to repeat a token
-                log(f"  {name} T={T}: degenerate greedy continuation {greedy.tolist()}; re-seeding prompt")
-                continue
-            seq = torch.cat([ids, greedy])
-            gold = torch.cat([logits, decode]).double()
-            r64 = naive64.run(seq)
-            r32 = naive32.run(seq)
-            err_gold = ((gold - r64).abs().max() / maxabs).item()
-            err_n32 = ((r32 - r64).abs().max() / maxabs).item()
-            # the naive float64 model must reproduce the greedy path
-            assert torch.equal(r64[T - 1 :].argmax(-1)[:N_DECODE], greedy), f"{name} T={T}: naive f64 greedy differs"
-            if err_gold > 1e-4:
-                raise RuntimeError(f"{name} T={T}: naive reference disagrees with transformers ({err_gold:.2e})")
-            if max(err_gold, err_n32) <= COND_TOL:
-                break
-            log(f"  {name} T={T}: ill-conditioned (golden vs f64 {err_gold:.2e}, naive f32 vs f64 {err_n32:.2e}); "
-                "re-seeding prompt")
-        else:
-            raise RuntimeError(f"{name} T={T}: could not find a suitable prompt")
-        assert m >= MARGIN_FRAC * maxabs
+        pseed, ids, logits, greedy, decode, xerr, xerr0, m, maxabs, err_gold, err_n32 = find_case(
+            model, name, fx["seed"], T, tc.vocab_size, naive64, naive32, attempts=100
+        )
         f64errs.append(err_gold)
         seeds.append(pseed)
-        goldens[f"p{T}.ids"] = ids.contiguous()
-        goldens[f"p{T}.logits"] = logits.contiguous()
-        goldens[f"p{T}.greedy"] = greedy.contiguous()
-        goldens[f"p{T}.decode_logits"] = decode.contiguous()
+        add_golden(goldens, T, ids, logits, greedy, decode)
         min_margin_all = min(min_margin_all, m)
         rows.append((T, maxabs, m, xerr0, xerr, logits.std().item(), greedy.tolist(), err_gold, err_n32))
 
-    meta = {
-        "fixture": name,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "prompt_lengths": ",".join(str(t) for t in fx["prompts"]),
-        "prompt_seeds": ",".join(str(s) for s in seeds),
-        "layer_types": ",".join(fx["text"]["layer_types"]),
-        "min_greedy_margin": f"{min_margin_all:.6g}",
-        "weight_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[fx["dtype"]],
-        "decode_steps": str(N_DECODE),
-        "compute_dtype": "float32",
-        # per prompt length: max|golden - naive float64 reference| / max|logit|
-        "rel_err_vs_f64": ",".join(f"{e:.2e}" for e in f64errs),
-    }
-    save_safetensors_deterministic(goldens, os.path.join(out_dir, "goldens.safetensors"), meta)
-    check_tokenizer(out_dir)
-
-    for f in os.listdir(out_dir):
-        os.chmod(os.path.join(out_dir, f), 0o644)
-    size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
+    size = finish_fixture(out_dir, goldens, golden_metadata(fx, seeds, min_margin_all, f64errs))
     wsize = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir) if f.startswith("model"))
     gsize = os.path.getsize(os.path.join(out_dir, "goldens.safetensors"))
     summary.append((name, size, wsize, gsize, rows))
     return sorted(os.listdir(out_dir))
 
 
+def readme_intro(title, script):
+    """The first lines of a fixtures README: its title, the script that made it, the reference."""
+    return [
+        f"# {title}",
+        "",
+        f"Generated by `scripts/{script}` (do not edit by hand; see `scripts/README.md`).",
+        f"Reference: transformers {transformers.__version__}, torch {torch.__version__}, CPU, eager attention,",
+    ]
+
+
+def readme_section(fx, cls, weights, layers, dims, files, size, rows, middle):
+    """One fixture's README section: its class, its weights (dtype, then `weights`, then the
+    mtp.* tensors if any), its layer types (then `layers`), `dims`, its files, and a table with
+    a row per prompt length (`rows`: make_fixture's summary rows) of T, max |logit|, the
+    smallest greedy margin, the columns of `middle` (title -> the cell of a row), and the
+    golden's and the naive f32 run's errors against float64."""
+    t = fx["text"]
+    columns = ["T", "max abs logit", "min greedy margin", *middle, "golden vs f64", "naive f32 vs f64"]
+    cells = [[f"{r[0]}", f"{r[1]:.3f}", f"{r[2]:.4f}", *(cell(*r) for cell in middle.values()), f"{r[-2]:.1e}", f"{r[-1]:.1e}"]
+             for r in rows]
+    return [
+        f"## {fx['name']}",
+        "",
+        f"- class: {cls}",
+        f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, {weights}"
+        + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else ""),
+        f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}"
+        + layers,
+        f"- {dims}",
+        f"- files: {', '.join(files)} ({size / 1024:.1f} KiB)",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ] + ["| " + " | ".join(row) + " |" for row in cells] + [""]
+
+
+def write_lines(path, lines):
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
 def write_readme(summary, files):
     """tests/fixtures/models/README.md: what each fixture is (generated; deterministic)."""
-    lines = [
-        "# Model fixtures",
-        "",
-        "Generated by `scripts/make_fixtures.py` (do not edit by hand; see `scripts/README.md`).",
-        f"Reference: transformers {transformers.__version__}, torch {torch.__version__}, CPU, eager attention,",
+    lines = readme_intro("Model fixtures", "make_fixtures.py") + [
         "pure-torch GDN kernels (chunked prefill, chunk size 64; recurrent single-token decode).",
         "",
         "Common text dims: " + ", ".join(f"{k}={v}" for k, v in COMMON_TEXT.items() if k not in ("eos_token_id", "pad_token_id", "bos_token_id"))
@@ -879,32 +943,26 @@ def write_readme(summary, files):
         fx = by_name[name]
         t = fx["text"]
         cls = "Qwen3_5ForConditionalGeneration (model_type qwen3_5, text under text_config, weights under model.language_model.*, plus model.visual.*)" if fx["arch"] == "vlm" else "Qwen3_5ForCausalLM (model_type qwen3_5_text, flat config, weights under model.*)"
-        lines += [
-            f"## {name}",
-            "",
-            f"- class: {cls}",
-            f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, "
+        weights = (
             f"{'tied (no lm_head.weight stored)' if fx['tied'] else 'untied (lm_head.weight stored)'}, "
             + ("single model.safetensors" if fx["shards"] == 1 else f"{fx['shards']} shards + model.safetensors.index.json")
-            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else ""),
-            f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}"
-            + (f" (config.json has NO layer_types, only full_attention_interval={fx['drop_layer_types']})" if fx["drop_layer_types"] else " (explicit layer_types in config.json)"),
-            f"- intermediate_size {t['intermediate_size']}; GDN: linear_num_key_heads {t['linear_num_key_heads']}, "
-            f"linear_num_value_heads {t['linear_num_value_heads']}, linear_key_head_dim {t['linear_key_head_dim']}, "
-            f"linear_value_head_dim {t['linear_value_head_dim']}",
-            f"- files: {', '.join(files[name])} ({size / 1024:.1f} KiB)",
-            "",
-            "| T | max abs logit | min greedy margin | margin / max | decode vs full-forward | golden vs f64 | naive f32 vs f64 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for T, maxabs, m, x0, x, std, greedy, eg, e32 in rows:
-            lines.append(f"| {T} | {maxabs:.3f} | {m:.4f} | {m / maxabs:.2e} | {x:.1e} | {eg:.1e} | {e32:.1e} |")
-        lines.append("")
-    with open(os.path.join(OUT_ROOT, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+        )
+        layers = (f" (config.json has NO layer_types, only full_attention_interval={fx['drop_layer_types']})"
+                  if fx["drop_layer_types"] else " (explicit layer_types in config.json)")
+        dims = (f"intermediate_size {t['intermediate_size']}; GDN: linear_num_key_heads {t['linear_num_key_heads']}, "
+                f"linear_num_value_heads {t['linear_num_value_heads']}, linear_key_head_dim {t['linear_key_head_dim']}, "
+                f"linear_value_head_dim {t['linear_value_head_dim']}")
+        middle = {
+            "margin / max": lambda T, maxabs, m, *_: f"{m / maxabs:.2e}",
+            "decode vs full-forward": lambda T, maxabs, m, x0, x, *_: f"{x:.1e}",
+        }
+        lines += readme_section(fx, cls, weights, layers, dims, files[name], size, rows, middle)
+    write_lines(os.path.join(OUT_ROOT, "README.md"), lines)
 
 
-def main():
+def prepare_reference():
+    """Checks the versions and the pure-torch paths; deterministic single-process torch, quiet
+    transformers."""
     log(f"transformers {transformers.__version__}, torch {torch.__version__} "
         f"(reference fixtures were made with transformers {REF_TRANSFORMERS}, torch {REF_TORCH})")
     if transformers.__version__ != REF_TRANSFORMERS or not torch.__version__.startswith(REF_TORCH):
@@ -914,16 +972,24 @@ def main():
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+
+
+def remove_stale_fixtures(root, fixtures):
+    """The calling script owns `root`: fixture directories it no longer makes are removed."""
+    os.makedirs(root, exist_ok=True)
+    names = {fx["name"] for fx in fixtures}
+    for d in sorted(os.listdir(root)):
+        if os.path.isdir(os.path.join(root, d)) and d not in names:
+            log(f"removing stale fixture directory {d}")
+            shutil.rmtree(os.path.join(root, d))
+
+
+def main():
+    prepare_reference()
     if not os.path.exists(CHAT_TEMPLATE):
         log(f"WARNING: {os.path.relpath(CHAT_TEMPLATE, REPO_ROOT)} not found; fixtures get no chat_template.jinja "
             "(re-run this script once it exists)")
-
-    os.makedirs(OUT_ROOT, exist_ok=True)
-    names = {fx["name"] for fx in FIXTURES}
-    for d in sorted(os.listdir(OUT_ROOT)):  # this script owns tests/fixtures/models/
-        if os.path.isdir(os.path.join(OUT_ROOT, d)) and d not in names:
-            log(f"removing stale fixture directory {d}")
-            shutil.rmtree(os.path.join(OUT_ROOT, d))
+    remove_stale_fixtures(OUT_ROOT, FIXTURES)
     summary, files = [], {}
     with tempfile.TemporaryDirectory() as tok_dir:
         build_tokenizer(tok_dir)

@@ -103,20 +103,23 @@ def build_ggml(sdist: Path, work: Path) -> ctypes.CDLL:
     return dll
 
 
-def c_quantize(dll, t: T, x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    bs, ts = BLOCK[t]
-    out = np.zeros(x.size // bs * ts, np.uint8)
-    getattr(dll, f"quantize_row_{C_NAME[t]}_ref")(x.ctypes.data, out.ctypes.data, x.size)
+def c_row(dll, fn: str, src: np.ndarray, src_dtype, out_dtype, out_size) -> np.ndarray:
+    """GGML's row function `fn(src, out, n)` on a flat copy of `src`, into `out_size(src.size)`
+    elements of `out_dtype`; `n` counts the float values (whichever side holds them)."""
+    src = np.ascontiguousarray(src, dtype=src_dtype).reshape(-1)
+    out = np.zeros(out_size(src.size), out_dtype)
+    getattr(dll, fn)(src.ctypes.data, out.ctypes.data, src.size if src_dtype == np.float32 else out.size)
     return out
+
+
+def c_quantize(dll, t: T, x: np.ndarray) -> np.ndarray:
+    bs, ts = BLOCK[t]
+    return c_row(dll, f"quantize_row_{C_NAME[t]}_ref", x, np.float32, np.uint8, lambda n: n // bs * ts)
 
 
 def c_dequantize(dll, t: T, q: np.ndarray) -> np.ndarray:
-    q = np.ascontiguousarray(q, dtype=np.uint8).reshape(-1)
     bs, ts = BLOCK[t]
-    out = np.zeros(q.size // ts * bs, np.float32)
-    getattr(dll, f"dequantize_row_{C_NAME[t]}")(q.ctypes.data, out.ctypes.data, out.size)
-    return out
+    return c_row(dll, f"dequantize_row_{C_NAME[t]}", q, np.uint8, np.float32, lambda n: n // ts * bs)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:

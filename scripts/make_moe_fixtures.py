@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 
@@ -46,7 +45,6 @@ import make_fixtures as mf  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (  # noqa: E402
-    GenerationConfig,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
@@ -60,93 +58,28 @@ L, F = mf.L, mf.F
 # Required: every router's k-th minus (k+1)-th largest logit, over every token and layer.
 ROUTE_MARGIN = 1e-3
 
-COMMON_TEXT = dict(mf.COMMON_TEXT)
+
+def fixture(*args, fused, experts, **kw):
+    """make_fixtures.fixture() with a sparse MoE block for an MLP: `experts` = (experts, experts
+    per token, expert intermediate size, shared expert intermediate size); `fused`: stored as
+    transformers' fused parameters rather than one tensor per expert."""
+    n, top_k, inter, shared = experts
+    fx = mf.fixture(*args, **kw, num_experts=n, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                    shared_expert_intermediate_size=shared)
+    fx["fused"] = fused
+    return fx
+
 
 FIXTURES = [
-    dict(
-        name="moe-vlm-f32-fused",
-        arch="vlm",
-        dtype=torch.float32,
-        tied=False,
-        seed=5005,
-        fused=True,
-        text=dict(
-            num_hidden_layers=3,
-            layer_types=[L, F, L],
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,  # 2x
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            rope_parameters=dict(mf.ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True),
-        ),
-        vision=dict(
-            depth=1,
-            hidden_size=16,
-            num_heads=2,
-            intermediate_size=32,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            in_channels=3,
-            out_hidden_size=64,
-            num_position_embeddings=16,
-        ),
-        shards=1,
-        inject_mtp=True,
-        prompts=[1, 65, 130],
-    ),
-    dict(
-        name="moe-causal-bf16-sharded",
-        arch="causal",
-        dtype=torch.bfloat16,
-        tied=True,
-        seed=6006,
-        fused=False,
-        text=dict(
-            num_hidden_layers=4,
-            layer_types=[L, L, L, F],
-            num_experts=16,
-            num_experts_per_tok=4,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,  # 1x
-            linear_key_head_dim=16,
-            linear_value_head_dim=24,
-            rope_parameters=dict(mf.ROPE),
-        ),
-        shards=2,
-        inject_mtp=True,
-        prompts=[3, 64, 97],
-    ),
-    dict(
-        name="moe-causal-f32-top1",
-        arch="causal",
-        dtype=torch.float32,
-        tied=True,
-        seed=7007,
-        fused=False,
-        text=dict(
-            num_hidden_layers=2,
-            layer_types=[F, L],
-            num_experts=4,
-            num_experts_per_tok=1,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=16,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,  # 2x
-            linear_key_head_dim=32,
-            linear_value_head_dim=16,
-            rope_parameters=dict(mf.ROPE),
-        ),
-        shards=1,
-        inject_mtp=False,
-        prompts=[2, 70],
-    ),
+    # value heads 2x key heads
+    fixture("moe-vlm-f32-fused", "vlm", torch.float32, tied=False, seed=5005, shards=1, mtp=True, prompts=[1, 65, 130],
+            layers=[L, F, L], gdn=(2, 4, 16, 16), experts=(8, 2, 16, 24), fused=True),
+    # value heads 1x key heads
+    fixture("moe-causal-bf16-sharded", "causal", torch.bfloat16, tied=True, seed=6006, shards=2, mtp=True,
+            prompts=[3, 64, 97], layers=[L, L, L, F], gdn=(2, 2, 16, 24), experts=(16, 4, 16, 32), fused=False),
+    # value heads 2x key heads, one expert per token
+    fixture("moe-causal-f32-top1", "causal", torch.float32, tied=True, seed=7007, shards=1, mtp=False, prompts=[2, 70],
+            layers=[F, L], gdn=(1, 2, 32, 16), experts=(4, 1, 32, 16), fused=False),
 ]
 
 MTP_EXTRA = {  # tensor name -> shape(hidden); must be ignored by loaders
@@ -157,17 +90,11 @@ MTP_EXTRA = {  # tensor name -> shape(hidden); must be ignored by loaders
 }
 
 
-def log(*a):
-    print(*a, flush=True)
+log = mf.log
 
 
 def build_config(fx):
-    text = dict(COMMON_TEXT)
-    text.update(fx["text"])
-    text["tie_word_embeddings"] = fx["tied"]
-    if fx["arch"] == "vlm":
-        return Qwen3_5MoeConfig(text_config=text, vision_config=dict(fx["vision"]), tie_word_embeddings=fx["tied"])
-    return Qwen3_5MoeTextConfig(**text)
+    return mf.build_config(fx, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig)
 
 
 def reinit_(model, seed, tied):
@@ -256,146 +183,72 @@ class RouterWatch:
             top = torch.topk(logits, k + 1, dim=-1).values
             self.min_gap = min(self.min_gap, (top[:, k - 1] - top[:, k]).min().item())
 
-    def reset(self):
-        self.min_gap = math.inf
+    def reject(self):
+        """After a case ran: why its routing is too near a tie for a golden, or None. Keeps
+        the case's gap in `gap` and starts the next case's record."""
+        self.gap, self.min_gap = self.min_gap, math.inf
+        if self.gap < ROUTE_MARGIN:
+            return f"router near tie (gap {self.gap:.2e})"
+        return None
 
 
 def make_fixture(fx, tok_dir, summary):
     name = fx["name"]
-    out_dir = os.path.join(OUT_ROOT, name)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir)
-
-    torch.manual_seed(fx["seed"])
-    cfg = build_config(fx)
+    out_dir = mf.fresh_dir(OUT_ROOT, name)
     cls = Qwen3_5MoeForConditionalGeneration if fx["arch"] == "vlm" else Qwen3_5MoeForCausalLM
-    model = cls(cfg).eval()
-    reinit_(model, fx["seed"], fx["tied"])
-    model = model.to(fx["dtype"])
+    _, model = mf.random_model(fx, cls, build_config, reinit_)
 
-    if fx["shards"] == 1:
-        model.save_pretrained(out_dir)
-    else:
-        mf.save_sharded(model, out_dir, fx["shards"])
-    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = mf.save_weights(model, out_dir, fx["shards"])
     del model
     if fx["fused"]:
         assert fx["shards"] == 1
         fuse_experts(out_dir)
-
-    gen = GenerationConfig(eos_token_id=[mf.IM_END_ID, mf.ENDOFTEXT_ID], pad_token_id=mf.ENDOFTEXT_ID, bos_token_id=None)
-    gen.save_pretrained(out_dir)
-    cfg_path = os.path.join(out_dir, "config.json")
-    with open(cfg_path) as f:
-        cfg_json = json.load(f)
-    mf.write_json(cfg_path, cfg_json)
+    mf.write_generation_config(out_dir)
+    mf.rewrite_config_json(out_dir)
 
     if fx["inject_mtp"]:
-        h = COMMON_TEXT["hidden_size"]
+        h = mf.COMMON_TEXT["hidden_size"]
         g = torch.Generator().manual_seed(fx["seed"] + 777)
         extra = {k: (torch.randn(shp(h), generator=g) * 0.1).to(fx["dtype"]) for k, shp in MTP_EXTRA.items()}
         mf.inject_extra(out_dir, extra, sharded=fx["shards"] > 1)
+    mf.copy_tokenizer(tok_dir, out_dir)
 
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tok_dir, f), os.path.join(out_dir, f))
-    if os.path.exists(mf.CHAT_TEMPLATE):
-        shutil.copy(mf.CHAT_TEMPLATE, os.path.join(out_dir, "chat_template.jinja"))
-
-    on_disk = mf.read_all_weights(out_dir)
-    for k, v in on_disk.items():
-        assert v.dtype == fx["dtype"], (k, v.dtype)
+    on_disk = mf.read_weights_of_dtype(out_dir, fx["dtype"])
     per_expert = any(".mlp.experts.0.gate_proj.weight" in k and not k.startswith("mtp.") for k in on_disk)
     fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in on_disk)
     assert (per_expert, fused) == (not fx["fused"], fx["fused"]), (per_expert, fused)
 
-    model, info = cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    model.eval()
-    assert not info["missing_keys"], info
-    assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), info
-    tc = mf.text_config(model.config)
-    assert tc.layer_types == fx["text"]["layer_types"]
-    sd = model.state_dict()
-    for k, v in expected.items():
-        assert torch.equal(sd[k], v.float()), f"reloaded {k} differs"
-
+    model, tc = mf.reload_f32(cls, out_dir, fx, expected)
     watch = RouterWatch(model)
-    vocab = tc.vocab_size
     goldens, rows, seeds, f64errs, route_gaps = {}, [], [], [], []
     min_margin_all = math.inf
     naive64, naive32 = NaiveQwen35Moe(out_dir, torch.float64), NaiveQwen35Moe(out_dir, torch.float32)
     for T in fx["prompts"]:
-        for attempt in range(200):
-            pseed = fx["seed"] * 100000 + T * 100 + attempt
-            gp = torch.Generator().manual_seed(pseed)
-            ids = torch.randint(0, vocab, (T,), generator=gp, dtype=torch.long)
-            watch.reset()
-            logits, greedy, decode, xerr, xerr0 = mf.run_case(model, ids)
-            gap = watch.min_gap
-            m = mf.margins(torch.cat([logits[-1:], decode])).min().item()
-            maxabs = max(logits.abs().max().item(), decode.abs().max().item())
-            if gap < ROUTE_MARGIN:
-                log(f"  {name} T={T}: router near tie (gap {gap:.2e}); re-seeding prompt")
-                continue
-            if m < mf.MARGIN_FRAC * maxabs * 3:
-                log(f"  {name} T={T}: near tie (margin {m:.3g}); re-seeding prompt")
-                continue
-            if len(set(greedy.tolist())) < mf.MIN_DISTINCT_GREEDY:
-                log(f"  {name} T={T}: degenerate greedy continuation {greedy.tolist()}; re-seeding prompt")
-                continue
-            seq = torch.cat([ids, greedy])
-            gold = torch.cat([logits, decode]).double()
-            r64, r32 = naive64.run(seq), naive32.run(seq)
-            err_gold = ((gold - r64).abs().max() / maxabs).item()
-            err_n32 = ((r32 - r64).abs().max() / maxabs).item()
-            assert torch.equal(r64[T - 1 :].argmax(-1)[: mf.N_DECODE], greedy), f"{name} T={T}: naive f64 greedy differs"
-            if err_gold > 1e-4:
-                raise RuntimeError(f"{name} T={T}: naive reference disagrees with transformers ({err_gold:.2e})")
-            if max(err_gold, err_n32) <= mf.COND_TOL:
-                break
-            log(f"  {name} T={T}: ill-conditioned (golden vs f64 {err_gold:.2e}, naive f32 vs f64 {err_n32:.2e}); re-seeding")
-        else:
-            raise RuntimeError(f"{name} T={T}: could not find a suitable prompt")
+        pseed, ids, logits, greedy, decode, xerr, xerr0, m, maxabs, err_gold, err_n32 = mf.find_case(
+            model, name, fx["seed"], T, tc.vocab_size, naive64, naive32, attempts=200, reject=watch.reject
+        )
         f64errs.append(err_gold)
         seeds.append(pseed)
-        route_gaps.append(gap)
-        goldens[f"p{T}.ids"] = ids.contiguous()
-        goldens[f"p{T}.logits"] = logits.contiguous()
-        goldens[f"p{T}.greedy"] = greedy.contiguous()
-        goldens[f"p{T}.decode_logits"] = decode.contiguous()
+        route_gaps.append(watch.gap)
+        mf.add_golden(goldens, T, ids, logits, greedy, decode)
         min_margin_all = min(min_margin_all, m)
-        rows.append((T, maxabs, m, xerr0, xerr, gap, greedy.tolist(), err_gold, err_n32))
+        rows.append((T, maxabs, m, xerr0, xerr, watch.gap, greedy.tolist(), err_gold, err_n32))
 
-    meta = {
-        "fixture": name,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "prompt_lengths": ",".join(str(t) for t in fx["prompts"]),
-        "prompt_seeds": ",".join(str(s) for s in seeds),
-        "layer_types": ",".join(fx["text"]["layer_types"]),
-        "min_greedy_margin": f"{min_margin_all:.6g}",
-        "min_router_gap": ",".join(f"{g:.3e}" for g in route_gaps),
-        "weight_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[fx["dtype"]],
-        "experts_layout": "fused" if fx["fused"] else "per-expert",
-        "decode_steps": str(mf.N_DECODE),
-        "compute_dtype": "float32",
-        "rel_err_vs_f64": ",".join(f"{e:.2e}" for e in f64errs),
-    }
-    mf.save_safetensors_deterministic(goldens, os.path.join(out_dir, "goldens.safetensors"), meta)
-    mf.check_tokenizer(out_dir)
-    for f in os.listdir(out_dir):
-        os.chmod(os.path.join(out_dir, f), 0o644)
-    size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
+    meta = mf.golden_metadata(
+        fx,
+        seeds,
+        min_margin_all,
+        f64errs,
+        min_router_gap=",".join(f"{g:.3e}" for g in route_gaps),
+        experts_layout="fused" if fx["fused"] else "per-expert",
+    )
+    size = mf.finish_fixture(out_dir, goldens, meta)
     summary.append((name, size, rows))
     return sorted(os.listdir(out_dir))
 
 
 def write_readme(summary, files):
-    lines = [
-        "# MoE model fixtures",
-        "",
-        "Generated by `scripts/make_moe_fixtures.py` (do not edit by hand; see `scripts/README.md`).",
-        f"Reference: transformers {transformers.__version__}, torch {torch.__version__}, CPU, eager attention,",
+    lines = mf.readme_intro("MoE model fixtures", "make_moe_fixtures.py") + [
         "pure-torch GDN kernels. Same goldens format and common text dims as `tests/fixtures/models/README.md`.",
         f"Every router decision in every golden has a gap of at least {ROUTE_MARGIN:g} between the k-th and",
         "(k+1)-th largest router logit (column `router gap`: the smallest over all tokens and layers).",
@@ -408,45 +261,25 @@ def write_readme(summary, files):
         cls = ("Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe, text under text_config, weights under "
                "model.language_model.*, plus model.visual.*)") if fx["arch"] == "vlm" else \
             "Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text, flat config, weights under model.*)"
-        lines += [
-            f"## {name}",
-            "",
-            f"- class: {cls}",
-            f"- weights: {'bfloat16' if fx['dtype'] == torch.bfloat16 else 'float32'}, "
+        weights = (
             f"{'tied' if fx['tied'] else 'untied'}, "
             + ("single model.safetensors" if fx["shards"] == 1 else f"{fx['shards']} shards + index")
             + (", experts fused (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)" if fx["fused"] else ", experts one by one")
-            + (", plus extra `mtp.*` tensors that must be ignored" if fx["inject_mtp"] else ""),
-            f"- layers: {t['num_hidden_layers']}, layer_types: {', '.join('F' if x == F else 'L' for x in t['layer_types'])}",
-            f"- experts {t['num_experts']}, top-{t['num_experts_per_tok']}, moe_intermediate_size {t['moe_intermediate_size']}, "
-            f"shared_expert_intermediate_size {t['shared_expert_intermediate_size']}; GDN k heads {t['linear_num_key_heads']}, "
-            f"v heads {t['linear_num_value_heads']}, k dim {t['linear_key_head_dim']}, v dim {t['linear_value_head_dim']}",
-            f"- files: {', '.join(files[name])} ({size / 1024:.1f} KiB)",
-            "",
-            "| T | max abs logit | min greedy margin | decode vs full-forward | router gap | golden vs f64 | naive f32 vs f64 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for T, maxabs, m, x0, x, gap, greedy, eg, e32 in rows:
-            lines.append(f"| {T} | {maxabs:.3f} | {m:.4f} | {x:.1e} | {gap:.2e} | {eg:.1e} | {e32:.1e} |")
-        lines.append("")
-    with open(os.path.join(OUT_ROOT, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+        )
+        dims = (f"experts {t['num_experts']}, top-{t['num_experts_per_tok']}, moe_intermediate_size {t['moe_intermediate_size']}, "
+                f"shared_expert_intermediate_size {t['shared_expert_intermediate_size']}; GDN k heads {t['linear_num_key_heads']}, "
+                f"v heads {t['linear_num_value_heads']}, k dim {t['linear_key_head_dim']}, v dim {t['linear_value_head_dim']}")
+        middle = {
+            "decode vs full-forward": lambda T, maxabs, m, x0, x, *_: f"{x:.1e}",
+            "router gap": lambda T, maxabs, m, x0, x, gap, *_: f"{gap:.2e}",
+        }
+        lines += mf.readme_section(fx, cls, weights, "", dims, files[name], size, rows, middle)
+    mf.write_lines(os.path.join(OUT_ROOT, "README.md"), lines)
 
 
 def main():
-    log(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    if transformers.__version__ != mf.REF_TRANSFORMERS or not torch.__version__.startswith(mf.REF_TORCH):
-        log("WARNING: versions differ from the ones the committed fixtures were made with")
-    mf.check_pure_torch()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    os.makedirs(OUT_ROOT, exist_ok=True)
-    names = {fx["name"] for fx in FIXTURES}
-    for d in sorted(os.listdir(OUT_ROOT)):  # this script owns tests/fixtures/moe-models/
-        if os.path.isdir(os.path.join(OUT_ROOT, d)) and d not in names:
-            shutil.rmtree(os.path.join(OUT_ROOT, d))
+    mf.prepare_reference()
+    mf.remove_stale_fixtures(OUT_ROOT, FIXTURES)
     only = set(sys.argv[1:])
     summary, files = [], {}
     with tempfile.TemporaryDirectory() as tok_dir:

@@ -4,13 +4,16 @@
 //! an error mid-stream, a stream cut short, a stream that stalls) it ends in bounded time with
 //! the reason, never a panic or a hang.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::{fixtures, stderr, strix_bin};
 use serde_json::Value;
 use strix::backend::cpu::CpuBackend;
 use strix_server::{ServedModel, Server, ServerConfig};
@@ -24,7 +27,7 @@ fn strix_server() -> Server {
 
 /// A fixture server; `Some(n)`: prefill passes (and prefix cache blocks) of `n` tokens.
 fn strix_server_with_pass(pass: Option<usize>) -> Server {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
+    let dir = fixtures().join("models/vlm-f32-gdn2x");
     let mut served = ServedModel::load(&dir, CpuBackend::new()).expect("load the fixture model");
     let mut config = ServerConfig::new("fixture", 1024);
     config.port = 0;
@@ -41,9 +44,7 @@ fn bench_serve(line: &str, more: &[&str]) -> Output {
     let args: Vec<&str> = line.split_whitespace().chain(more.iter().copied()).collect();
     // `$STRIX_BIN`, as in tests/cli.rs: a prebuilt binary (or a copy, where others rebuild the
     // shared target directory's).
-    let strix =
-        std::env::var_os("STRIX_BIN").map_or_else(|| env!("CARGO_BIN_EXE_strix").into(), PathBuf::from);
-    let mut child = Command::new(strix)
+    let mut child = Command::new(strix_bin())
         .arg("bench-serve")
         .args(&args)
         .stdin(Stdio::null())
@@ -63,10 +64,6 @@ fn bench_serve(line: &str, more: &[&str]) -> Output {
     child.wait_with_output().expect("collect the output")
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 fn report(out: &Output) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
@@ -75,6 +72,15 @@ fn report(out: &Output) -> Value {
             stderr(out)
         )
     })
+}
+
+/// A successful `strix bench-serve` against `server` (its URL ends in `path`), with the words
+/// of `flags` and then `more` as arguments: the output and its JSON report.
+fn measured(server: &Server, path: &str, flags: &str, more: &[&str]) -> (Output, Value) {
+    let out = bench_serve(&format!("--url http://{}{path} {flags}", server.addr()), more);
+    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
+    let r = report(&out);
+    (out, r)
 }
 
 /// Checks a latency distribution's shape and returns its [p50, p90, p99, max].
@@ -89,16 +95,13 @@ fn percentiles(d: &Value, count: u64) -> [f64; 4] {
 #[test]
 fn measures_a_strix_server_with_every_request_accounted_for() {
     let server = strix_server();
-    let url = format!("http://{}", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --clients 3 --requests 8 --warmup 2 --max-tokens 6 --prompt-len 12,30 \
-             --vocab 300 --mix greedy,temperature,top-p --seed 1"
-        ),
+    let (out, r) = measured(
+        &server,
+        "",
+        "--clients 3 --requests 8 --warmup 2 --max-tokens 6 --prompt-len 12,30 \
+         --vocab 300 --mix greedy,temperature,top-p --seed 1",
         &[],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
 
     assert_eq!(r["server"]["model"], "fixture", "the model comes from /v1/models");
     assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(8), Some(0)), "{r}");
@@ -153,16 +156,13 @@ fn measures_a_strix_server_with_every_request_accounted_for() {
 #[test]
 fn chat_requests_with_word_prompts_on_fresh_connections_are_measured() {
     let server = strix_server();
-    let url = format!("http://{}/v1", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --endpoint chat --clients 2 --requests 3 --warmup 0 --max-tokens 4 \
-             --prompt-len 20 --temperature 0.5 --keep-alive false"
-        ),
+    let (_, r) = measured(
+        &server,
+        "/v1",
+        "--endpoint chat --clients 2 --requests 3 --warmup 0 --max-tokens 4 \
+         --prompt-len 20 --temperature 0.5 --keep-alive false",
         &["--extra-body", r#"{"chat_template_kwargs": {"enable_thinking": false}}"#],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
     assert_eq!(r["server"]["endpoint"], "/v1/chat/completions");
     assert_eq!(r["keep_alive"], false);
     assert_eq!((r["completed"].as_u64(), r["output_tokens"].as_u64()), (Some(3), Some(12)), "{r}");
@@ -180,19 +180,18 @@ fn chat_requests_with_word_prompts_on_fresh_connections_are_measured() {
 #[test]
 fn json_schema_requests_are_constrained_and_their_outputs_checked() {
     let server = strix_server();
-    let url = format!("http://{}/v1", server.addr());
     let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/assets/bench_schema.json");
     let schema = schema.display().to_string();
     for (endpoint, max_tokens, unparsable) in [("chat", 700, 0), ("completions", 700, 0), ("chat", 6, 3)] {
-        let out = bench_serve(
+        let (_, r) = measured(
+            &server,
+            "/v1",
             &format!(
-                "--url {url} --endpoint {endpoint} --clients 3 --requests 3 --warmup 0 --max-tokens {max_tokens} \
+                "--endpoint {endpoint} --clients 3 --requests 3 --warmup 0 --max-tokens {max_tokens} \
                  --prompt-len 20 --prompt-kind words --temperature 1 --seed 5 --json-schema {schema}"
             ),
             &[],
         );
-        assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-        let r = report(&out);
         assert_eq!(r["completed"], 3, "{r}");
         assert_eq!(r["unparsable_outputs"], unparsable, "{endpoint} {max_tokens}: {r}");
         assert_eq!(r["json_schema"].as_str(), Some(schema.as_str()));
@@ -207,16 +206,13 @@ fn json_schema_requests_are_constrained_and_their_outputs_checked() {
 #[test]
 fn a_shared_prefix_is_sent_and_the_cached_tokens_are_counted() {
     let server = strix_server_with_pass(Some(64));
-    let url = format!("http://{}", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --clients 2 --requests 6 --warmup 0 --max-tokens 4 --shared-prefix-len 130 \
-             --prompt-len 10 --vocab 300"
-        ),
+    let (out, r) = measured(
+        &server,
+        "",
+        "--clients 2 --requests 6 --warmup 0 --max-tokens 4 --shared-prefix-len 130 \
+         --prompt-len 10 --vocab 300",
         &[],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
     assert_eq!(r["completed"], 6, "{r}");
     assert_eq!(r["prompt"]["shared_prefix_len"], 130);
     assert_eq!(r["prompt_tokens"], 6 * 140, "the server counted the shared ids too");
@@ -230,16 +226,13 @@ fn a_shared_prefix_is_sent_and_the_cached_tokens_are_counted() {
 #[test]
 fn multi_turn_conversations_resend_the_history_and_report_each_turn() {
     let server = strix_server_with_pass(Some(64));
-    let url = format!("http://{}", server.addr());
-    let out = bench_serve(
-        &format!(
-            "--url {url} --clients 2 --requests 2 --warmup 0 --max-tokens 5 --turns 3 --turn-len 70 \
-             --vocab 300"
-        ),
+    let (out, r) = measured(
+        &server,
+        "",
+        "--clients 2 --requests 2 --warmup 0 --max-tokens 5 --turns 3 --turn-len 70 \
+         --vocab 300",
         &[],
     );
-    assert!(out.status.success(), "bench-serve failed: {}", stderr(&out));
-    let r = report(&out);
     assert_eq!((r["completed"].as_u64(), r["turns"].as_u64()), (Some(6), Some(3)), "{r}");
     let turns = r["per_turn"].as_array().unwrap();
     assert_eq!(turns.len(), 3);

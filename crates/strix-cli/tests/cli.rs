@@ -8,12 +8,14 @@
 //! directory (or `$STRIX_FIXTURES`). Without a CUDA device they check the clean error of
 //! `--device cuda` instead of running on the GPU.
 
+mod common;
 #[path = "../../strix/tests/mock_hub/mod.rs"]
 mod mock_hub;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use common::{cmd, json_of, stderr, stdout, strix, strix_bin, strix_json, strix_with_stdin};
 use safetensors::SafeTensors;
 use serde_json::Value;
 use strix::chat::{ChatMessage, ChatOptions, ChatTemplate};
@@ -24,7 +26,7 @@ use strix::tokenizer::Tokenizer;
 fn fixtures_root() -> PathBuf {
     let candidates = [
         std::env::var_os("STRIX_FIXTURES").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")),
+        Some(common::fixtures().join("models")),
         Some(PathBuf::from("tests/fixtures/models")),
     ];
     candidates
@@ -38,55 +40,18 @@ fn fixture(name: &str) -> PathBuf {
     fixtures_root().join(name)
 }
 
-/// The `strix` under test: `$STRIX_BIN` when set (a prebuilt binary), else the one cargo built.
-fn strix_bin() -> PathBuf {
-    std::env::var_os("STRIX_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_strix")), PathBuf::from)
-}
-
 fn fixture_arg(name: &str) -> String {
     fixture(name).display().to_string()
 }
 
-/// Runs `strix` with `args` and `stdin` (empty when `None`). The device defaults to the CPU
-/// (through `STRIX_DEVICE`, which a `--device` flag overrides): the goldens hold the CPU to
-/// 1e-4, and on a machine with a GPU `auto` would pick the GPU; the `device_*` tests pass
-/// `--device` themselves.
-fn strix_with_stdin(args: &[&str], stdin: Option<&str>) -> Output {
-    use std::io::Write;
-    let mut child = Command::new(strix_bin())
-        .args(args)
-        .env("STRIX_DEVICE", "cpu")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start strix");
-    let mut pipe = child.stdin.take().expect("stdin");
-    if let Some(text) = stdin {
-        pipe.write_all(text.as_bytes()).expect("write stdin");
-    }
-    drop(pipe);
-    child.wait_with_output().expect("wait for strix")
-}
-
-fn strix(args: &[&str]) -> Output {
-    strix_with_stdin(args, None)
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Runs `strix` and parses its stdout as one JSON object, failing with stderr on error.
-fn strix_json(args: &[&str]) -> Value {
-    let out = strix(args);
-    assert!(out.status.success(), "strix {args:?} failed: {}", stderr(&out));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout of {args:?} is not JSON ({e}): {}", stdout(&out)))
+/// `strix run` greedy: `n` tokens after the prompt `ids` (comma-separated), at temperature 0
+/// and past any end of sequence, with the flags `more`.
+fn greedy(model: &str, ids: &str, n: usize, more: &str) -> Output {
+    strix(&cmd(
+        "run",
+        model,
+        &format!("--prompt-ids {ids} --max-tokens {n} --temperature 0 --ignore-eos {more}"),
+    ))
 }
 
 fn ids_of(value: &Value) -> Vec<u32> {
@@ -162,19 +127,7 @@ fn check_fixture_against_goldens(name: &str) {
     let dir = tempfile::tempdir().unwrap();
     for (t, golden) in goldens(name) {
         let ids = join_ids(&golden.ids);
-        let out = strix_json(&[
-            "run",
-            "--model",
-            &model,
-            "--prompt-ids",
-            &ids,
-            "--max-tokens",
-            "10",
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "--json",
-        ]);
+        let out = json_of(format!("{name} p{t}"), &greedy(&model, &ids, 10, "--json"));
         assert_eq!(ids_of(&out["prompt_ids"]), golden.ids, "{name} p{t}: prompt ids");
         assert_eq!(ids_of(&out["ids"]), golden.greedy, "{name} p{t}: greedy continuation");
         assert_eq!(out["finish_reason"], "length");
@@ -519,21 +472,11 @@ fn chat_reset_and_exit_commands() {
 #[test]
 fn bench_prints_json_with_positive_speeds() {
     let model = fixture_arg("causal-bf16-sharded");
-    let json = strix_json(&[
+    let json = strix_json(&cmd(
         "bench",
-        "--model",
         &model,
-        "--prompt-len",
-        "64",
-        "--gen",
-        "4",
-        "--repeats",
-        "1",
-        "--bandwidth-mib",
-        "64",
-        "--threads",
-        "1",
-    ]);
+        "--prompt-len 64 --gen 4 --repeats 1 --bandwidth-mib 64 --threads 1",
+    ));
     for key in ["prefill_tok_s", "decode_tok_s", "memory_bandwidth_gb_s", "roofline_pct"] {
         assert!(json[key].as_f64().is_some_and(|v| v > 0.0), "{key} in {json}");
     }
@@ -582,40 +525,17 @@ fn a_model_without_tokenizer_takes_ids_and_prints_ids() {
     let model = dir.path().display().to_string();
     let (_, golden) = goldens("causal-bf16-gdn3x").remove(0);
     let ids = join_ids(&golden.ids);
-    let json = strix_json(&[
-        "run",
-        "--model",
-        &model,
-        "--prompt-ids",
-        &ids,
-        "-n",
-        "10",
-        "--temperature",
-        "0",
-        "--ignore-eos",
-        "--json",
-    ]);
+    let json = json_of("greedy --json", &greedy(&model, &ids, 10, "--json"));
     assert_eq!(ids_of(&json["ids"]), golden.greedy);
     assert_eq!(json["text"], "");
-    let out = strix(&[
-        "run",
-        "--model",
-        &model,
-        "--prompt-ids",
-        &ids,
-        "-n",
-        "10",
-        "--temperature",
-        "0",
-        "--ignore-eos",
-    ]);
+    let out = greedy(&model, &ids, 10, "");
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out).trim(), join_ids(&golden.greedy));
 
-    assert_clean_error(&strix(&["run", "--model", &model, "Hello"]), "tokenizer.json");
+    assert_clean_error(&strix(&cmd("run", &model, "Hello")), "tokenizer.json");
     assert_clean_error(&strix(&["chat", "--model", &model]), "tokenizer.json");
     assert_clean_error(
-        &strix(&["logits", "--model", &model, "--prompt", "Hello", "--out", "x.safetensors"]),
+        &strix(&cmd("logits", &model, "--prompt Hello --out x.safetensors")),
         "tokenizer.json",
     );
 }
@@ -624,9 +544,9 @@ fn a_model_without_tokenizer_takes_ids_and_prints_ids() {
 fn error_missing_model_dir() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-model").display().to_string();
-    assert_clean_error(&strix(&["run", "--model", &missing, "Hello"]), "no-such-model");
+    assert_clean_error(&strix(&cmd("run", &missing, "Hello")), "no-such-model");
     assert_clean_error(
-        &strix(&["logits", "--model", &missing, "--prompt-ids", "1", "--out", "x.safetensors"]),
+        &strix(&cmd("logits", &missing, "--prompt-ids 1 --out x.safetensors")),
         "no such file or directory",
     );
     assert_clean_error(&strix(&["bench", "--model", &missing]), "no such file or directory");
@@ -637,56 +557,44 @@ fn error_corrupt_config() {
     let dir = fixture_copy("causal-f32-tied-gdn2x", &["goldens.safetensors"]);
     std::fs::write(dir.path().join("config.json"), "{ \"model_type\": \"qwen3_5_text\", ").unwrap();
     let model = dir.path().display().to_string();
-    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1,2"]), "config.json");
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1,2")), "config.json");
     std::fs::write(dir.path().join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
-    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1,2"]), "llama");
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1,2")), "llama");
 }
 
 #[test]
 fn error_token_id_outside_the_vocabulary() {
     let model = fixture_arg("causal-bf16-gdn3x");
-    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "99999"]), "99999");
-    assert_clean_error(
-        &strix(&["logits", "--model", &model, "--prompt-ids", "1,384", "--out", "x.st"]),
-        "384",
-    );
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 99999")), "99999");
+    assert_clean_error(&strix(&cmd("logits", &model, "--prompt-ids 1,384 --out x.st")), "384");
 }
 
 #[test]
 fn error_malformed_prompt_ids() {
     let model = fixture_arg("causal-bf16-gdn3x");
-    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "x,y"]), "--prompt-ids");
-    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1,-2"]), "-2");
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids x,y")), "--prompt-ids");
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1,-2")), "-2");
     assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", ""]), "--prompt-ids");
 }
 
 #[test]
 fn error_prompt_longer_than_the_context() {
     let model = fixture_arg("causal-bf16-gdn3x");
-    assert_clean_error(
-        &strix(&["run", "--model", &model, "--prompt-ids", "1,2,3,4,5", "--ctx", "4"]),
-        "context",
-    );
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1,2,3,4,5 --ctx 4")), "context");
     assert_clean_error(&strix(&["run", "--model", &model, "The quick brown fox", "--ctx", "4"]), "context");
 }
 
 #[test]
 fn error_bad_sampling_and_bench_parameters() {
     let model = fixture_arg("causal-bf16-gdn3x");
-    assert_clean_error(
-        &strix(&["run", "--model", &model, "--prompt-ids", "1", "--temperature", "-1"]),
-        "temperature",
-    );
-    assert_clean_error(&strix(&["run", "--model", &model, "--prompt-ids", "1", "--top-p", "0"]), "top_p");
-    assert_clean_error(
-        &strix(&["run", "--model", &model, "--prompt-ids", "1", "--threads", "0"]),
-        "--threads",
-    );
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1 --temperature -1")), "temperature");
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1 --top-p 0")), "top_p");
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1 --threads 0")), "--threads");
     assert_clean_error(&strix(&["bench", "--preset", "gpt-2"]), "unknown preset");
-    assert_clean_error(&strix(&["bench", "--model", &model, "--gen", "0"]), "--gen");
+    assert_clean_error(&strix(&cmd("bench", &model, "--gen 0")), "--gen");
     // The fixture allows 1024 positions.
     assert_clean_error(
-        &strix(&["bench", "--model", &model, "--device", "cpu", "--contexts", "2000"]),
+        &strix(&cmd("bench", &model, "--device cpu --contexts 2000")),
         "max_position_embeddings",
     );
 }
@@ -710,8 +618,7 @@ fn negative_numbers_reach_validation_and_name_the_flag() {
         assert!(stderr(&out).contains(&format!("'{value}'")), "{flag} {value}: {}", stderr(&out));
     }
     // --seed -1 is llama.cpp's random seed: the run goes ahead and reports the seed it drew.
-    let json =
-        strix_json(&["run", "--model", &model, "--prompt-ids", "1,2", "-n", "2", "--seed", "-1", "--json"]);
+    let json = strix_json(&cmd("run", &model, "--prompt-ids 1,2 -n 2 --seed -1 --json"));
     assert!(json["seed"].as_u64().is_some(), "{json}");
     // Every subcommand's flags, `serve`'s too: the value reaches its parser.
     for (args, flag) in [
@@ -736,10 +643,7 @@ fn empty_prompt_ids_are_refused() {
         assert_clean_error(&out, "--prompt-ids");
         assert!(stderr(&out).contains("empty"), "{ids:?}: {}", stderr(&out));
     }
-    assert_clean_error(
-        &strix(&["logits", "--model", &model, "--prompt-ids", "3,,4", "--out", "x.st"]),
-        "empty",
-    );
+    assert_clean_error(&strix(&cmd("logits", &model, "--prompt-ids 3,,4 --out x.st")), "empty");
 }
 
 #[test]
@@ -841,10 +745,10 @@ fn wrong_model_paths_get_the_right_diagnosis() {
     assert_clean_error(&out, "safetensors weights but not the config");
     // A file of a model directory: its folder is the model.
     let config = fixture("causal-bf16-gdn3x").join("config.json").display().to_string();
-    assert_clean_error(&strix(&["run", "--model", &config, "hi"]), "give the directory that holds it");
+    assert_clean_error(&strix(&cmd("run", &config, "hi")), "give the directory that holds it");
     // A path that does not exist and is no repo id says both.
     for path in ["./no/such/model", "/no/such/model", "no-such-model"] {
-        let out = strix(&["run", "--model", path, "hi"]);
+        let out = strix(&cmd("run", path, "hi"));
         assert_clean_error(&out, "no such file or directory");
         assert!(stderr(&out).contains("repo id"), "{path}: {}", stderr(&out));
     }
@@ -867,10 +771,7 @@ fn endless_input_is_refused_at_a_bound() {
         "the prompt on stdin is longer than 16 MiB",
     );
     assert_clean_error(&from_zero(&["chat", "--model", &model, "-n", "1"]), "longer than 16 MiB");
-    assert_clean_error(
-        &strix(&["perplexity", "--model", &model, "--file", "/dev/zero"]),
-        "longer than 256 MiB",
-    );
+    assert_clean_error(&strix(&cmd("perplexity", &model, "--file /dev/zero")), "longer than 256 MiB");
     let out = strix_with_stdin(&["run", "--model", &model, "-n", "1"], Some("caf\u{e9}"));
     assert!(out.status.success(), "{}", stderr(&out));
     assert_clean_error(&strix(&["run", "--model", &model, "--stop", "", "hi"]), "--stop");
@@ -959,6 +860,14 @@ fn has_cuda() -> bool {
     strix::backend::cuda::device_count() > 0
 }
 
+/// Whether a test that needs the GPU skips here (saying so): there is no CUDA device.
+fn skipped_without_cuda() -> bool {
+    if !has_cuda() {
+        println!("skipped: no CUDA device");
+    }
+    !has_cuda()
+}
+
 /// The CUDA backend's default GEMM path rounds prefill activations to bf16, so its logits
 /// differ from the f32 goldens by up to a few 1e-2 of max |logit| on these tiny random models
 /// (9.2e-3 against an emulation of the same rounding, crates/strix/tests/cuda.rs). A greedy
@@ -974,17 +883,10 @@ const CUDA_LOGITS_TOL: f32 = 1e-1;
 
 /// `(top-1 − top-2) / max |x|`: how decisive a greedy pick from `logits` is.
 fn relative_margin(logits: &[f32]) -> f32 {
-    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in logits {
-        if x > first {
-            second = first;
-            first = x;
-        } else if x > second {
-            second = x;
-        }
-    }
+    let mut sorted = logits.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
     let max = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
-    (first - second) / max
+    (sorted[0] - sorted[1]) / max
 }
 
 /// Compares greedy ids with a golden continuation: exactly when `tol` is zero; otherwise step
@@ -1022,29 +924,10 @@ fn check_greedy(what: &str, ours: &[u32], golden: &Golden, tol: f32) -> usize {
     ours.len()
 }
 
-/// `strix run` greedy on a golden prompt with `extra` flags; the JSON and stderr.
-fn golden_run(model: &str, golden: &Golden, extra: &[&str]) -> (Value, String) {
-    let ids = join_ids(&golden.ids);
-    let n = golden.greedy.len().to_string();
-    let mut args = vec![
-        "run",
-        "--model",
-        model,
-        "--prompt-ids",
-        &ids,
-        "-n",
-        &n,
-        "--temperature",
-        "0",
-        "--ignore-eos",
-        "--json",
-    ];
-    args.extend(extra);
-    let out = strix(&args);
-    assert!(out.status.success(), "strix {args:?} failed: {}", stderr(&out));
-    let json = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout of {args:?} is not JSON ({e}): {}", stdout(&out)));
-    (json, stderr(&out))
+/// `strix run` greedy on a golden prompt with the flags `extra`; the JSON and stderr.
+fn golden_run(model: &str, golden: &Golden, extra: &str) -> (Value, String) {
+    let out = greedy(model, &join_ids(&golden.ids), golden.greedy.len(), &format!("{extra} --json"));
+    (json_of(extra, &out), stderr(&out))
 }
 
 #[test]
@@ -1052,7 +935,7 @@ fn device_cpu_runs_the_goldens() {
     let name = "causal-bf16-sharded";
     let model = fixture_arg(name);
     for (t, golden) in goldens(name) {
-        let (json, err) = golden_run(&model, &golden, &["--device", "cpu", "--verbose"]);
+        let (json, err) = golden_run(&model, &golden, "--device cpu --verbose");
         check_greedy(&format!("{name} p{t} cpu"), &ids_of(&json["ids"]), &golden, 0.0);
         assert!(err.contains("strix: device: cpu"), "--verbose names no device: {err}");
     }
@@ -1078,7 +961,7 @@ fn device_auto_picks_cuda_when_present_else_the_cpu() {
     let name = "causal-bf16-sharded";
     let model = fixture_arg(name);
     let (t, golden) = goldens(name).remove(0);
-    let (json, err) = golden_run(&model, &golden, &["--device", "auto", "--verbose"]);
+    let (json, err) = golden_run(&model, &golden, "--device auto --verbose");
     let expected = if has_cuda() { "strix: device: cuda:0" } else { "strix: device: cpu" };
     assert!(err.contains(expected), "expected `{expected}` on stderr: {err}");
     let tol = if has_cuda() { CUDA_GREEDY_TOL } else { 0.0 };
@@ -1090,21 +973,8 @@ fn device_auto_picks_cuda_when_present_else_the_cpu() {
 #[test]
 fn kv_cache_types_the_cpu_does_not_keep_are_one_clean_error() {
     let model = fixture_arg("causal-bf16-gdn3x");
-    let run = |kv: &str| {
-        strix(&[
-            "run",
-            "--model",
-            &model,
-            "--prompt-ids",
-            "1,2",
-            "-n",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache",
-            kv,
-        ])
-    };
+    let run =
+        |kv: &str| strix(&cmd("run", &model, &format!("--prompt-ids 1,2 -n 1 --device cpu --kv-cache {kv}")));
     assert_clean_error(&run("bf16"), "--kv-cache bf16");
     let out = run("f32");
     assert!(out.status.success(), "{}", stderr(&out));
@@ -1121,25 +991,7 @@ fn ubatch_splits_the_prompt_into_passes() {
     let model = fixture_arg("causal-bf16-gdn3x");
     let ids: Vec<String> = (0..150).map(|i| ((i * 37 + 11) % 300).to_string()).collect();
     let ids = ids.join(",");
-    let run = |ubatch: &str| {
-        strix(&[
-            "run",
-            "--model",
-            &model,
-            "--prompt-ids",
-            &ids,
-            "-n",
-            "4",
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "--device",
-            "cpu",
-            "--json",
-            "--ubatch",
-            ubatch,
-        ])
-    };
+    let run = |ubatch: &str| greedy(&model, &ids, 4, &format!("--device cpu --json --ubatch {ubatch}"));
     let (one, split) = (run("512"), run("64"));
     assert!(one.status.success() && split.status.success(), "{}{}", stderr(&one), stderr(&split));
     let tokens = |out: &std::process::Output| {
@@ -1159,12 +1011,9 @@ fn ubatch_splits_the_prompt_into_passes() {
 fn device_cuda_without_a_gpu_is_one_clean_error() {
     let model = fixture_arg("causal-bf16-gdn3x");
     // A device that does not exist, on any machine.
-    assert_clean_error(
-        &strix(&["run", "--model", &model, "--prompt-ids", "1,2", "--device", "cuda:99"]),
-        "--device cuda:99",
-    );
+    assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1,2 --device cuda:99")), "--device cuda:99");
     // Not a device at all: clap's usage error, not a panic.
-    let out = strix(&["run", "--model", &model, "--prompt-ids", "1,2", "--device", "tpu"]);
+    let out = strix(&cmd("run", &model, "--prompt-ids 1,2 --device tpu"));
     assert!(!out.status.success() && !stderr(&out).contains("panicked"), "{}", stderr(&out));
     assert!(stderr(&out).contains("`tpu` is not a device"), "{}", stderr(&out));
     if has_cuda() {
@@ -1190,15 +1039,14 @@ fn device_cuda_without_a_gpu_is_one_clean_error() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn device_cuda_greedy_and_logits_match_the_goldens() {
-    if !has_cuda() {
-        println!("skipped: no CUDA device");
+    if skipped_without_cuda() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     for name in ["causal-bf16-sharded", "causal-bf16-gdn3x"] {
         let model = fixture_arg(name);
         for (t, golden) in goldens(name) {
-            let (json, err) = golden_run(&model, &golden, &["--device", "cuda", "--verbose"]);
+            let (json, err) = golden_run(&model, &golden, "--device cuda --verbose");
             assert!(err.contains("strix: device: cuda:0"), "--verbose names no CUDA device: {err}");
             let ours = ids_of(&json["ids"]);
             let compared = check_greedy(&format!("{name} p{t} cuda"), &ours, &golden, CUDA_GREEDY_TOL);
@@ -1231,34 +1079,11 @@ fn device_cuda_greedy_and_logits_match_the_goldens() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn device_cuda_bench_reports_memory_bandwidth_and_paths() {
-    if !has_cuda() {
-        println!("skipped: no CUDA device");
+    if skipped_without_cuda() {
         return;
     }
     let model = fixture_arg("causal-bf16-sharded");
-    let json = strix_json(&[
-        "bench",
-        "--model",
-        &model,
-        "--device",
-        "cuda",
-        "--prompt-len",
-        "16",
-        "--gen",
-        "4",
-        "--repeats",
-        "1",
-        "--prompt-lens",
-        "130",
-        "--contexts",
-        "16",
-        "--batches",
-        "1,4",
-        "--batch-context",
-        "8",
-        "--bandwidth-mib",
-        "256",
-    ]);
+    let json = strix_json(&cmd("bench", &model, "--device cuda --prompt-len 16 --gen 4 --repeats 1 --prompt-lens 130 --contexts 16 --batches 1,4 --batch-context 8 --bandwidth-mib 256"));
     assert_eq!(json["device"]["kind"], "cuda");
     assert!(json["device"]["memory_used_bytes"].as_u64().is_some_and(|m| m > 0), "{json}");
     assert!(json["memory_bandwidth_gb_s"].as_f64().is_some_and(|b| b > 10.0), "{json}");
@@ -1285,31 +1110,7 @@ fn device_cuda_bench_reports_memory_bandwidth_and_paths() {
 #[test]
 fn bench_sweeps_on_the_cpu() {
     let model = fixture_arg("causal-bf16-sharded");
-    let json = strix_json(&[
-        "bench",
-        "--model",
-        &model,
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "8",
-        "--gen",
-        "2",
-        "--repeats",
-        "1",
-        "--threads",
-        "1",
-        "--bandwidth-mib",
-        "16",
-        "--prompt-lens",
-        "8,70",
-        "--contexts",
-        "8",
-        "--batches",
-        "1,3",
-        "--batch-context",
-        "4",
-    ]);
+    let json = strix_json(&cmd("bench", &model, "--device cpu --prompt-len 8 --gen 2 --repeats 1 --threads 1 --bandwidth-mib 16 --prompt-lens 8,70 --contexts 8 --batches 1,3 --batch-context 4"));
     assert_eq!(json["device"]["kind"], "cpu");
     assert!(json["device"]["memory_used_bytes"].as_u64().is_some_and(|m| m > 0), "{json}");
     assert_eq!(json["path_counts"], Value::Null);

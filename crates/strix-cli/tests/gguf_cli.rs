@@ -1,28 +1,12 @@
 //! The `strix` binary on GGUF files: `--model FILE.gguf` (tokenizer and chat template from the
 //! file's metadata), `strix quantize`, and their errors.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+
+use common::{fixtures, stderr, strix, strix_json as json};
 use serde_json::Value;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn strix(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strix"))
-        .args(args)
-        .env("STRIX_DEVICE", "cpu")
-        .output()
-        .expect("run strix")
-}
-
-fn json(args: &[&str]) -> Value {
-    let out = strix(args);
-    assert!(out.status.success(), "strix {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
-}
 
 fn greedy(model: &str, extra: &[&str]) -> (Value, Value) {
     let mut args = vec!["run", "--model", model, "--temperature", "0", "--max-tokens", "12", "--json"];
@@ -39,14 +23,20 @@ fn alone(src: &Path, dir: &Path) -> String {
     dst.to_string_lossy().into_owned()
 }
 
-#[test]
-fn gguf_models_run_with_the_tokenizer_and_template_of_their_metadata() {
+/// The GGUF file `gguf` (under the fixtures), alone in a folder, gives the greedy tokens of the
+/// model directory `dir` it was converted from, on a plain prompt and through the chat template
+/// (the file's tokenizer and template come from its metadata).
+fn assert_runs_like_its_directory(gguf: &str, dir: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = fixtures().join("models/causal-bf16-gdn3x");
-    let file = alone(&fixtures().join("gguf-models/causal-bf16-gdn3x.bf16.gguf"), tmp.path());
-    let dir = dir.to_string_lossy().into_owned();
+    let file = alone(&fixtures().join(gguf), tmp.path());
+    let dir = fixtures().join(dir).to_string_lossy().into_owned();
     assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
     assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
+}
+
+#[test]
+fn gguf_models_run_with_the_tokenizer_and_template_of_their_metadata() {
+    assert_runs_like_its_directory("gguf-models/causal-bf16-gdn3x.bf16.gguf", "models/causal-bf16-gdn3x");
 }
 
 /// `strix quantize` writes a file strix runs; for Q8_0 it holds what llama-quantize makes of
@@ -65,8 +55,8 @@ fn quantize_writes_a_runnable_gguf() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-    assert!(String::from_utf8_lossy(&run.stderr).contains("Q8_0"));
+    assert!(run.status.success(), "{}", stderr(&run));
+    assert!(stderr(&run).contains("Q8_0"));
     let theirs = fixtures().join("gguf-models/causal-bf16-gdn3x.q8_0.gguf");
     assert_eq!(greedy(out.to_str().unwrap(), &[]), greedy(theirs.to_str().unwrap(), &[]));
 }
@@ -74,84 +64,42 @@ fn quantize_writes_a_runnable_gguf() {
 #[test]
 fn bad_arguments_are_one_clean_error() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = fixtures().join("models/causal-bf16-gdn3x");
-    let out = tmp.path().join("x.gguf");
+    let model = fixtures().join("models/causal-bf16-gdn3x");
+    let paths = [
+        model.clone(),
+        model.join("config.json"),
+        model.join("tokenizer.json"),
+        tmp.path().to_path_buf(),
+        tmp.path().join("x.gguf"),
+    ];
+    let [dir, config, tokenizer, empty_dir, out] = paths.each_ref().map(|p| p.to_str().unwrap());
     for (args, needle) in [
+        (vec!["quantize", "--model", dir, "--quant", "q5_1", "--out", out], "q5_1"),
+        (vec!["quantize", "--model", empty_dir, "--quant", "q8_0", "--out", out], "config.json"),
+        (vec!["run", "--model", config, "hi"], "give the directory that holds it"),
+        (vec!["quantize", "--preset", "qwen3.5-1b", "--quant", "bf16", "--out", out], "known:"),
         (
-            vec![
-                "quantize",
-                "--model",
-                dir.to_str().unwrap(),
-                "--quant",
-                "q5_1",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            "q5_1",
-        ),
-        (
-            vec![
-                "quantize",
-                "--model",
-                tmp.path().to_str().unwrap(),
-                "--quant",
-                "q8_0",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            "config.json",
-        ),
-        (
-            vec!["run", "--model", dir.join("config.json").to_str().unwrap(), "hi"],
-            "give the directory that holds it",
-        ),
-        (
-            vec!["quantize", "--preset", "qwen3.5-1b", "--quant", "bf16", "--out", out.to_str().unwrap()],
-            "known:",
-        ),
-        (
-            vec![
-                "quantize",
-                "--preset",
-                "qwen3.5-0.8b",
-                "--model",
-                dir.to_str().unwrap(),
-                "--quant",
-                "bf16",
-                "--out",
-                out.to_str().unwrap(),
-            ],
+            vec!["quantize", "--preset", "qwen3.5-0.8b", "--model", dir, "--quant", "bf16", "--out", out],
             "cannot be used with",
         ),
-        (
-            vec![
-                "quantize",
-                "--tokenizer",
-                dir.to_str().unwrap(),
-                "--quant",
-                "bf16",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            "--preset",
-        ),
+        (vec!["quantize", "--tokenizer", dir, "--quant", "bf16", "--out", out], "--preset"),
         (
             vec![
                 "quantize",
                 "--preset",
                 "qwen3.5-0.8b",
                 "--tokenizer",
-                dir.join("tokenizer.json").to_str().unwrap(),
+                tokenizer,
                 "--quant",
                 "bf16",
                 "--out",
-                out.to_str().unwrap(),
+                out,
             ],
             "not a directory",
         ),
     ] {
         let o = strix(&args);
-        let err = String::from_utf8_lossy(&o.stderr);
+        let err = stderr(&o);
         assert!(!o.status.success() && !err.contains("panicked"), "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.contains(needle), "{args:?}: {err}");
     }
@@ -162,24 +110,23 @@ fn bad_arguments_are_one_clean_error() {
 /// the converter's own (so the same tokens), and a Q4_K_M mixture that runs.
 #[test]
 fn moe_gguf_runs_like_its_directory_and_quantize_writes_one() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = fixtures().join("moe-models/moe-causal-bf16-sharded");
-    let file = alone(&fixtures().join("moe-gguf/moe-causal-bf16-sharded.bf16.gguf"), tmp.path());
-    let dir = dir.to_string_lossy().into_owned();
-    assert_eq!(greedy(&file, &[]), greedy(&dir, &[]), "plain prompt");
-    assert_eq!(greedy(&file, &["--chat"]), greedy(&dir, &["--chat"]), "chat template from metadata");
+    assert_runs_like_its_directory(
+        "moe-gguf/moe-causal-bf16-sharded.bf16.gguf",
+        "moe-models/moe-causal-bf16-sharded",
+    );
 
+    let tmp = tempfile::tempdir().unwrap();
     let src = fixtures().join("moe-models/moe-causal-f32-top1");
     let src = src.to_string_lossy();
     let q8 = tmp.path().join("moe-q8.gguf");
     let run = strix(&["quantize", "--model", &src, "--quant", "q8_0", "--out", &q8.to_string_lossy()]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{}", stderr(&run));
     let theirs = fixtures().join("moe-gguf/moe-causal-f32-top1.q8_0.gguf");
     assert_eq!(greedy(&q8.to_string_lossy(), &[]), greedy(&theirs.to_string_lossy(), &[]));
 
     let q4 = tmp.path().join("moe-q4k.gguf");
     let run = strix(&["quantize", "--model", &src, "--quant", "q4_k", "--out", &q4.to_string_lossy()]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{}", stderr(&run));
     let (_, ids) = greedy(&q4.to_string_lossy(), &[]);
     assert_eq!(ids.as_array().map(Vec::len), Some(12), "{ids}");
 }

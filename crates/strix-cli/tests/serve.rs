@@ -1,10 +1,14 @@
 //! `strix serve` as a process: it starts on a free port, says where it listens, answers
 //! HTTP, and exits cleanly on Ctrl-C (SIGINT). The API itself is tested in strix-server.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
+
+use common::{fixtures, strix_bin};
 
 fn get(addr: &str, path: &str) -> String {
     get_as(addr, path, "localhost")
@@ -36,8 +40,7 @@ fn post(addr: &str, path: &str, body: &str) -> String {
 /// A llama.cpp GGUF file is served with the tokenizer and chat template of its metadata.
 #[test]
 fn serve_takes_a_gguf_file() {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/gguf-models/causal-bf16-gdn3x.bf16.gguf");
+    let model = fixtures().join("gguf-models/causal-bf16-gdn3x.bf16.gguf");
     let (mut child, addr) = start(&model, &[]);
     let chat = post(
         &addr,
@@ -54,7 +57,7 @@ fn serve_takes_a_gguf_file() {
 /// Starts `strix serve` on a free port with `extra` options; the child and the address it
 /// listens on.
 fn start(model: &Path, extra: &[&str]) -> (std::process::Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strix"))
+    let mut child = Command::new(strix_bin())
         .args(["serve", "--device", "cpu", "--port", "0", "--served-model-name", "fixture"])
         .args(extra)
         .arg("--model")
@@ -77,7 +80,7 @@ fn start(model: &Path, extra: &[&str]) -> (std::process::Child, String) {
 
 #[test]
 fn serve_listens_answers_and_stops_on_ctrl_c() {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/vlm-f32-gdn2x");
+    let model = fixtures().join("models/vlm-f32-gdn2x");
     let (mut child, addr) = start(&model, &["--allowed-hosts", "box.lan", "--idle-timeout", "1"]);
     assert!(addr.starts_with("127.0.0.1:"), "binds loopback by default: {addr}");
 
@@ -119,7 +122,7 @@ fn serve_refuses_bad_options_up_front() {
         (["--prefix-cache-mib", "-1"], "must be 0 or more"),
         (["--prefix-cache-mib", "2000000"], "must be at most"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_strix"))
+        let out = Command::new(strix_bin())
             .args(["serve", "--device", "cpu", "--port", "0", "--model", "/nonexistent/strix-model"])
             .args(args)
             .output()

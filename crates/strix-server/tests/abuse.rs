@@ -56,7 +56,7 @@ fn concurrent_megabyte_prompts_are_refused_within_a_memory_ceiling() {
     let chat = json!({"messages": [{"role": "user", "content": prompt}]}).to_string().into_bytes();
     drop(prompt);
     // Warm up (the first request allocates the runtime's buffers and the tokenizer's rules).
-    refused_as_too_long(&request(addr, "POST", "/v1/completions", &[], &completion), "prompt");
+    refused_as_too_long(&request(addr, "POST", COMPLETIONS_PATH, &[], &completion), "prompt");
     let resettable = reset_peak_rss();
     let before = peak_rss();
     let results: Vec<(Response, &str)> = std::thread::scope(|scope| {
@@ -65,9 +65,9 @@ fn concurrent_megabyte_prompts_are_refused_within_a_memory_ceiling() {
                 let (completion, chat) = (&completion, &chat);
                 scope.spawn(move || {
                     if i % 2 == 0 {
-                        (request(addr, "POST", "/v1/completions", &[], completion), "prompt")
+                        (request(addr, "POST", COMPLETIONS_PATH, &[], completion), "prompt")
                     } else {
-                        (request(addr, "POST", "/v1/chat/completions", &[], chat), "messages")
+                        (request(addr, "POST", CHAT_PATH, &[], chat), "messages")
                     }
                 })
             })
@@ -85,7 +85,7 @@ fn concurrent_megabyte_prompts_are_refused_within_a_memory_ceiling() {
         eprintln!("(cannot reset the peak RSS here: the ceiling is not checked)");
     }
     // Still serving, and a prompt that fits is tokenized exactly as the library does.
-    let ok = post(addr, "/v1/completions", &json!({"prompt": "a ".repeat(300), "max_tokens": 2}));
+    let ok = post(addr, COMPLETIONS_PATH, &json!({"prompt": "a ".repeat(300), "max_tokens": 2}));
     assert_eq!(ok.status, 200, "{}", ok.text());
     let ids = served().tokenizer.encode(&"a ".repeat(300), false).unwrap();
     assert_eq!(ok.json()["usage"]["prompt_tokens"], ids.len());
@@ -95,7 +95,7 @@ fn concurrent_megabyte_prompts_are_refused_within_a_memory_ceiling() {
 #[test]
 fn a_prompt_without_word_breaks_is_refused_too() {
     let server = start(|c| c.max_body = 8 << 20);
-    let r = post(server.addr(), "/v1/completions", &json!({"prompt": "a".repeat(3_900_000)}));
+    let r = post(server.addr(), COMPLETIONS_PATH, &json!({"prompt": "a".repeat(3_900_000)}));
     refused_as_too_long(&r, "prompt");
 }
 
@@ -105,7 +105,7 @@ fn stops(n: usize, len: usize) -> Vec<String> {
 }
 
 fn completion_text(addr: SocketAddr, body: &Value) -> String {
-    let r = post(addr, "/v1/completions", body);
+    let r = post(addr, COMPLETIONS_PATH, body);
     assert_eq!(r.status, 200, "{}", r.text());
     r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
 }
@@ -118,7 +118,7 @@ fn stop_strings_beyond_the_caps_are_refused_and_the_largest_allowed_harm_no_one(
     let longest = strix_server::request::MAX_STOP_BYTES;
     // The report's 16 stops of 200 KB, too many stops, one too long.
     for stop in [stops(16, 200_000), stops(max + 1, 4), stops(1, longest + 1)] {
-        let e = post(addr, "/v1/completions", &json!({"prompt": "x", "stop": stop})).error(400);
+        let e = post(addr, COMPLETIONS_PATH, &json!({"prompt": "x", "stop": stop})).error(400);
         assert_eq!(e["param"], "stop");
     }
     // The most the caps allow, streaming long beside a normal request: both complete, and
@@ -157,13 +157,13 @@ fn unimplemented_fields_are_refused_not_ignored() {
     ] {
         let mut body = json!({"messages": user, "max_tokens": 2});
         body[field] = value;
-        let e = post(addr, "/v1/chat/completions", &body).error(400);
+        let e = post(addr, CHAT_PATH, &body).error(400);
         assert_eq!(e["param"], field, "{body}");
     }
     let image = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]);
-    let e = post(addr, "/v1/chat/completions", &json!({"messages": image})).error(400);
+    let e = post(addr, CHAT_PATH, &json!({"messages": image})).error(400);
     assert_eq!(e["param"], "messages[0].content[0].type");
-    let e = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 1_000_000_000})).error(400);
+    let e = post(addr, COMPLETIONS_PATH, &json!({"prompt": "x", "max_tokens": 1_000_000_000})).error(400);
     assert_eq!(
         (e["code"].as_str(), e["param"].as_str()),
         (Some("context_length_exceeded"), Some("max_tokens"))

@@ -7,12 +7,11 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
+use strix::backend::cpu::CpuBackend;
 use strix::chat::{ChatMessage, ChatOptions};
+use strix::generate::{generate, GenerateParams, Generated};
 use strix_server::output::{Delta, OutputParser};
-
-fn user(text: &str) -> Value {
-    json!([{"role": "user", "content": text}])
-}
+use strix_server::ServedModel;
 
 #[test]
 fn models_health_and_metrics_answer() {
@@ -43,7 +42,7 @@ fn chat_completion_has_the_openai_shape() {
     let server = start(|_| {});
     let r = post(
         server.addr(),
-        "/v1/chat/completions",
+        CHAT_PATH,
         &json!({"model": "tiny", "messages": user("Hello"), "max_tokens": 12, "temperature": 0}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
@@ -68,11 +67,11 @@ fn streamed_chat_equals_the_whole_answer() {
             "messages": user("Tell me a story"), "max_tokens": 24, "temperature": 0,
             "chat_template_kwargs": {"enable_thinking": thinking},
         });
-        let whole = post(server.addr(), "/v1/chat/completions", &request).json();
+        let whole = post(server.addr(), CHAT_PATH, &request).json();
         let mut streamed = request.clone();
         streamed["stream"] = json!(true);
         streamed["stream_options"] = json!({"include_usage": true});
-        let chunks = stream(server.addr(), "/v1/chat/completions", &streamed);
+        let chunks = stream(server.addr(), CHAT_PATH, &streamed);
         assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
         assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
         let message = &whole["choices"][0]["message"];
@@ -89,21 +88,27 @@ fn streamed_chat_equals_the_whole_answer() {
 fn completions_whole_and_streamed_agree() {
     let server = start(|_| {});
     let request = json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0});
-    let whole = post(server.addr(), "/v1/completions", &request);
+    let whole = post(server.addr(), COMPLETIONS_PATH, &request);
     assert_eq!(whole.status, 200, "{}", whole.text());
     let whole = whole.json();
     assert_eq!(whole["object"], "text_completion");
     let mut streamed = request.clone();
     streamed["stream"] = json!(true);
-    let chunks = stream(server.addr(), "/v1/completions", &streamed);
+    let chunks = stream(server.addr(), COMPLETIONS_PATH, &streamed);
     assert_eq!(joined_text(&chunks), whole["choices"][0]["text"].as_str().unwrap());
     assert_eq!(finish_of(&chunks), whole["choices"][0]["finish_reason"]);
     // Token ids work as a prompt too, and give what their text gives.
     let served = served();
     let ids = served.tokenizer.encode("The capital of France is", false).unwrap();
     let by_ids =
-        post(server.addr(), "/v1/completions", &json!({"prompt": ids, "max_tokens": 16, "temperature": 0}));
+        post(server.addr(), COMPLETIONS_PATH, &json!({"prompt": ids, "max_tokens": 16, "temperature": 0}));
     assert_eq!(by_ids.json()["choices"][0]["text"], whole["choices"][0]["text"]);
+}
+
+/// What the library's `generate` makes of `prompt` on the served model, in a fresh session.
+fn library_generate(served: &ServedModel<CpuBackend>, prompt: &[u32], params: &GenerateParams) -> Generated {
+    let mut session = served.model.new_session(1024);
+    generate(&served.model, &mut session, prompt, Some(&served.tokenizer), params, |_| {}).unwrap()
 }
 
 #[test]
@@ -111,20 +116,11 @@ fn greedy_output_matches_the_library() {
     let server = start(|_| {});
     let served = served();
     let prompt = served.tokenizer.encode("Once upon a time", false).unwrap();
-    let mut session = served.model.new_session(1024);
-    let params = strix::generate::GenerateParams { max_tokens: 20, ..Default::default() };
-    let expected = strix::generate::generate(
-        &served.model,
-        &mut session,
-        &prompt,
-        Some(&served.tokenizer),
-        &params,
-        |_| {},
-    )
-    .unwrap();
+    let params = GenerateParams { max_tokens: 20, ..Default::default() };
+    let expected = library_generate(&served, &prompt, &params);
     let r = post(
         server.addr(),
-        "/v1/completions",
+        COMPLETIONS_PATH,
         &json!({"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0}),
     )
     .json();
@@ -140,22 +136,8 @@ fn logit_bias_steers_the_output_like_the_library() {
     let served = served();
     let prompt = served.tokenizer.encode("Once upon a time", false).unwrap();
     let library = |sampling: strix::sampling::SamplingParams| {
-        let mut session = served.model.new_session(1024);
-        let params = strix::generate::GenerateParams {
-            max_tokens: 12,
-            sampling,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        strix::generate::generate(
-            &served.model,
-            &mut session,
-            &prompt,
-            Some(&served.tokenizer),
-            &params,
-            |_| {},
-        )
-        .unwrap()
+        let params = GenerateParams { max_tokens: 12, sampling, ignore_eos: true, ..Default::default() };
+        library_generate(&served, &prompt, &params)
     };
     let greedy = strix::sampling::SamplingParams::greedy();
     let plain = library(greedy.clone());
@@ -180,7 +162,7 @@ fn logit_bias_steers_the_output_like_the_library() {
             bias.iter().map(|&(id, b)| (id.to_string(), Value::from(b))).collect();
         let r = post(
             server.addr(),
-            "/v1/completions",
+            COMPLETIONS_PATH,
             &json!({"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": true,
                     "temperature": sampling.temperature, "seed": sampling.seed, "logit_bias": map}),
         )
@@ -192,7 +174,7 @@ fn logit_bias_steers_the_output_like_the_library() {
     let vocab = served.model.config.vocab_size;
     let mut body = json!({"prompt": "x", "max_tokens": 2, "logit_bias": {}});
     body["logit_bias"][vocab.to_string()] = json!(1);
-    let e = post(server.addr(), "/v1/completions", &body).error(400);
+    let e = post(server.addr(), COMPLETIONS_PATH, &body).error(400);
     assert_eq!(e["param"], "logit_bias");
     assert!(e["message"].as_str().unwrap().contains("outside the vocabulary"), "{e}");
 }
@@ -201,7 +183,7 @@ fn logit_bias_steers_the_output_like_the_library() {
 fn stop_strings_end_the_text_before_them() {
     let server = start(|_| {});
     let base = json!({"prompt": "One two three", "max_tokens": 40, "temperature": 0, "ignore_eos": true});
-    let full = post(server.addr(), "/v1/completions", &base).json()["choices"][0]["text"]
+    let full = post(server.addr(), COMPLETIONS_PATH, &base).json()["choices"][0]["text"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -212,12 +194,12 @@ fn stop_strings_end_the_text_before_them() {
 
     let mut request = base.clone();
     request["stop"] = json!(["never appears ✓", stop]);
-    let r = post(server.addr(), "/v1/completions", &request).json();
+    let r = post(server.addr(), COMPLETIONS_PATH, &request).json();
     assert_eq!(r["choices"][0]["text"].as_str().unwrap(), expected);
     assert_eq!(r["choices"][0]["finish_reason"], "stop");
 
     request["stream"] = json!(true);
-    let chunks = stream(server.addr(), "/v1/completions", &request);
+    let chunks = stream(server.addr(), COMPLETIONS_PATH, &request);
     assert_eq!(joined_text(&chunks), expected);
     assert_eq!(finish_of(&chunks), "stop");
 }
@@ -228,7 +210,7 @@ fn seeds_reproduce_samples() {
     let sample = |seed: u64| {
         let r = post(
             server.addr(),
-            "/v1/completions",
+            COMPLETIONS_PATH,
             &json!({"prompt": "Hello", "max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": seed}),
         );
         r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
@@ -243,7 +225,7 @@ fn logprobs_describe_the_chosen_tokens() {
     let server = start(|_| {});
     let r = post(
         server.addr(),
-        "/v1/chat/completions",
+        CHAT_PATH,
         &json!({"messages": user("Hi"), "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 3,
                 "ignore_eos": true}),
     )
@@ -260,13 +242,12 @@ fn logprobs_describe_the_chosen_tokens() {
         assert!(entry["bytes"].is_array());
     }
     // Without logprobs the field is null.
-    let r =
-        post(server.addr(), "/v1/chat/completions", &json!({"messages": user("Hi"), "max_tokens": 2})).json();
+    let r = post(server.addr(), CHAT_PATH, &json!({"messages": user("Hi"), "max_tokens": 2})).json();
     assert!(r["choices"][0]["logprobs"].is_null());
 
     let c = post(
         server.addr(),
-        "/v1/completions",
+        COMPLETIONS_PATH,
         &json!({"prompt": "Hi", "max_tokens": 5, "temperature": 0, "logprobs": 2, "ignore_eos": true}),
     )
     .json();
@@ -278,7 +259,7 @@ fn logprobs_describe_the_chosen_tokens() {
 
     let streamed = json!({"messages": user("Hi"), "max_tokens": 8, "temperature": 0, "logprobs": true,
                           "top_logprobs": 3, "ignore_eos": true, "stream": true});
-    let chunks = stream(server.addr(), "/v1/chat/completions", &streamed);
+    let chunks = stream(server.addr(), CHAT_PATH, &streamed);
     let streamed_lps: Vec<Value> = chunks
         .iter()
         .filter_map(|c| c["choices"].get(0)?["logprobs"]["content"].as_array().cloned())
@@ -298,7 +279,7 @@ fn reasoning_and_content_split_like_the_parser_on_the_raw_text() {
         let prompt = template.render(&[ChatMessage::user("Why is the sky blue?")], &options).unwrap();
         let raw = post(
             server.addr(),
-            "/v1/completions",
+            COMPLETIONS_PATH,
             &json!({"prompt": prompt, "max_tokens": 30, "temperature": 0}),
         )
         .json()["choices"][0]["text"]
@@ -321,8 +302,7 @@ fn reasoning_and_content_split_like_the_parser_on_the_raw_text() {
         if let Some(t) = thinking {
             request["chat_template_kwargs"] = json!({"enable_thinking": t});
         }
-        let message =
-            post(server.addr(), "/v1/chat/completions", &request).json()["choices"][0]["message"].clone();
+        let message = post(server.addr(), CHAT_PATH, &request).json()["choices"][0]["message"].clone();
         assert_eq!(message["content"].as_str().unwrap_or(""), content, "thinking {thinking:?}");
         assert_eq!(message["reasoning_content"].as_str().unwrap_or(""), reasoning, "thinking {thinking:?}");
         // The template opens a think block unless thinking is off.
@@ -340,7 +320,7 @@ fn tools_reach_the_template() {
         for (k, v) in extra.as_object().unwrap() {
             request[k] = v.clone();
         }
-        let r = post(server.addr(), "/v1/chat/completions", &request);
+        let r = post(server.addr(), CHAT_PATH, &request);
         assert_eq!(r.status, 200, "{}", r.text());
         r.json()["usage"]["prompt_tokens"].as_u64().unwrap()
     };
@@ -354,11 +334,7 @@ fn tools_reach_the_template() {
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
     ]);
-    let r = post(
-        server.addr(),
-        "/v1/chat/completions",
-        &json!({"messages": history, "tools": tools, "max_tokens": 2}),
-    );
+    let r = post(server.addr(), CHAT_PATH, &json!({"messages": history, "tools": tools, "max_tokens": 2}));
     assert_eq!(r.status, 200, "{}", r.text());
 }
 
@@ -367,14 +343,14 @@ fn api_key_guards_the_v1_routes() {
     let server = start(|c| c.api_key = Some("sekrit".into()));
     let body = json!({"prompt": "x", "max_tokens": 1}).to_string();
     for headers in [vec![], vec![("Authorization", "Bearer wrong")], vec![("Authorization", "sekrit")]] {
-        let r = request(server.addr(), "POST", "/v1/completions", &headers, body.as_bytes());
+        let r = request(server.addr(), "POST", COMPLETIONS_PATH, &headers, body.as_bytes());
         assert_eq!(r.error(401)["code"], "invalid_api_key");
         assert_eq!(request(server.addr(), "GET", "/v1/models", &headers, b"").status, 401);
     }
     let ok = request(
         server.addr(),
         "POST",
-        "/v1/completions",
+        COMPLETIONS_PATH,
         &[("Authorization", "Bearer sekrit")],
         body.as_bytes(),
     );
@@ -388,52 +364,52 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
     let server = start(|c| c.max_body = 4096);
     let addr = server.addr();
     let raw = |path: &str, body: &[u8]| request(addr, "POST", path, &[], body);
-    let chat = "/v1/chat/completions";
 
-    raw(chat, b"{not json").error(400);
-    raw(chat, b"").error(400);
-    raw(chat, b"[1, 2]").error(400);
-    raw(chat, b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}").error(400);
-    assert_eq!(raw(chat, b"{\"messages\": []}").error(400)["param"], "messages");
-    assert_eq!(raw(chat, b"{\"messages\": \"hi\"}").error(400)["param"], "messages");
+    raw(CHAT_PATH, b"{not json").error(400);
+    raw(CHAT_PATH, b"").error(400);
+    raw(CHAT_PATH, b"[1, 2]").error(400);
+    raw(CHAT_PATH, b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}").error(400);
+    assert_eq!(raw(CHAT_PATH, b"{\"messages\": []}").error(400)["param"], "messages");
+    assert_eq!(raw(CHAT_PATH, b"{\"messages\": \"hi\"}").error(400)["param"], "messages");
     assert_eq!(
-        post(addr, chat, &json!({"messages": user("x"), "temperature": "hot"})).error(400)["param"],
+        post(addr, CHAT_PATH, &json!({"messages": user("x"), "temperature": "hot"})).error(400)["param"],
         "temperature"
     );
-    assert_eq!(post(addr, chat, &json!({"messages": user("x"), "n": 3})).error(400)["param"], "n");
+    assert_eq!(post(addr, CHAT_PATH, &json!({"messages": user("x"), "n": 3})).error(400)["param"], "n");
     assert_eq!(
-        post(addr, chat, &json!({"messages": user("x"), "max_tokens": -1})).error(400)["param"],
+        post(addr, CHAT_PATH, &json!({"messages": user("x"), "max_tokens": -1})).error(400)["param"],
         "max_tokens"
     );
     assert_eq!(
-        post(addr, chat, &json!({"messages": [{"role": "user", "content": {"a": 1}}]})).error(400)["param"],
+        post(addr, CHAT_PATH, &json!({"messages": [{"role": "user", "content": {"a": 1}}]})).error(400)
+            ["param"],
         "messages[0].content"
     );
     // A conversation the template refuses (no user message) is the client's error.
     assert_eq!(
-        post(addr, chat, &json!({"messages": [{"role": "system", "content": "x"}]})).error(400)["param"],
+        post(addr, CHAT_PATH, &json!({"messages": [{"role": "system", "content": "x"}]})).error(400)["param"],
         "messages"
     );
-    assert_eq!(post(addr, "/v1/completions", &json!({"prompt": ""})).error(400)["param"], "prompt");
-    assert_eq!(post(addr, "/v1/completions", &json!({"prompt": [999999]})).error(400)["param"], "prompt");
-    assert_eq!(post(addr, "/v1/completions", &json!({"prompt": ["a", "b"]})).error(400)["param"], "prompt");
+    assert_eq!(post(addr, COMPLETIONS_PATH, &json!({"prompt": ""})).error(400)["param"], "prompt");
+    assert_eq!(post(addr, COMPLETIONS_PATH, &json!({"prompt": [999999]})).error(400)["param"], "prompt");
+    assert_eq!(post(addr, COMPLETIONS_PATH, &json!({"prompt": ["a", "b"]})).error(400)["param"], "prompt");
 
     let huge = vec![b' '; 100_000];
-    assert_eq!(raw(chat, &huge).error(413)["code"], "request_too_large");
+    assert_eq!(raw(CHAT_PATH, &huge).error(413)["code"], "request_too_large");
     // Chunked bodies (no Content-Length) are limited too.
     let mut big = json!({"messages": user(&"x".repeat(5000))}).to_string().into_bytes();
     let mut chunked = format!("{:x}\r\n", big.len()).into_bytes();
     chunked.append(&mut big);
     chunked.extend_from_slice(b"\r\n0\r\n\r\n");
-    request(addr, "POST", chat, &[("Transfer-Encoding", "chunked")], &chunked).error(413);
+    request(addr, "POST", CHAT_PATH, &[("Transfer-Encoding", "chunked")], &chunked).error(413);
 
     assert_eq!(get(addr, "/v1/nothing").error(404)["type"], "not_found_error");
     get(addr, "/etc/passwd").error(404);
     request(addr, "DELETE", "/v1/models", &[], b"").error(405);
-    request(addr, "GET", chat, &[], b"").error(405);
+    request(addr, "GET", CHAT_PATH, &[], b"").error(405);
 
     // Still serving.
-    let ok = post(addr, chat, &json!({"messages": user("still there?"), "max_tokens": 2}));
+    let ok = post(addr, CHAT_PATH, &json!({"messages": user("still there?"), "max_tokens": 2}));
     assert_eq!(ok.status, 200, "{}", ok.text());
     let metrics = get(addr, "/metrics").text();
     assert!(
@@ -447,10 +423,10 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
 fn prompts_longer_than_the_context_are_400() {
     let server = start(|c| c.engine.context = 64);
     let long = "word ".repeat(200);
-    let e = post(server.addr(), "/v1/completions", &json!({"prompt": long, "max_tokens": 4})).error(400);
+    let e = post(server.addr(), COMPLETIONS_PATH, &json!({"prompt": long, "max_tokens": 4})).error(400);
     assert_eq!(e["code"], "context_length_exceeded");
     assert_eq!(e["param"], "prompt");
-    let e = post(server.addr(), "/v1/chat/completions", &json!({"messages": user(&long)})).error(400);
+    let e = post(server.addr(), CHAT_PATH, &json!({"messages": user(&long)})).error(400);
     assert_eq!(e["code"], "context_length_exceeded");
     // A completion that cannot fit is refused (as OpenAI and vLLM do), naming the field.
     for (body, param) in [
@@ -459,34 +435,30 @@ fn prompts_longer_than_the_context_are_400() {
         (json!({"prompt": [1, 2, 3], "max_tokens": 62}), "max_tokens"),
         (json!({"prompt": "hi", "max_completion_tokens": 1000}), "max_completion_tokens"),
     ] {
-        let e = post(server.addr(), "/v1/completions", &body).error(400);
+        let e = post(server.addr(), COMPLETIONS_PATH, &body).error(400);
         assert_eq!(
             (e["code"].as_str(), e["param"].as_str()),
             (Some("context_length_exceeded"), Some(param)),
             "{body}"
         );
     }
-    let e = post(server.addr(), "/v1/chat/completions", &json!({"messages": user("hi"), "max_tokens": 60}))
-        .error(400);
+    let e = post(server.addr(), CHAT_PATH, &json!({"messages": user("hi"), "max_tokens": 60})).error(400);
     assert_eq!(e["code"], "context_length_exceeded");
     // A prompt that fits beside its max_tokens but not beside the rest of the context...
-    let e = post(server.addr(), "/v1/completions", &json!({"prompt": "word ".repeat(30), "max_tokens": 40}))
+    let e = post(server.addr(), COMPLETIONS_PATH, &json!({"prompt": "word ".repeat(30), "max_tokens": 40}))
         .error(400);
     assert_eq!((e["code"].as_str(), e["param"].as_str()), (Some("context_length_exceeded"), Some("prompt")));
     // ... and exactly the context is fine; no max_tokens runs to the end of the context.
     let r = post(
         server.addr(),
-        "/v1/completions",
+        COMPLETIONS_PATH,
         &json!({"prompt": [1, 2, 3, 4], "max_tokens": 60, "ignore_eos": true, "temperature": 0}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["usage"]["total_tokens"], 64);
-    let r = post(
-        server.addr(),
-        "/v1/completions",
-        &json!({"prompt": "hi", "ignore_eos": true, "temperature": 0}),
-    )
-    .json();
+    let r =
+        post(server.addr(), COMPLETIONS_PATH, &json!({"prompt": "hi", "ignore_eos": true, "temperature": 0}))
+            .json();
     assert_eq!(r["choices"][0]["finish_reason"], "length");
     assert_eq!(r["usage"]["total_tokens"], 64);
 }
@@ -495,7 +467,6 @@ fn prompts_longer_than_the_context_are_400() {
 fn what_the_server_does_not_do_is_refused_by_name() {
     let server = start(|_| {});
     let addr = server.addr();
-    let chat = "/v1/chat/completions";
     let cases = [
         (json!({"messages": user("x"), "response_format": {"type": "xml"}}), "response_format"),
         (json!({"messages": user("x"), "logit_bias": {"1": 10, "4000000000": 10}}), "logit_bias"),
@@ -513,11 +484,11 @@ fn what_the_server_does_not_do_is_refused_by_name() {
         ),
     ];
     for (body, param) in cases {
-        let e = post(addr, chat, &body).error(400);
+        let e = post(addr, CHAT_PATH, &body).error(400);
         assert_eq!(e["param"], param, "{body}");
         assert_eq!(e["type"], "invalid_request_error");
     }
-    let e = post(addr, "/v1/completions", &json!({"prompt": "x", "best_of": 1, "mirostat": 2})).error(400);
+    let e = post(addr, COMPLETIONS_PATH, &json!({"prompt": "x", "best_of": 1, "mirostat": 2})).error(400);
     assert!(
         e["message"].as_str().unwrap().starts_with("Unrecognized request argument supplied: mirostat"),
         "{e}"
@@ -525,7 +496,7 @@ fn what_the_server_does_not_do_is_refused_by_name() {
     // What asks for nothing more than the server does is accepted.
     let ok = post(
         addr,
-        chat,
+        CHAT_PATH,
         &json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2,
                 "response_format": {"type": "text"}, "logit_bias": {}, "user": "u", "store": false,
                 "metadata": {"a": "b"}, "service_tier": "auto", "parallel_tool_calls": true,
@@ -547,13 +518,13 @@ fn a_full_queue_answers_429() {
         c.engine.context = 1 << 20;
     });
     let addr = server.addr();
-    let mut running = open_stream(addr, "/v1/completions", &[], &endless(true)).ok().unwrap();
+    let mut running = open_stream(addr, COMPLETIONS_PATH, &[], &endless(true)).ok().unwrap();
     running.next_data().unwrap();
     wait_until("the first request runs", || metric(addr, "strix_running_sequences") == 1.0);
-    let queued = open_stream(addr, "/v1/completions", &[], &endless(true)).ok().unwrap();
+    let queued = open_stream(addr, COMPLETIONS_PATH, &[], &endless(true)).ok().unwrap();
     wait_until("the second request waits", || metric(addr, "strix_queue_depth") == 1.0);
 
-    let refused = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+    let refused = post(addr, COMPLETIONS_PATH, &json!({"prompt": "x", "max_tokens": 1}));
     let error = refused.error(429);
     assert_eq!(error["type"], "rate_limit_error");
 
@@ -566,7 +537,7 @@ fn a_full_queue_answers_429() {
     wait_until("the batch empties", || metric(addr, "strix_running_sequences") == 0.0);
     assert_eq!(metric(addr, "strix_requests_cancelled_total"), 2.0);
     assert_eq!(metric(addr, "strix_reserved_state_bytes"), 0.0);
-    let ok = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+    let ok = post(addr, COMPLETIONS_PATH, &json!({"prompt": "x", "max_tokens": 1}));
     assert_eq!(ok.status, 200);
 }
 
@@ -575,7 +546,7 @@ fn disconnecting_cancels_the_request() {
     let server = start(|c| c.engine.context = 1 << 20);
     let addr = server.addr();
     let mut streams: Vec<EventStream> =
-        (0..3).map(|_| open_stream(addr, "/v1/completions", &[], &endless(true)).ok().unwrap()).collect();
+        (0..3).map(|_| open_stream(addr, COMPLETIONS_PATH, &[], &endless(true)).ok().unwrap()).collect();
     for s in &mut streams {
         s.next_data().unwrap();
     }

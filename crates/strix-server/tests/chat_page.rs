@@ -157,7 +157,7 @@ fn the_chat_page_streams_an_answer_in_chromium() {
         let r = request(
             addr,
             "POST",
-            "/v1/chat/completions",
+            CHAT_PATH,
             &[("Authorization", "Bearer page-key")],
             json!({"messages": history, "temperature": 0, "max_tokens": 24,
                    "chat_template_kwargs": {"enable_thinking": thinking}})

@@ -110,7 +110,7 @@ proptest! {
     #[test]
     fn a_live_server_answers_random_requests_with_200_or_an_error_body(request in mutated_request()) {
         let addr = live_server();
-        for path in ["/v1/chat/completions", "/v1/completions"] {
+        for path in [common::CHAT_PATH, common::COMPLETIONS_PATH] {
             let r = common::post(addr, path, &request);
             if r.status == 200 && r.header("content-type") == Some("text/event-stream") {
                 prop_assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());

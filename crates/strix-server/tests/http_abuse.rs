@@ -222,7 +222,7 @@ fn a_server_full_of_requests_refuses_with_503_and_recovers() {
     let addr = server.addr();
     let endless = json!({"prompt": "Count:", "max_tokens": 1_000_000, "ignore_eos": true, "stream": true});
     let mut streams: Vec<EventStream> =
-        (0..2).map(|_| open_stream(addr, "/v1/completions", &[], &endless).ok().unwrap()).collect();
+        (0..2).map(|_| open_stream(addr, COMPLETIONS_PATH, &[], &endless).ok().unwrap()).collect();
     for s in &mut streams {
         s.next_data().unwrap();
     }
@@ -242,7 +242,7 @@ fn a_stream_outlives_the_idle_and_header_timeouts() {
     });
     let addr = server.addr();
     let body = json!({"prompt": "Count:", "max_tokens": 1_000_000, "ignore_eos": true, "stream": true});
-    let mut stream = open_stream(addr, "/v1/completions", &[], &body).ok().unwrap();
+    let mut stream = open_stream(addr, COMPLETIONS_PATH, &[], &body).ok().unwrap();
     let started = Instant::now();
     let mut chunks = 0;
     // Ten idle timeouts' worth of streaming.
@@ -254,8 +254,7 @@ fn a_stream_outlives_the_idle_and_header_timeouts() {
     assert!(chunks > 1);
     drop(stream);
     // A whole answer that takes a while is not cut either: a client reading slowly.
-    let r =
-        post(addr, "/v1/completions", &json!({"prompt": "Count:", "max_tokens": 300, "ignore_eos": true}));
+    let r = post(addr, COMPLETIONS_PATH, &json!({"prompt": "Count:", "max_tokens": 300, "ignore_eos": true}));
     assert_eq!(r.status, 200, "{}", r.text());
 }
 
@@ -335,14 +334,8 @@ fn a_rebinding_host_is_refused() {
     for host in ["evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhost.evil.example:80"] {
         let error = send(addr, "GET", "/v1/models", &[("Host", host)], "").error(403);
         assert_eq!(error["code"], "host_not_allowed", "{host}");
-        send(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            &[("Host", host), ("Content-Type", "application/json")],
-            CHAT,
-        )
-        .error(403);
+        send(addr, "POST", CHAT_PATH, &[("Host", host), ("Content-Type", "application/json")], CHAT)
+            .error(403);
     }
     let own = addr.to_string();
     for host in ["localhost", "localhost:8080", "127.0.0.1", own.as_str(), "[::1]:8080"] {
@@ -362,7 +355,7 @@ fn cors_answers_allowed_origins_and_refuses_others() {
         send(
             addr,
             "OPTIONS",
-            "/v1/chat/completions",
+            CHAT_PATH,
             &[
                 ("Host", "localhost"),
                 ("Origin", origin),
@@ -383,7 +376,7 @@ fn cors_answers_allowed_origins_and_refuses_others() {
         send(
             addr,
             "POST",
-            "/v1/chat/completions",
+            CHAT_PATH,
             &[("Host", "localhost"), ("Origin", origin), ("Content-Type", "application/json")],
             CHAT,
         )
@@ -397,7 +390,7 @@ fn cors_answers_allowed_origins_and_refuses_others() {
     let own = send(
         addr,
         "POST",
-        "/v1/chat/completions",
+        CHAT_PATH,
         &[
             ("Host", "localhost:8080"),
             ("Origin", "http://localhost:8080"),
@@ -438,7 +431,7 @@ fn bodies_must_be_json() {
     let chat = |content_type: Option<&str>| {
         let mut headers = vec![("Host", "localhost")];
         headers.extend(content_type.map(|t| ("Content-Type", t)));
-        send(addr, "POST", "/v1/chat/completions", &headers, CHAT)
+        send(addr, "POST", CHAT_PATH, &headers, CHAT)
     };
     for refused in [
         Some("text/plain"),

@@ -21,7 +21,7 @@ fn a_greedy_request_is_the_same_alone_and_in_a_full_batch() {
     let addr = server.addr();
     let target = json!({"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "logprobs": 5,
                         "ignore_eos": true});
-    let alone = post(addr, "/v1/completions", &target).json();
+    let alone = post(addr, COMPLETIONS_PATH, &target).json();
 
     let others: Vec<_> = (0..CLIENTS - 1)
         .map(|i| {
@@ -31,16 +31,16 @@ fn a_greedy_request_is_the_same_alone_and_in_a_full_batch() {
                     "max_tokens": 16 + i % 16, "temperature": 1.0, "seed": i, "presence_penalty": 0.5,
                     "ignore_eos": true, "stream": i % 2 == 0});
                 if i % 2 == 0 {
-                    stream(addr, "/v1/completions", &body).len()
+                    stream(addr, COMPLETIONS_PATH, &body).len()
                 } else {
-                    post(addr, "/v1/completions", &body).body.len()
+                    post(addr, COMPLETIONS_PATH, &body).body.len()
                 }
             })
         })
         .collect();
     // Start the target once the batch is busy.
     wait_until("the batch fills", || metric(addr, "strix_running_sequences") >= 8.0);
-    let beside = post(addr, "/v1/completions", &target).json();
+    let beside = post(addr, COMPLETIONS_PATH, &target).json();
     for other in others {
         assert!(other.join().unwrap() > 0);
     }
@@ -117,7 +117,7 @@ fn sixty_four_clients_with_cancellations_lose_nothing() {
         .map(|case| {
             std::thread::spawn(move || -> (bool, usize) {
                 if let Some(after) = case.cancel_after {
-                    let mut events = open_stream(addr, "/v1/completions", &[], &case.body).ok().unwrap();
+                    let mut events = open_stream(addr, COMPLETIONS_PATH, &[], &case.body).ok().unwrap();
                     for _ in 0..after {
                         events.next_data();
                     }
@@ -126,11 +126,11 @@ fn sixty_four_clients_with_cancellations_lose_nothing() {
                 let (text, tokens, finish) = if case.body["stream"] == true {
                     let mut body = case.body.clone();
                     body["stream_options"] = json!({"include_usage": true});
-                    let chunks = stream(addr, "/v1/completions", &body);
+                    let chunks = stream(addr, COMPLETIONS_PATH, &body);
                     let usage = &chunks.last().unwrap()["usage"];
                     (joined_text(&chunks), usage["completion_tokens"].as_u64().unwrap(), finish_of(&chunks))
                 } else {
-                    let r = post(addr, "/v1/completions", &case.body);
+                    let r = post(addr, COMPLETIONS_PATH, &case.body);
                     assert_eq!(r.status, 200, "{}", r.text());
                     let r = r.json();
                     let choice = &r["choices"][0];

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{metric, post, stream};
+use common::{metric, post, stream, CHAT_PATH, COMPLETIONS_PATH};
 use serde_json::{json, Value};
 use strix_server::engine::StateSizes;
 use strix_server::Server;
@@ -37,7 +37,7 @@ fn ids(len: usize, seed: u32) -> Vec<u32> {
 fn complete(server: &Server, prompt: &[u32]) -> Value {
     let body =
         json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 5, "ignore_eos": true});
-    let r = post(server.addr(), "/v1/completions", &body);
+    let r = post(server.addr(), COMPLETIONS_PATH, &body);
     assert_eq!(r.status, 200, "{}", r.text());
     r.json()
 }
@@ -99,7 +99,7 @@ fn the_streamed_usage_reports_the_cached_tokens() {
     complete(&on, &p);
     let body = json!({"prompt": p, "max_tokens": 4, "temperature": 0, "stream": true,
         "stream_options": {"include_usage": true}});
-    let chunks = stream(on.addr(), "/v1/completions", &body);
+    let chunks = stream(on.addr(), COMPLETIONS_PATH, &body);
     let usage = chunks.iter().find(|c| c["usage"].is_object()).expect("a usage chunk");
     assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 128, "{usage}");
 }
@@ -120,8 +120,8 @@ fn multi_turn_chats_match_the_cache_off() {
         let body = json!({"messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": true,
             "top_logprobs": 4, "ignore_eos": true,
             "chat_template_kwargs": {"enable_thinking": false}});
-        let a = post(on.addr(), "/v1/chat/completions", &body).json();
-        let b = post(off.addr(), "/v1/chat/completions", &body).json();
+        let a = post(on.addr(), CHAT_PATH, &body).json();
+        let b = post(off.addr(), CHAT_PATH, &body).json();
         assert_same_choices(&a, &b);
         let prompt = a["usage"]["prompt_tokens"].as_u64().unwrap();
         let cached = cached_tokens(&a);

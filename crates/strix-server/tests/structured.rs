@@ -8,10 +8,6 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
-fn user(text: &str) -> Value {
-    json!([{"role": "user", "content": text}])
-}
-
 /// The schema of the tests: enums, bounded integers, a nested object, an array of objects,
 /// bounded strings, every property required, no others.
 fn schema() -> Value {
@@ -61,11 +57,11 @@ fn json_schema_outputs_parse_and_follow_the_schema() {
             let body = json!({"messages": user(&format!("Describe thing {seed}")), "max_tokens": 400,
                               "temperature": 1.0, "seed": seed, "response_format": format, "stream": stream});
             let (content, finish) = if stream {
-                let chunks = common::stream(server.addr(), "/v1/chat/completions", &body);
+                let chunks = common::stream(server.addr(), CHAT_PATH, &body);
                 assert_eq!(joined(&chunks, "reasoning_content"), "");
                 (joined(&chunks, "content"), finish_of(&chunks))
             } else {
-                let body = post(server.addr(), "/v1/chat/completions", &body).json();
+                let body = post(server.addr(), CHAT_PATH, &body).json();
                 let message = &body["choices"][0]["message"];
                 assert!(message.get("reasoning_content").is_none_or(Value::is_null), "{body}");
                 let finish = body["choices"][0]["finish_reason"].as_str().unwrap().to_owned();
@@ -83,7 +79,7 @@ fn json_object_outputs_parse_as_objects() {
     for seed in 0..4 {
         let body = json!({"messages": user("Any object"), "max_tokens": 600, "temperature": 0.7, "seed": seed,
                           "response_format": {"type": "json_object"}});
-        let r = post(server.addr(), "/v1/chat/completions", &body).json();
+        let r = post(server.addr(), CHAT_PATH, &body).json();
         let choice = &r["choices"][0];
         // An unbounded object may run out of tokens; what finished must parse.
         if choice["finish_reason"] == "stop" {
@@ -102,7 +98,7 @@ fn regex_choice_and_lark_constraints_hold_on_both_endpoints() {
     for seed in 0..4 {
         let r = post(
             server.addr(),
-            "/v1/completions",
+            COMPLETIONS_PATH,
             &json!({"prompt": "Phone:", "max_tokens": 30, "temperature": 1.0, "seed": seed,
                     "structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}),
         )
@@ -118,7 +114,7 @@ fn regex_choice_and_lark_constraints_hold_on_both_endpoints() {
 
         let r = post(
             server.addr(),
-            "/v1/chat/completions",
+            CHAT_PATH,
             &json!({"messages": user("Pick"), "max_tokens": 30, "temperature": 1.0, "seed": seed,
                     "structured_outputs": {"choice": ["alpha", "beta gamma", "δ"]}}),
         )
@@ -128,7 +124,7 @@ fn regex_choice_and_lark_constraints_hold_on_both_endpoints() {
 
         let r = post(
             server.addr(),
-            "/v1/completions",
+            COMPLETIONS_PATH,
             &json!({"prompt": "x", "max_tokens": 40, "temperature": 1.0, "seed": seed,
                     "structured_outputs": {"grammar": "start: \"(\" N (\",\" N)? \")\"\nN: /[1-9]/\n"}}),
         )
@@ -138,7 +134,7 @@ fn regex_choice_and_lark_constraints_hold_on_both_endpoints() {
         // response_format works on completions too (an extension).
         let r = post(
             server.addr(),
-            "/v1/completions",
+            COMPLETIONS_PATH,
             &json!({"prompt": "x", "max_tokens": 400, "temperature": 1.0, "seed": seed,
                     "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema()}}}),
         )
@@ -167,7 +163,7 @@ fn forced_tool_calls_have_valid_arguments() {
         for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_time"}})] {
             let body = json!({"messages": user("Weather?"), "max_tokens": 300, "temperature": 1.0, "seed": seed,
                               "tools": weather_tools(), "tool_choice": choice});
-            let r = post(server.addr(), "/v1/chat/completions", &body).json();
+            let r = post(server.addr(), CHAT_PATH, &body).json();
             let c = &r["choices"][0];
             assert_eq!(c["finish_reason"], "tool_calls", "{r}");
             let calls = c["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("{r}"));
@@ -208,7 +204,7 @@ fn logit_bias_forces_a_token_in_chat() {
     let forced = served.tokenizer.encode("k", false).unwrap()[0];
     let r = post(
         server.addr(),
-        "/v1/chat/completions",
+        CHAT_PATH,
         &json!({"messages": user("Hi"), "max_tokens": 5, "temperature": 1.0, "seed": 3,
                 "logit_bias": {forced.to_string(): 100}, "chat_template_kwargs": {"enable_thinking": false}}),
     )
@@ -224,7 +220,7 @@ fn grammars_that_cannot_compile_are_400s_naming_the_field() {
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
-        post(server.addr(), "/v1/chat/completions", &body).error(400)
+        post(server.addr(), CHAT_PATH, &body).error(400)
     };
     let cases = [
         (

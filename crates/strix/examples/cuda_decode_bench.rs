@@ -21,19 +21,21 @@
 //! queue it, as in a real step) times its calls per step; the sum against the measured step
 //! says how much of the step is host overhead and which kernels to work on.
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/gpu.rs"]
 mod gpu;
 
 use std::time::Instant;
 
-use rayon::prelude::*;
+use bench::median;
 use strix::backend::cuda::CudaBackend;
 use strix::backend::{Backend, DeltaRuleMode};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::sampling::argmax;
 use strix::synthetic::{preset, SyntheticWeights};
-use strix::tensor::{Bytes, DType, HostTensor};
+use strix::tensor::DType;
 
 const PROMPT: usize = 128;
 const WARMUP: usize = 5;
@@ -45,11 +47,6 @@ struct Row {
     step_ms: f64,
     weight_gb: f64,
     roofline: f64,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn main() -> strix::Result<()> {
@@ -136,7 +133,7 @@ fn main() -> strix::Result<()> {
             }
             next = argmax(&logits);
         }
-        let step = median(&mut times);
+        let step = median(&times);
         let profile_steps: usize =
             std::env::var("STRIX_PROFILE_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         if profile_steps > 0 && profile_batch > 1 {
@@ -174,7 +171,7 @@ fn main() -> strix::Result<()> {
         }
         // The host copy of the logits is part of every step (on-device sampling will remove it).
         let logits_buf = model.backend().zeros(cfg.vocab_size);
-        let mut copies: Vec<f64> = (0..20)
+        let copies: Vec<f64> = (0..20)
             .map(|_| {
                 let t = Instant::now();
                 let _ = model.backend().download(&logits_buf, 0, cfg.vocab_size);
@@ -184,7 +181,7 @@ fn main() -> strix::Result<()> {
         println!(
             "{name}: copying the {} logits to the host takes {:.0} us",
             cfg.vocab_size,
-            median(&mut copies) * 1e6
+            median(&copies) * 1e6
         );
         let tok_s = 1.0 / step;
         let roofline = bytes as f64 * tok_s / bandwidth;
@@ -265,39 +262,6 @@ fn per_call(b: &CudaBackend, reps: usize, mut f: impl FnMut()) -> strix::Result<
     Ok(t.elapsed().as_secs_f64() / reps as f64)
 }
 
-/// A `[rows, cols]` bf16 matrix of uniform values in ±1/sqrt(cols) (never zeros: they can run
-/// faster than data).
-fn random_weight(
-    b: &CudaBackend,
-    rows: usize,
-    cols: usize,
-    seed: u64,
-) -> strix::Result<strix::backend::cuda::CudaWeight> {
-    let n = rows * cols;
-    let scale = 1.0 / (cols as f32).sqrt();
-    let mut words = vec![0u32; n.div_ceil(2)];
-    words.par_chunks_mut(1 << 16).enumerate().for_each(|(i, chunk)| {
-        let mut x = seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-            half::bf16::from_f32(u * scale).to_bits() as u32
-        };
-        for w in chunk.iter_mut() {
-            *w = next() | (next() << 16);
-        }
-    });
-    let t = HostTensor {
-        name: format!("bench{rows}x{cols}"),
-        dtype: DType::BF16,
-        shape: vec![rows, cols],
-        bytes: Bytes::Owned { words: std::sync::Arc::new(words), len: n * 2 },
-    };
-    b.weight(&t, rows, cols)
-}
-
 /// Every op of one decode step at the shapes of `c`, timed alone; `context` is the attention
 /// length.
 fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<Vec<Op>> {
@@ -324,7 +288,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         ("matmul lm_head", vocab, h, 1),
     ];
     for (i, &(name, rows, cols, calls)) in mats.iter().enumerate() {
-        let w = random_weight(b, rows, cols, i as u64 + 1)?;
+        let w = gpu::random_weight(b, DType::BF16, rows, cols, i as u64 + 1)?;
         let x = b.upload(&vec![0.5; cols]);
         let mut out = b.zeros(rows);
         let secs = per_call(b, REPS, || b.matmul(&x, 1, &w, &mut out))?;
@@ -427,7 +391,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
     let logits = b.zeros(vocab);
     let secs = per_call(b, 20, || drop(b.download(&logits, 0, vocab)))?;
     ops.push(Op { name: "download logits", shape: format!("{vocab}"), calls: 1, secs, bytes: 0 });
-    let embed = random_weight(b, 1024, h, 99)?;
+    let embed = gpu::random_weight(b, DType::BF16, 1024, h, 99)?;
     let mut e = b.zeros(h);
     let secs = per_call(b, REPS, || b.embed(&embed, &[7], h, &mut e))?;
     ops.push(Op { name: "embed", shape: format!("{h}"), calls: 1, secs, bytes: 0 });

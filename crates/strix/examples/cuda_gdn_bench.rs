@@ -16,28 +16,19 @@
 //! `--cols auto,16,32,64,128` runs every config once per column tiling of the kernel (a backend
 //! made with `STRIX_GDN_DECODE_COLS` set; `auto`, the default, lets the launcher choose).
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/gpu.rs"]
 mod gpu;
 
 use std::time::Instant;
 
+use bench::Random;
+
 use strix::backend::cuda::{CudaBackend, CudaOptions};
 use strix::backend::Backend;
 use strix::model::deltanet_shape;
 use strix::synthetic::preset;
-
-/// Uniform values in ±scale from a xorshift stream (never zeros: they can run faster).
-fn random(n: usize, scale: f32, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
 
 fn main() -> strix::Result<()> {
     let mut presets = Vec::new();
@@ -76,20 +67,20 @@ fn main() -> strix::Result<()> {
         for name in &presets {
             let sh = deltanet_shape(&preset(name)?);
             let (cd, vd, nv, dv) = (sh.conv_dim(), sh.value_dim(), sh.num_v_heads, sh.v_head_dim);
-            let conv_w = b.upload(&random(cd * sh.conv_kernel, 0.5, 1));
-            let a_log = b.upload(&random(nv, 1.0, 2));
-            let dt_bias = b.upload(&random(nv, 1.0, 3));
-            let norm = b.upload(&random(dv, 1.0, 4));
+            let conv_w = b.upload(&Random::new(1).vec(cd * sh.conv_kernel, 0.5));
+            let a_log = b.upload(&Random::new(2).vec(nv, 1.0));
+            let dt_bias = b.upload(&Random::new(3).vec(nv, 1.0));
+            let norm = b.upload(&Random::new(4).vec(dv, 1.0));
             for &n in &batches {
-                let mut qkv = b.upload(&random(n * cd, 1.0, 5));
-                let z = b.upload(&random(n * vd, 1.0, 6));
-                let a = b.upload(&random(n * nv, 2.0, 7));
-                let bb = b.upload(&random(n * nv, 2.0, 8));
+                let mut qkv = b.upload(&Random::new(5).vec(n * cd, 1.0));
+                let z = b.upload(&Random::new(6).vec(n * vd, 1.0));
+                let a = b.upload(&Random::new(7).vec(n * nv, 2.0));
+                let bb = b.upload(&Random::new(8).vec(n * nv, 2.0));
                 let mut out = b.zeros(n * vd);
                 let set_bytes = n * sh.state_len() * 4;
                 let sets = (256usize << 20).div_ceil(set_bytes).max(2);
-                let state0 = random(n * sh.state_len(), 0.5, 9);
-                let conv0 = random(n * sh.conv_state_len(), 1.0, 10);
+                let state0 = Random::new(9).vec(n * sh.state_len(), 0.5);
+                let conv0 = Random::new(10).vec(n * sh.conv_state_len(), 1.0);
                 let mut states: Vec<Vec<_>> =
                     (0..sets).map(|_| state0.chunks(sh.state_len()).map(|s| b.upload(s)).collect()).collect();
                 let mut convs: Vec<Vec<_>> = (0..sets)

@@ -13,15 +13,17 @@
 //! every call streams them from device memory. Calls are timed back to back on the host
 //! (median of 5 rounds), so launch overhead is in the figures, as in an eager decode step.
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/gpu.rs"]
 mod gpu;
 
 use std::time::Instant;
 
-use rayon::prelude::*;
+use bench::{fixed_values, median_of_rounds};
 use strix::backend::cuda::{CudaBackend, CudaWeight, TensorCoreKernel};
 use strix::backend::Backend;
-use strix::tensor::{Bytes, DType, HostTensor};
+use strix::tensor::DType;
 
 /// One GEMV launch of the model (the first six: the launches a 9B decode step makes), or a
 /// single matrix for comparison: the rows of each matrix that reads the same x, and the width.
@@ -40,31 +42,10 @@ const CASES: [(&str, &[usize], usize); 9] = [
 /// Bytes of weights the timed loop rotates through (several times the H200's 50 MB L2).
 const ROTATE_BYTES: usize = 512 << 20;
 
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// Random finite bf16 weights of magnitude ~2^-3..2^0.
-fn random_bf16(rows: usize, cols: usize, seed: u64) -> HostTensor {
-    let mut bytes = vec![0u8; rows * cols * 2];
-    bytes.par_chunks_mut(cols * 2).enumerate().for_each(|(r, row)| {
-        let mut s = splitmix(seed ^ (r as u64) << 20);
-        for chunk in row.chunks_mut(8) {
-            s = splitmix(s);
-            chunk.copy_from_slice(&s.to_le_bytes()[..chunk.len()]);
-        }
-        row.chunks_exact_mut(2).for_each(|b| b[1] = (b[1] & 0x80) | 0x3c | (b[1] & 1));
-    });
-    HostTensor { name: "w".into(), dtype: DType::BF16, shape: vec![rows, cols], bytes: Bytes::owned(&bytes) }
-}
-
 /// Seconds per call of `f(copy)`, rotating through `copies`: the median of 5 timed rounds of
 /// `calls` calls each, after a warm-up round.
 fn time_calls(g: &CudaBackend, copies: usize, calls: usize, mut f: impl FnMut(usize)) -> f64 {
-    let mut round = || {
+    let round = || {
         let t = Instant::now();
         for i in 0..calls {
             f(i % copies);
@@ -72,10 +53,7 @@ fn time_calls(g: &CudaBackend, copies: usize, calls: usize, mut f: impl FnMut(us
         g.synchronize().unwrap();
         t.elapsed().as_secs_f64() / calls as f64
     };
-    round();
-    let mut v: Vec<f64> = (0..5).map(|_| round()).collect();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[2]
+    median_of_rounds(round)
 }
 
 /// Tilings not worth timing: n-tiles far beyond the batch (they only add zero columns).
@@ -97,17 +75,8 @@ fn main() -> strix::Result<()> {
         let total_rows: usize = rows.iter().sum();
         let bytes = total_rows * cols * 2;
         let copies = ROTATE_BYTES.div_ceil(bytes).clamp(1, 64);
-        let weights: Vec<Vec<CudaWeight>> = (0..copies)
-            .map(|c| {
-                rows.iter()
-                    .enumerate()
-                    .map(|(j, &r)| g.weight(&random_bf16(r, cols, (c * 8 + j) as u64 + 1), r, cols))
-                    .collect::<strix::Result<_>>()
-            })
-            .collect::<strix::Result<_>>()?;
-        let x: Vec<f32> = (0..max_batch * cols)
-            .map(|i| ((splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32) - 0.5)
-            .collect();
+        let weights = gpu::weight_sets(&g, DType::BF16, rows, cols, copies)?;
+        let x = fixed_values(max_batch * cols);
         let x = g.upload(&x);
         let mut outs: Vec<_> = rows.iter().map(|&r| g.zeros(max_batch * r)).collect();
         let calls = (2 * copies).max((2e9 / bytes as f64) as usize).clamp(4, 400);

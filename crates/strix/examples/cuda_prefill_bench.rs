@@ -13,11 +13,14 @@
 //! warm-up prefill of 4096 tokens and one more inside a profiler range (the model's own pass
 //! length), for `ncu --profile-from-start off`, and nothing else.
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/gpu.rs"]
 mod gpu;
 
 use std::time::Instant;
 
+use bench::{median, Random};
 use strix::backend::cuda::{CudaBackend, PrefillPath};
 use strix::backend::{Backend, DeltaRuleMode};
 use strix::config::{LayerKind, ModelConfig};
@@ -27,11 +30,6 @@ use strix::tensor::{Bytes, DType, HostTensor};
 
 const PASS: usize = 512;
 const PROMPT: usize = 4096;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// Median seconds per call of `f` over `reps` synchronised calls, after one warm-up call.
 fn timed(b: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
@@ -44,21 +42,7 @@ fn timed(b: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
         b.synchronize().unwrap();
         v.push(t.elapsed().as_secs_f64());
     }
-    median(v)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                self.0 ^= self.0 << 13;
-                self.0 ^= self.0 >> 7;
-                self.0 ^= self.0 << 17;
-                ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
+    median(&v)
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
@@ -66,7 +50,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |e, (x, y)| e.max((x - y).abs())) / m
 }
 
-fn weight(b: &CudaBackend, rows: usize, cols: usize, rng: &mut Rng) -> strix::backend::cuda::CudaWeight {
+fn weight(b: &CudaBackend, rows: usize, cols: usize, rng: &mut Random) -> strix::backend::cuda::CudaWeight {
     let vals = rng.vec(rows * cols, 1.0 / (cols as f32).sqrt());
     let words: Vec<u32> = vals
         .chunks(2)
@@ -92,7 +76,7 @@ struct Op {
 }
 
 fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
-    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut rng = Random::new(0x1234_5678_9abc_def1);
     let t = PASS;
     let passes = PROMPT / PASS;
     let (h, inter) = (c.hidden_size, c.intermediate_size);
@@ -122,7 +106,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let secs = timed(b, 10, || b.matmul(&x, t, &w, &mut out));
         push(format!("{name} {rows}x{cols}"), calls * passes, secs);
     }
-    let up = |rng: &mut Rng, n: usize, s: f32| b.upload(&rng.vec(n, s));
+    let up = |rng: &mut Random, n: usize, s: f32| b.upload(&rng.vec(n, s));
     let (mut res, x, w) = (up(&mut rng, t * h, 1.0), up(&mut rng, t * h, 1.0), up(&mut rng, h, 0.3));
     let mut out = b.zeros(t * h);
     let secs = timed(b, 10, || b.add_rms_norm(&mut res, &x, &w, h, 1e-6, &mut out));
@@ -290,7 +274,7 @@ fn main() -> strix::Result<()> {
                     model.forward(&mut s, &ids, Logits::Last)?;
                     v.push(len as f64 / t.elapsed().as_secs_f64());
                 }
-                println!("  {name} prefill {len} [{path:?}]: {:.0} tok/s (median of 3)", median(v));
+                println!("  {name} prefill {len} [{path:?}]: {:.0} tok/s (median of 3)", median(&v));
             }
         }
         println!("  paths: {}", model.backend().path_counts());

@@ -33,15 +33,17 @@
 //! finite values), in enough copies to rotate through several times the L2 cache, so every
 //! call streams its weights from device memory.
 
+#[path = "common/bench.rs"]
+mod bench;
 #[path = "common/gpu.rs"]
 mod gpu;
 
 use std::time::Instant;
 
-use rayon::prelude::*;
+use bench::{fixed_values, median, median_of_rounds, splitmix};
 use strix::backend::cuda::{set_qgemv_rows, CudaBackend, CudaBuf, CudaWeight};
 use strix::backend::Backend;
-use strix::tensor::{Bytes, DType, HostTensor};
+use strix::tensor::DType;
 
 /// A GEMV launch of the model: the rows of each matrix that reads the same x, and the width.
 const CASES: [(&str, &[usize], usize); 12] = [
@@ -62,54 +64,6 @@ const CASES: [(&str, &[usize], usize); 12] = [
 
 /// Bytes of weights the timed loop rotates through (several times the H200's 50 MB L2).
 const ROTATE_BYTES: usize = 512 << 20;
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// A random `[rows, cols]` weight of `dtype`: random bytes, with every f16 scale field set to a
-/// finite value in [2^-10, 2^-6) and bf16 elements to finite values.
-fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostTensor {
-    let row_bytes = dtype.row_bytes(cols).unwrap();
-    let mut bytes = vec![0u8; rows * row_bytes];
-    bytes.par_chunks_mut(row_bytes).enumerate().for_each(|(r, row)| {
-        let mut s = splitmix(seed ^ (r as u64) << 20);
-        for chunk in row.chunks_mut(8) {
-            s = splitmix(s);
-            let b = s.to_le_bytes();
-            chunk.copy_from_slice(&b[..chunk.len()]);
-        }
-        // f16 scale in [2^-10, 2^-6): exponent 5..8, random mantissa.
-        let scale = |b: &mut [u8], k: usize| {
-            let e = 5 + (b[k + 1] & 3) as u16;
-            let h = (e << 10) | (u16::from_le_bytes([b[k], b[k + 1]]) & 0x3ff);
-            b[k..k + 2].copy_from_slice(&h.to_le_bytes());
-        };
-        match dtype {
-            DType::Q8_0 => row.chunks_exact_mut(34).for_each(|b| scale(b, 0)),
-            DType::Q4_0 => row.chunks_exact_mut(18).for_each(|b| scale(b, 0)),
-            DType::Q4_K => row.chunks_exact_mut(144).for_each(|b| {
-                scale(b, 0);
-                scale(b, 2)
-            }),
-            DType::Q6_K => row.chunks_exact_mut(210).for_each(|b| scale(b, 208)),
-            DType::BF16 => row.chunks_exact_mut(2).for_each(|b| b[1] = (b[1] & 0x80) | 0x3c | (b[1] & 1)),
-            _ => unreachable!(),
-        }
-    });
-    HostTensor { name: "w".into(), dtype, shape: vec![rows, cols], bytes: Bytes::owned(&bytes) }
-}
-
-/// Median of 5 timed rounds (after a warm-up round) of `round`, which returns seconds.
-fn median(mut round: impl FnMut() -> f64) -> f64 {
-    round();
-    let mut v: Vec<f64> = (0..5).map(|_| round()).collect();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[2]
-}
 
 /// One weight set (the matrices of one launch) per copy.
 type Sets = Vec<Vec<CudaWeight>>;
@@ -148,7 +102,7 @@ fn time_graph(
     run();
     run();
     g.synchronize().unwrap();
-    median(|| {
+    median_of_rounds(|| {
         let t = Instant::now();
         for _ in 0..reps {
             run();
@@ -167,7 +121,7 @@ fn time_eager(
     outs: &mut [CudaBuf],
     calls: usize,
 ) -> f64 {
-    median(|| {
+    median_of_rounds(|| {
         let t = Instant::now();
         for i in 0..calls {
             call(g, x, tokens, &sets[i % sets.len()], outs);
@@ -181,12 +135,6 @@ fn time_eager(
 fn value(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
-}
-
-fn median_of(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
 }
 
 /// `--decode`: batch-1 decode steps with producer quantization on and off (module docs).
@@ -269,7 +217,7 @@ fn decode_ab(schemes: &str, preset: &str, wait: Option<&str>) -> strix::Result<(
             }
             g.profiler_range(false)?;
         }
-        let (a, d, b) = (median_of(&runs[0]), median_of(&runs[1]), median_of(&runs[2]));
+        let (a, d, b) = (median(&runs[0]), median(&runs[1]), median(&runs[2]));
         println!(
             "{preset} {scheme} decode at context {CONTEXT}, batch 1: producer quantization {a:.1} tok/s ({:.3} ms a step), \
              without the delta rule's {d:.1} tok/s ({:.3} ms), quantize_x {b:.1} tok/s ({:.3} ms); {:+.1} %",
@@ -324,19 +272,8 @@ fn main() -> strix::Result<()> {
             }
             let bytes: usize = rows.iter().map(|&r| r * dtype.row_bytes(cols).unwrap()).sum();
             let copies = ROTATE_BYTES.div_ceil(bytes).clamp(1, 64);
-            let sets: Sets = (0..copies)
-                .map(|c| {
-                    rows.iter()
-                        .enumerate()
-                        .map(|(j, &r)| {
-                            g.weight(&random_weight(dtype, r, cols, (c * 8 + j) as u64 + 1), r, cols)
-                        })
-                        .collect::<strix::Result<Vec<_>>>()
-                })
-                .collect::<strix::Result<_>>()?;
-            let x: Vec<f32> = (0..64 * cols)
-                .map(|i| ((splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32) - 0.5)
-                .collect();
+            let sets: Sets = gpu::weight_sets(&g, dtype, rows, cols, copies)?;
+            let x = fixed_values(64 * cols);
             let x = g.upload(&x);
             let mut outs: Vec<CudaBuf> = rows.iter().map(|&r| g.zeros(64 * r)).collect();
             let reps = (2e9 / (bytes * copies) as f64).ceil().clamp(2.0, 50.0) as usize;
@@ -375,7 +312,7 @@ fn main() -> strix::Result<()> {
                 let tokens = 512;
                 let xp = g.upload(&vec![0.25f32; tokens * cols]);
                 let mut outp = g.zeros(tokens * rows[0]);
-                let tp = median(|| {
+                let tp = median_of_rounds(|| {
                     let t = Instant::now();
                     for set in sets.iter().cycle().take(10) {
                         g.matmul(&xp, tokens, &set[0], &mut outp);

@@ -10,31 +10,18 @@
 //! /proc/self/task/*/schedstat): well under 100% means other processes were competing for
 //! the cores and the rates understate the kernels.
 
+#[path = "common/bench.rs"]
+mod bench;
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use bench::Random;
 use rayon::prelude::*;
 use strix::backend::cpu::matmul::{matmul, WeightRef};
 
 /// Bytes of distinct weights a cold run cycles through: many times any L3 we expect.
 const COLD_BYTES: usize = 512 << 20;
-
-/// xorshift64*, values in [-0.5, 0.5).
-struct Rng(u64);
-impl Rng {
-    fn f32(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
-    fn bf16s(&mut self, n: usize) -> Vec<u16> {
-        (0..n).map(|_| (self.f32().to_bits() >> 16) as u16).collect()
-    }
-    fn f32s(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f32()).collect()
-    }
-}
 
 /// CPU time consumed by this process so far (all threads), where Linux reports it.
 fn cpu_seconds() -> Option<f64> {
@@ -106,11 +93,11 @@ fn read_bandwidth(min_time: Duration, bytes: usize, cold: bool) -> Row {
     Row { name: format!("read {} MiB {temp}", bytes >> 20), unit: "GB/s", work: bytes as f64, timing }
 }
 
-fn gemv(min_time: Duration, rng: &mut Rng, rows: usize, cols: usize, cold: bool) -> Row {
+fn gemv(min_time: Duration, rng: &mut Random, rows: usize, cols: usize, cold: bool) -> Row {
     let bytes = rows * cols * 2;
     let copies = if cold { (COLD_BYTES / bytes).max(1) } else { 1 };
-    let ws: Vec<Vec<u16>> = (0..copies).map(|_| rng.bf16s(rows * cols)).collect();
-    let x = rng.f32s(cols);
+    let ws: Vec<Vec<u16>> = (0..copies).map(|_| rng.bf16s(rows * cols, 0.5)).collect();
+    let x = rng.vec(cols, 0.5);
     let mut out = vec![0.0f32; rows];
     let timing = time(min_time, |i| {
         matmul(&x, 1, WeightRef::Bf16(&ws[i % copies]), rows, cols, &mut out);
@@ -120,9 +107,9 @@ fn gemv(min_time: Duration, rng: &mut Rng, rows: usize, cols: usize, cold: bool)
     Row { name: format!("gemv bf16 {rows}x{cols} t=1 {temp}"), unit: "GB/s", work: bytes as f64, timing }
 }
 
-fn matmul_case(min_time: Duration, rng: &mut Rng, tokens: usize, rows: usize, cols: usize) -> Row {
-    let w = rng.bf16s(rows * cols);
-    let x = rng.f32s(tokens * cols);
+fn matmul_case(min_time: Duration, rng: &mut Random, tokens: usize, rows: usize, cols: usize) -> Row {
+    let w = rng.bf16s(rows * cols, 0.5);
+    let x = rng.vec(tokens * cols, 0.5);
     let mut out = vec![0.0f32; tokens * rows];
     let timing = time(min_time, |_| {
         matmul(&x, tokens, WeightRef::Bf16(&w), rows, cols, &mut out);
@@ -140,7 +127,7 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let min_time = Duration::from_millis(if quick { 200 } else { 1500 });
     let threads = rayon::current_num_threads();
-    let mut rng = Rng(0x5eed);
+    let mut rng = Random::new(0x5eed);
 
     let mut rows = vec![
         read_bandwidth(min_time, 512 << 20, true),

@@ -10,7 +10,12 @@
 //! reports GB/s of weights read; prefill reports GFLOP/s (2 · rows · cols · tokens). Medians
 //! of the timed calls.
 
+#[path = "common/bench.rs"]
+mod bench;
+
 use std::time::Instant;
+
+use bench::{median, Random};
 
 use strix::backend::cpu::qmatmul::{gemm_with, matmul, Packed, PackedKind};
 use strix::quant::{quantize_row, QuantType};
@@ -25,31 +30,14 @@ fn pack(ty: QuantType, b: &[u8], rows: usize, cols: usize) -> Packed {
     Packed::pack(kind, b, rows, cols)
 }
 
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Calibration on the same machine state: the bf16 GEMV (cold) and gemm prefill.
 fn bf16_reference() {
     use strix::backend::cpu::matmul::{matmul as fmatmul, WeightRef};
     let (rows, cols) = (3584usize, 1024usize);
-    let one: Vec<u16> = random(rows * cols, 9).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let one: Vec<u16> = Random::new(9).bf16s(rows * cols, 0.5);
     let copies = ((512usize << 20) / (2 * one.len())).max(2);
     let ws: Vec<Vec<u16>> = (0..copies).map(|_| one.clone()).collect();
-    let x = random(cols, 3);
+    let x = Random::new(3).vec(cols, 0.5);
     let mut out = vec![0f32; rows];
     let mut times = Vec::new();
     for i in 0..copies.max(40) {
@@ -57,7 +45,7 @@ fn bf16_reference() {
         fmatmul(&x, 1, WeightRef::Bf16(&ws[i % copies]), rows, cols, &mut out);
         times.push(t.elapsed().as_secs_f64());
     }
-    let gemv = 2.0 * one.len() as f64 / median(times) / 1e9;
+    let gemv = 2.0 * one.len() as f64 / median(&times) / 1e9;
     // Hot: one small matrix that stays in cache, to show the kernel's compute rate.
     let mut hot = Vec::new();
     for _ in 0..200 {
@@ -66,7 +54,7 @@ fn bf16_reference() {
         hot.push(t.elapsed().as_secs_f64());
     }
     let tokens = 512;
-    let x = random(tokens * cols, 5);
+    let x = Random::new(5).vec(tokens * cols, 0.5);
     let mut out = vec![0f32; tokens * rows];
     let mut pre = Vec::new();
     for _ in 0..3 {
@@ -76,8 +64,8 @@ fn bf16_reference() {
     }
     println!(
         "BF16 {rows}x{cols}: decode {gemv:.1} GB/s cold, {:.1} GFLOP/s hot; prefill 512: gemm {:.1} GFLOP/s",
-        2.0 * (256 * cols) as f64 / median(hot) / 1e9,
-        2.0 * (rows * cols * tokens) as f64 / median(pre) / 1e9
+        2.0 * (256 * cols) as f64 / median(&hot) / 1e9,
+        2.0 * (rows * cols * tokens) as f64 / median(&pre) / 1e9
     );
 }
 
@@ -88,7 +76,7 @@ fn main() {
         for &(rows, cols) in &shapes {
             let row_bytes = ty.row_size(cols).unwrap();
             let one = {
-                let wf = random(rows * cols, 7);
+                let wf = Random::new(7).vec(rows * cols, 0.5);
                 let mut w = vec![0u8; rows * row_bytes];
                 quantize_row(ty, &wf, &mut w).unwrap();
                 w
@@ -96,7 +84,7 @@ fn main() {
             // Decode: cycle through copies totalling ~512 MiB.
             let copies = ((512usize << 20) / one.len()).max(2);
             let ws: Vec<Packed> = (0..copies).map(|_| pack(ty, &one, rows, cols)).collect();
-            let x = random(cols, 3);
+            let x = Random::new(3).vec(cols, 0.5);
             let mut out = vec![0f32; rows];
             let mut times = Vec::new();
             for i in 0..copies.max(40) {
@@ -104,7 +92,7 @@ fn main() {
                 matmul(&x, 1, &ws[i % copies], &mut out);
                 times.push(t.elapsed().as_secs_f64());
             }
-            let gemv = one.len() as f64 / median(times) / 1e9;
+            let gemv = one.len() as f64 / median(&times) / 1e9;
             drop(ws);
             let hot_rows = 256;
             let hot_w = pack(ty, &one[..hot_rows * row_bytes], hot_rows, cols);
@@ -115,10 +103,10 @@ fn main() {
                 matmul(&x, 1, &hot_w, &mut out[..hot_rows]);
                 hot.push(t.elapsed().as_secs_f64());
             }
-            let hot = 2.0 * (hot_rows * cols) as f64 / median(hot) / 1e9;
+            let hot = 2.0 * (hot_rows * cols) as f64 / median(&hot) / 1e9;
             // Prefill: 512 tokens, int8 path and dequant + gemm.
             let tokens = 512;
-            let x = random(tokens * cols, 5);
+            let x = Random::new(5).vec(tokens * cols, 0.5);
             let mut out = vec![0f32; tokens * rows];
             let flop = 2.0 * (rows * cols * tokens) as f64;
             let mut int8 = Vec::new();
@@ -133,8 +121,8 @@ fn main() {
             }
             println!(
                 "{ty} {rows}x{cols}: decode {gemv:.1} GB/s cold, {hot:.1} GFLOP/s hot; prefill 512: int8 {:.1} GFLOP/s, dequant+gemm {:.1} GFLOP/s",
-                flop / median(int8) / 1e9,
-                flop / median(deq) / 1e9
+                flop / median(&int8) / 1e9,
+                flop / median(&deq) / 1e9
             );
         }
     }

@@ -10,10 +10,13 @@
 mod common;
 mod damaged;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::{argmax, cases, rel_err, Dequantized};
-use damaged::rewrite_gguf as rewrite;
+use damaged::{
+    gguf_model as gguf, keep_metadata, load_error as load_err, model_dir, rewrite_gguf as rewrite,
+};
+use damaged::{with_metadata, without_metadata, without_tensor};
 use strix::backend::cpu::CpuBackend;
 use strix::backend::ValueHeadOrder;
 use strix::checkpoint::Checkpoint;
@@ -36,18 +39,6 @@ const TOLERANCE: f32 = 1e-4;
 /// (Q5_0/Q8_0 rows here: 64-wide rows are not whole Q4_K blocks) 0.74 and 76/100. The tiny
 /// random model amplifies weight noise: per-matrix Q8_0 errors are 0.4%.
 const QUANT_BOUNDS: [(&str, f32, f32); 3] = [("q8_0", 0.2, 0.95), ("q4_0", 1.0, 0.5), ("q4_k_m", 1.0, 0.6)];
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn model_dir(name: &str) -> PathBuf {
-    root().join("models").join(name)
-}
-
-fn gguf(name: &str) -> PathBuf {
-    root().join("gguf-models").join(name)
-}
 
 fn load(path: &Path) -> Model<CpuBackend> {
     Model::load_path(path, CpuBackend::new(), None).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -193,7 +184,7 @@ fn quantized_ggufs_run_close_to_float() {
 }
 
 fn corpus() -> Vec<String> {
-    let text = std::fs::read_to_string(root().join("tokenizer/corpus.json")).unwrap();
+    let text = std::fs::read_to_string(damaged::fixtures().join("tokenizer/corpus.json")).unwrap();
     let items: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     let mut out: Vec<String> = items.iter().map(|v| v["text"].as_str().unwrap().to_string()).collect();
     out.push("<|im_start|>user\nHi <think>\n</think> <tool_call>x</tool_call><|im_end|>\n".into());
@@ -224,87 +215,46 @@ fn tokenizer_from_metadata_matches_tokenizer_json() {
 /// Writes a broken copy of a fixture at the given path.
 type MakeFile<'a> = dyn Fn(&Path) + 'a;
 
-fn load_err(path: &Path) -> String {
-    match Model::load_path(path, CpuBackend::new(), None) {
-        Ok(_) => panic!("{} loaded", path.display()),
-        Err(e) => e.to_string(),
-    }
-}
-
 #[test]
 fn broken_files_are_errors_naming_the_problem() {
     let tmp = tempfile::tempdir().unwrap();
     let src = gguf("causal-bf16-gdn3x.bf16.gguf");
-    let keep_meta = |_: &str, v: &GgufValue| Some(v.clone());
-    let keep_tensor = |_: &str, ty: QuantType, b: Vec<u8>| Some((ty, b));
     let cases: Vec<(&str, Box<MakeFile>, &[&str])> = vec![
         (
             "missing tensor",
-            Box::new(|p: &Path| {
-                rewrite(&src, p, keep_meta, |n, ty, b| (n != "blk.2.ssm_a").then_some((ty, b)))
-            }),
+            Box::new(|p: &Path| without_tensor(&src, p, "blk.2.ssm_a")),
             &["missing tensor `blk.2.ssm_a`", "model.layers.2.linear_attn.A_log"],
         ),
         (
             "wrong architecture",
-            Box::new(|p: &Path| {
-                rewrite(
-                    &src,
-                    p,
-                    |k, v| Some(if k == "general.architecture" { "llama".into() } else { v.clone() }),
-                    keep_tensor,
-                )
-            }),
+            Box::new(|p: &Path| with_metadata(&src, p, "general.architecture", "llama")),
             &["general.architecture is `llama`", "qwen35"],
         ),
         (
             "missing key",
-            Box::new(|p: &Path| {
-                rewrite(&src, p, |k, v| (k != "qwen35.embedding_length").then(|| v.clone()), keep_tensor)
-            }),
+            Box::new(|p: &Path| without_metadata(&src, p, "qwen35.embedding_length")),
             &["qwen35.embedding_length", "missing"],
         ),
         (
             "mistyped key",
-            Box::new(|p: &Path| {
-                rewrite(
-                    &src,
-                    p,
-                    |k, v| Some(if k == "qwen35.block_count" { "four".into() } else { v.clone() }),
-                    keep_tensor,
-                )
-            }),
+            Box::new(|p: &Path| with_metadata(&src, p, "qwen35.block_count", "four")),
             &["qwen35.block_count", "string"],
         ),
         (
             "inconsistent ssm sizes",
-            Box::new(|p: &Path| {
-                rewrite(
-                    &src,
-                    p,
-                    |k, v| Some(if k == "qwen35.ssm.inner_size" { GgufValue::U32(71) } else { v.clone() }),
-                    keep_tensor,
-                )
-            }),
+            Box::new(|p: &Path| with_metadata(&src, p, "qwen35.ssm.inner_size", GgufValue::U32(71))),
             &["qwen35.ssm.inner_size (71)", "time_step_rank"],
         ),
         (
             "mis-shaped tensor",
             // Key heads of 16 channels instead of 8: the stored matrices are too small.
-            Box::new(|p: &Path| {
-                rewrite(
-                    &src,
-                    p,
-                    |k, v| Some(if k == "qwen35.ssm.state_size" { GgufValue::U32(16) } else { v.clone() }),
-                    keep_tensor,
-                )
-            }),
+            Box::new(|p: &Path| with_metadata(&src, p, "qwen35.ssm.state_size", GgufValue::U32(16))),
             &["tensor `blk.0.ssm_conv1d.weight`", "[104, 4]", "expected shape [136, 4]"],
         ),
         (
             "positive ssm_a",
             Box::new(|p: &Path| {
-                rewrite(&src, p, keep_meta, |n, ty, b| {
+                rewrite(&src, p, keep_metadata, |n, ty, b| {
                     Some((ty, if n == "blk.0.ssm_a" { 0.5f32.to_le_bytes().repeat(6) } else { b }))
                 })
             }),
@@ -313,7 +263,7 @@ fn broken_files_are_errors_naming_the_problem() {
         (
             "unsupported type",
             Box::new(|p: &Path| {
-                rewrite(&src, p, keep_meta, |n, ty, b| {
+                rewrite(&src, p, keep_metadata, |n, ty, b| {
                     // 64x64 BF16 (8192 bytes) as Q4_1: 64 rows of 2 blocks of 20 bytes.
                     Some(if n == "blk.0.ffn_up.weight" {
                         (QuantType::Q4_1, b[..64 * 40].to_vec())
@@ -483,7 +433,7 @@ fn strix_float_gguf_is_the_converters() {
 #[test]
 fn real_vocabulary_round_trips_through_gguf_metadata() {
     let tmp = tempfile::tempdir().unwrap();
-    let packed = std::fs::read(root().join("tokenizer/qwen3_5.tokenizer.json.zst")).unwrap();
+    let packed = std::fs::read(damaged::fixtures().join("tokenizer/qwen3_5.tokenizer.json.zst")).unwrap();
     std::fs::write(tmp.path().join("tokenizer.json"), zstd::decode_all(packed.as_slice()).unwrap()).unwrap();
     // Qwen3.5 pads its embedding to 248,320 rows.
     let meta = tokenizer_metadata(tmp.path(), 248_320).unwrap();
@@ -497,7 +447,7 @@ fn real_vocabulary_round_trips_through_gguf_metadata() {
     let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     let json = Tokenizer::from_file(tmp.path().join("tokenizer.json")).unwrap();
     assert_eq!(tok.vocab_size(), json.vocab_size());
-    let text = std::fs::read_to_string(root().join("tokenizer/corpus.json")).unwrap();
+    let text = std::fs::read_to_string(damaged::fixtures().join("tokenizer/corpus.json")).unwrap();
     let items: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     for item in &items {
         let text = item["text"].as_str().unwrap();
@@ -559,7 +509,8 @@ fn model_files_open_a_directory_or_a_gguf_file_once() {
     let logits = |m: &Model<CpuBackend>| m.forward(&mut m.new_session(32), &ids, Logits::All).unwrap();
     let from_files = Model::load_files(g, CpuBackend::new(), None).unwrap();
     assert_eq!(logits(&from_files), logits(&load(&file)));
-    let e = ModelFiles::open(&root()).err().expect("the fixtures folder is not a model").to_string();
+    let e =
+        ModelFiles::open(&damaged::fixtures()).err().expect("the fixtures folder is not a model").to_string();
     assert!(e.contains("config.json"), "{e}");
 }
 

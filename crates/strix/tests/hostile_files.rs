@@ -472,7 +472,7 @@ fn strings_from_gguf_files_reach_messages_escaped_and_capped() {
     let tmp = tempfile::tempdir().unwrap();
     let evil = "\x1b[2J\x1b]0;pwned\x07llama\u{202e}";
     let path = tmp.path().join("arch.gguf");
-    with_metadata(&gguf_model(BF16_GGUF), &path, "general.architecture", evil.into());
+    with_metadata(&gguf_model(BF16_GGUF), &path, "general.architecture", evil);
     let msg = load_err(&path).to_string();
     assert_mentions(&msg, &["general.architecture is `\\x1b[2J\\x1b]0;pwned\\x07llama\\u{202e}`"]);
 

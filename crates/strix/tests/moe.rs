@@ -9,10 +9,12 @@
 
 mod common;
 mod damaged;
+mod model_checks;
 
 use std::path::{Path, PathBuf};
 
-use common::{argmax, cases, rel_err};
+use common::{cases, rel_err};
+use model_checks::{batch_prompts, check_decode_batches_equal_alone, golden_dirs, logits_in_pieces};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::{Backend, MoeExperts};
 use strix::config::ModelConfig;
@@ -22,13 +24,8 @@ use strix::tensor::HostTensor;
 const TOLERANCE: f32 = 1e-4;
 
 fn moe_fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/moe-models");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("goldens.safetensors").exists())
-        .collect();
-    dirs.sort();
+    let root = damaged::fixtures().join("moe-models");
+    let dirs = golden_dirs(&root);
     assert_eq!(dirs.len(), 3, "expected the committed MoE fixtures under {}", root.display());
     dirs
 }
@@ -41,24 +38,7 @@ fn fixture(name: &str) -> PathBuf {
 /// time (each a decode step: the recurrent delta rule, one token through its experts).
 fn check_against_goldens<B: Backend>(dir: &Path, model: &Model<B>, label: &str) {
     let name = format!("{} ({label})", dir.file_name().unwrap().to_string_lossy());
-    let vocab = model.config.vocab_size;
-    for case in cases(dir) {
-        let mut session = model.new_session(512);
-        let logits = model.forward(&mut session, &case.ids, Logits::All).unwrap();
-        let e = rel_err(&logits, &case.logits);
-        println!("{name} T={}: prompt logits rel err {e:.2e}", case.len);
-        assert!(e <= TOLERANCE, "{name} T={}: prompt logits rel err {e:.2e} > {TOLERANCE:e}", case.len);
-        let mut next = argmax(&logits[(case.len - 1) * vocab..]);
-        let mut worst = 0.0f32;
-        for (step, &expected) in case.greedy.iter().enumerate() {
-            assert_eq!(next, expected, "{name} T={}: greedy token {step}", case.len);
-            let logits = model.forward(&mut session, &[next], Logits::Last).unwrap();
-            worst = worst.max(rel_err(&logits, &case.decode_logits[step * vocab..(step + 1) * vocab]));
-            next = argmax(&logits);
-        }
-        println!("{name} T={}: decode logits worst rel err {worst:.2e}", case.len);
-        assert!(worst <= TOLERANCE, "{name} T={}: decode rel err {worst:.2e}", case.len);
-    }
+    model_checks::check_against_goldens(model, dir, &name, 512, TOLERANCE);
 }
 
 #[test]
@@ -171,28 +151,9 @@ fn default_moe_ops_equal_the_cpu_kernels_bitwise() {
 fn moe_decode_batch_rows_equal_decoding_alone() {
     for dir in moe_fixtures() {
         let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
-        let vocab = model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = [1usize, 5, 64, 70, 3]
-            .iter()
-            .map(|&n| (0..n as u32).map(|i| (i * 7 + n as u32) % 300).collect())
-            .collect();
-        let mut alone: Vec<_> = prompts.iter().map(|_| model.new_session(128)).collect();
-        let mut batched: Vec<_> = prompts.iter().map(|_| model.new_session(128)).collect();
-        let mut next = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let l = model.forward(&mut alone[i], p, Logits::Last).unwrap();
-            model.forward(&mut batched[i], p, Logits::Last).unwrap();
-            next.push(argmax(&l));
-        }
-        for _ in 0..3 {
-            let mut refs: Vec<&mut _> = batched.iter_mut().collect();
-            let rows = model.decode_batch(&mut refs, &next).unwrap();
-            for (i, session) in alone.iter_mut().enumerate() {
-                let one = model.forward(session, &[next[i]], Logits::Last).unwrap();
-                assert_eq!(one, rows[i * vocab..(i + 1) * vocab], "{}: row {i}", dir.display());
-            }
-            next = (0..prompts.len()).map(|i| argmax(&rows[i * vocab..(i + 1) * vocab])).collect();
-        }
+        let prompts = batch_prompts();
+        let everyone = |_| (0..prompts.len()).collect();
+        check_decode_batches_equal_alone(&model, &prompts, 128, 3, everyone, &dir.display().to_string());
     }
 }
 
@@ -207,13 +168,7 @@ fn moe_continuation_equals_one_long_prefill() {
     ids.extend(&case.greedy);
     let reference = model.forward(&mut model.new_session(256), &ids, Logits::All).unwrap();
     for split in [&[1usize, 139][..], &[63, 1, 1, 75], &[65, 65, 1, 1, 8]] {
-        let mut session = model.new_session(256);
-        let mut got = Vec::new();
-        let mut at = 0;
-        for &n in split {
-            got.extend(model.forward(&mut session, &ids[at..at + n], Logits::All).unwrap());
-            at += n;
-        }
+        let got = logits_in_pieces(&model, 256, &ids, split);
         let e = rel_err(&got, &reference);
         println!("split {split:?}: rel err {e:.2e}");
         assert!(e <= 1e-5, "split {split:?}: rel err {e:.2e}");

@@ -8,11 +8,13 @@
 
 mod common;
 mod damaged;
+mod model_checks;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use common::{argmax, cases, rel_err, Dequantized};
-use damaged::rewrite_gguf as rewrite;
+use common::{cases, rel_err, Dequantized};
+use damaged::{load_error as load_err, with_metadata, without_metadata, without_tensor};
+use model_checks::check_against_goldens;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::ValueHeadOrder;
 use strix::config::ModelConfig;
@@ -28,16 +30,12 @@ const TOLERANCE: f32 = 1e-4;
 /// a token to another expert, and every later position sees it; printed, not bounded.
 const Q8_0_PACKED_VS_EXACT: f32 = 0.2;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
 fn gguf(name: &str) -> PathBuf {
-    root().join("moe-gguf").join(name)
+    damaged::fixtures().join("moe-gguf").join(name)
 }
 
 fn model_dir(name: &str) -> PathBuf {
-    root().join("moe-models").join(name)
+    damaged::fixtures().join("moe-models").join(name)
 }
 
 /// (GGUF file, source fixture) of the float conversions.
@@ -47,35 +45,12 @@ const FLOAT_FILES: [(&str, &str); 3] = [
     ("moe-vlm-f32-fused.f32.gguf", "moe-vlm-f32-fused"),
 ];
 
-/// Prompt and ten decode steps of every golden case; returns the worst error.
-fn check_goldens(model: &Model<CpuBackend>, dir: &Path, label: &str) -> f32 {
-    let vocab = model.config.vocab_size;
-    let mut worst = 0f32;
-    for case in cases(dir) {
-        let mut session = model.new_session(512);
-        let logits = model.forward(&mut session, &case.ids, Logits::All).unwrap();
-        let e = rel_err(&logits, &case.logits);
-        let mut next = argmax(&logits[(case.len - 1) * vocab..]);
-        let mut dec = 0f32;
-        for (step, &expected) in case.greedy.iter().enumerate() {
-            assert_eq!(next, expected, "{label} T={}: greedy token {step}", case.len);
-            let l = model.forward(&mut session, &[next], Logits::Last).unwrap();
-            dec = dec.max(rel_err(&l, &case.decode_logits[step * vocab..(step + 1) * vocab]));
-            next = argmax(&l);
-        }
-        println!("{label} T={}: prompt rel err {e:.2e}, decode {dec:.2e}", case.len);
-        worst = worst.max(e).max(dec);
-    }
-    worst
-}
-
 #[test]
 fn float_moe_ggufs_match_transformers() {
     for (file, fixture) in FLOAT_FILES {
         let path = gguf(file);
         let model = Model::load_path(&path, CpuBackend::new(), None).unwrap();
-        let worst = check_goldens(&model, &model_dir(fixture), file);
-        assert!(worst <= TOLERANCE, "{file}: rel err {worst:.2e}");
+        check_against_goldens(&model, &model_dir(fixture), file, 512, TOLERANCE);
     }
 }
 
@@ -188,43 +163,32 @@ fn fused_gate_up_experts_load_as_the_pair() {
     );
 }
 
-fn load_err(path: &Path) -> String {
-    match Model::load_path(path, CpuBackend::new(), None) {
-        Ok(_) => panic!("{}: loaded", path.display()),
-        Err(e) => e.to_string(),
-    }
-}
-
 #[test]
 fn broken_moe_files_are_errors_naming_the_problem() {
     let tmp = tempfile::tempdir().unwrap();
     let src = gguf("moe-causal-f32-top1.f32.gguf");
-    let keep_meta = |_: &str, v: &GgufValue| Some(v.clone());
-    let keep_tensor = |_: &str, ty: QuantType, b: Vec<u8>| Some((ty, b));
-    let set = |key: &'static str, value: u32| {
-        move |k: &str, v: &GgufValue| Some(if k == key { GgufValue::U32(value) } else { v.clone() })
-    };
     let p = tmp.path().join("a.gguf");
-    rewrite(&src, &p, keep_meta, |n, ty, b| (n != "blk.1.ffn_down_exps.weight").then_some((ty, b)));
+    let set = |key: &str, value: u32| with_metadata(&src, &p, key, GgufValue::U32(value));
+    without_tensor(&src, &p, "blk.1.ffn_down_exps.weight");
     let e = load_err(&p);
     assert!(
         e.contains("blk.1.ffn_down_exps.weight") || e.contains("model.layers.1.mlp.experts.0.down_proj"),
         "{e}"
     );
 
-    rewrite(&src, &p, |k, v| (k != "qwen35moe.expert_count").then(|| v.clone()), keep_tensor);
+    without_metadata(&src, &p, "qwen35moe.expert_count");
     let e = load_err(&p);
     assert!(e.contains("qwen35moe.expert_count"), "{e}");
 
-    rewrite(&src, &p, set("qwen35moe.expert_count", 5), keep_tensor);
+    set("qwen35moe.expert_count", 5);
     let e = load_err(&p);
     assert!(e.contains("blk.0.ffn_gate_inp.weight") && e.contains("expected shape [5, 64]"), "{e}");
 
-    rewrite(&src, &p, set("qwen35moe.expert_used_count", 7), keep_tensor);
+    set("qwen35moe.expert_used_count", 7);
     let e = load_err(&p);
     assert!(e.contains("num_experts_per_tok (7) is more than num_experts (4)"), "{e}");
 
-    rewrite(&src, &p, set("qwen35moe.expert_feed_forward_length", 48), keep_tensor);
+    set("qwen35moe.expert_feed_forward_length", 48);
     let e = load_err(&p);
     assert!(e.contains("ffn_gate_exps.weight") && e.contains("48"), "{e}");
 
@@ -254,9 +218,10 @@ fn written_moe_ggufs_hold_the_converters_tensors() {
     use strix::checkpoint::Checkpoint;
     use strix::gguf::qwen35::{write_gguf, GgufTypes};
     use strix::quant::on_load::QuantScheme;
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root().join("moe-gguf/manifest.json")).unwrap())
-            .unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(damaged::fixtures().join("moe-gguf/manifest.json")).unwrap(),
+    )
+    .unwrap();
     let files = manifest["files"].as_object().unwrap();
     assert_eq!(files.len(), 4);
     for (file, entry) in files {

@@ -21,7 +21,7 @@ mod damaged;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -145,6 +145,45 @@ fn runner(cases: u32) -> TestRunner {
     let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(cases);
     // No regression files: a failure prints its minimal case, to be made a unit test.
     TestRunner::new(Config { cases, failure_persistence: None, max_shrink_iters: 256, ..Config::default() })
+}
+
+/// Runs `cases` cases of `strategy`: `write` puts each case's mutated files in place and
+/// returns the path to load and the folder its files live under, and the load is checked
+/// (`check_load`). Prints the tally, labelled `what`, and returns it.
+fn load_mutations<S: Strategy>(
+    what: &str,
+    cases: u32,
+    strategy: S,
+    write: impl Fn(S::Value) -> (PathBuf, PathBuf),
+) -> Tally {
+    let tally = Mutex::new(Tally::default());
+    runner(cases)
+        .run(&strategy, |case| {
+            let (path, root) = write(case);
+            check_load(&path, &root, &tally)
+        })
+        .unwrap();
+    let t = tally.into_inner().unwrap();
+    println!("{what}: {t:?}");
+    t
+}
+
+/// [`load_mutations`] of one file of model directories: each case picks one of `dirs` (`i`)
+/// and writes its `file` as `mutate(i, edits)` makes it, with one to three edits.
+fn load_mutated_file<S: Strategy>(
+    what: &str,
+    cases: u32,
+    dirs: &[tempfile::TempDir],
+    file: &str,
+    edit: S,
+    mutate: impl Fn(usize, &[S::Value]) -> Vec<u8>,
+) -> Tally {
+    load_mutations(what, cases, (any::<Index>(), prop::collection::vec(edit, 1..4)), |(which, edits)| {
+        let i = which.index(dirs.len());
+        let dir = dirs[i].path();
+        fs::write(dir.join(file), mutate(i, &edits)).unwrap();
+        (dir.to_path_buf(), dir.to_path_buf())
+    })
 }
 
 // --- byte-level mutations ------------------------------------------------------------------
@@ -403,17 +442,11 @@ fn mutated_gguf_files_load_or_fail_cleanly() {
     let files: Vec<Vec<u8>> = GGUF_FILES.iter().map(|f| fixture_bytes(&gguf_model(f))).collect();
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("mutated.gguf");
-    let tally = Mutex::new(Tally::default());
     let strategy = (any::<Index>(), prop::collection::vec(gguf_edit(), 1..4));
-    runner(1000)
-        .run(&strategy, |(file, edits)| {
-            let bytes = mutate_gguf(&files[file.index(files.len())], &edits);
-            fs::write(&path, &bytes).unwrap();
-            check_load(&path, tmp.path(), &tally)
-        })
-        .unwrap();
-    let t = tally.into_inner().unwrap();
-    println!("mutated GGUF files: {t:?}");
+    let t = load_mutations("mutated GGUF files", 1000, strategy, |(file, edits)| {
+        fs::write(&path, mutate_gguf(&files[file.index(files.len())], &edits)).unwrap();
+        (path.clone(), tmp.path().to_path_buf())
+    });
     assert!(t.refused > 0, "no mutation was refused: the mutations do not reach the parser");
 }
 
@@ -623,18 +656,9 @@ fn mutated_safetensors_checkpoints_load_or_fail_cleanly() {
     let dirs: Vec<tempfile::TempDir> = fixtures.iter().map(|f| scratch_model(f)).collect();
     let weights: Vec<Vec<u8>> =
         fixtures.iter().map(|f| fixture_bytes(&model_dir(f).join("model.safetensors"))).collect();
-    let tally = Mutex::new(Tally::default());
-    let strategy = (any::<Index>(), prop::collection::vec(safetensors_edit(), 1..4));
-    runner(600)
-        .run(&strategy, |(which, edits)| {
-            let i = which.index(fixtures.len());
-            let dir = dirs[i].path();
-            fs::write(dir.join("model.safetensors"), mutate_safetensors(&weights[i], &edits)).unwrap();
-            check_load(dir, dir, &tally)
-        })
-        .unwrap();
-    let t = tally.into_inner().unwrap();
-    println!("mutated safetensors checkpoints: {t:?}");
+    let mutate = |i: usize, edits: &[SafetensorsEdit]| mutate_safetensors(&weights[i], edits);
+    let what = "mutated safetensors checkpoints";
+    let t = load_mutated_file(what, 600, &dirs, "model.safetensors", safetensors_edit(), mutate);
     assert!(t.refused > 0 && t.loaded > 0, "{t:?}");
 }
 
@@ -654,7 +678,6 @@ fn mutated_shard_indexes_load_or_fail_cleanly() {
             .unwrap();
     let shard0 = fixture_bytes(&model_dir(FIXTURE).join(&shards[0]));
     let index_path = dir.path().join("model.safetensors.index.json");
-    let tally = Mutex::new(Tally::default());
     #[derive(Clone, Debug)]
     enum IndexEdit {
         Shard { entry: Index, to: String },
@@ -684,56 +707,51 @@ fn mutated_shard_indexes_load_or_fail_cleanly() {
         byte_edit().prop_map(IndexEdit::Text),
         safetensors_edit().prop_map(IndexEdit::Shard0),
     ];
-    runner(300)
-        .run(&prop::collection::vec(edit, 1..3), |edits| {
-            let mut v = index.clone();
-            let mut shard_edits = Vec::new();
-            let mut text_edits = Vec::new();
-            for e in &edits {
-                let map = v["weight_map"].as_object_mut();
-                let names: Vec<String> =
-                    map.as_ref().map(|m| m.keys().cloned().collect()).unwrap_or_default();
-                let pick = |i: &Index| names.get(i.index(names.len().max(1))).cloned();
-                match (e, map) {
-                    (IndexEdit::Shard { entry, to }, Some(m)) => {
-                        if let Some(n) = pick(entry) {
-                            m[&n] = to.clone().into();
-                        }
+    let t = load_mutations("mutated shard indexes", 300, prop::collection::vec(edit, 1..3), |edits| {
+        let mut v = index.clone();
+        let mut shard_edits = Vec::new();
+        let mut text_edits = Vec::new();
+        for e in &edits {
+            let map = v["weight_map"].as_object_mut();
+            let names: Vec<String> = map.as_ref().map(|m| m.keys().cloned().collect()).unwrap_or_default();
+            let pick = |i: &Index| names.get(i.index(names.len().max(1))).cloned();
+            match (e, map) {
+                (IndexEdit::Shard { entry, to }, Some(m)) => {
+                    if let Some(n) = pick(entry) {
+                        m[&n] = to.clone().into();
                     }
-                    (IndexEdit::Tensor { entry, to }, Some(m)) => {
-                        if let Some(n) = pick(entry) {
-                            let f = m.remove(&n).unwrap();
-                            m.insert(to.clone(), f);
-                        }
-                    }
-                    (IndexEdit::Entry { entry, value }, Some(m)) => {
-                        if let Some(n) = pick(entry) {
-                            m[&n] = value.to_json();
-                        }
-                    }
-                    (IndexEdit::Remove { entry }, Some(m)) => {
-                        if let Some(n) = pick(entry) {
-                            m.remove(&n);
-                        }
-                    }
-                    (IndexEdit::WeightMap(value), _) => v["weight_map"] = value.to_json(),
-                    (IndexEdit::Text(b), _) => text_edits.push(b.clone()),
-                    (IndexEdit::Shard0(s), _) => shard_edits.push(s.clone()),
-                    _ => {}
                 }
+                (IndexEdit::Tensor { entry, to }, Some(m)) => {
+                    if let Some(n) = pick(entry) {
+                        let f = m.remove(&n).unwrap();
+                        m.insert(to.clone(), f);
+                    }
+                }
+                (IndexEdit::Entry { entry, value }, Some(m)) => {
+                    if let Some(n) = pick(entry) {
+                        m[&n] = value.to_json();
+                    }
+                }
+                (IndexEdit::Remove { entry }, Some(m)) => {
+                    if let Some(n) = pick(entry) {
+                        m.remove(&n);
+                    }
+                }
+                (IndexEdit::WeightMap(value), _) => v["weight_map"] = value.to_json(),
+                (IndexEdit::Text(b), _) => text_edits.push(b.clone()),
+                (IndexEdit::Shard0(s), _) => shard_edits.push(s.clone()),
+                _ => {}
             }
-            let mut text = serde_json::to_vec_pretty(&v).unwrap();
-            let len = text.len();
-            for b in &text_edits {
-                apply_bytes(&mut text, len, b);
-            }
-            fs::write(&index_path, &text).unwrap();
-            fs::write(dir.path().join(&shards[0]), mutate_safetensors(&shard0, &shard_edits)).unwrap();
-            check_load(dir.path(), dir.path(), &tally)
-        })
-        .unwrap();
-    let t = tally.into_inner().unwrap();
-    println!("mutated shard indexes: {t:?}");
+        }
+        let mut text = serde_json::to_vec_pretty(&v).unwrap();
+        let len = text.len();
+        for b in &text_edits {
+            apply_bytes(&mut text, len, b);
+        }
+        fs::write(&index_path, &text).unwrap();
+        fs::write(dir.path().join(&shards[0]), mutate_safetensors(&shard0, &shard_edits)).unwrap();
+        (dir.path().to_path_buf(), dir.path().to_path_buf())
+    });
     assert!(t.refused > 0, "{t:?}");
 }
 
@@ -919,16 +937,7 @@ fn mutated_config_json_loads_or_fails_cleanly() {
         2 => any::<Index>().prop_map(|field| ConfigEdit::Remove { field }),
         1 => byte_edit().prop_map(ConfigEdit::Text),
     ];
-    let tally = Mutex::new(Tally::default());
-    runner(800)
-        .run(&(any::<Index>(), prop::collection::vec(edit, 1..4)), |(which, edits)| {
-            let i = which.index(fixtures.len());
-            let dir = dirs[i].path();
-            fs::write(dir.join("config.json"), mutate_config(&configs[i], &edits)).unwrap();
-            check_load(dir, dir, &tally)
-        })
-        .unwrap();
-    let t = tally.into_inner().unwrap();
-    println!("mutated config.json: {t:?}");
+    let mutate = |i: usize, edits: &[ConfigEdit]| mutate_config(&configs[i], edits);
+    let t = load_mutated_file("mutated config.json", 800, &dirs, "config.json", edit, mutate);
     assert!(t.refused > 0 && t.loaded > 0, "{t:?}");
 }

@@ -10,8 +10,10 @@
 //! printed.
 
 mod common;
+mod model_checks;
 
 use common::{argmax, cases, fixtures, rel_err};
+use model_checks::check_decode_batches_equal_alone;
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::Backend;
 use strix::config::{LayerKind, ModelConfig};
@@ -246,23 +248,8 @@ fn quantized_decode_batch_is_batch_invariant() {
         let src = QuantizingSource::new(&weights, &config, scheme);
         let model = Model::from_source(config.clone(), &src, CpuBackend::new(), None).unwrap();
         let prompts: Vec<Vec<u32>> = [1usize, 9, 4].iter().map(|&n| prompt(n, 1000)).collect();
-        let mut alone: Vec<_> = prompts.iter().map(|_| model.new_session(64)).collect();
-        let mut batched: Vec<_> = prompts.iter().map(|_| model.new_session(64)).collect();
-        let mut next = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let a = model.forward(&mut alone[i], p, Logits::Last).unwrap();
-            model.forward(&mut batched[i], p, Logits::Last).unwrap();
-            next.push(argmax(&a));
-        }
-        for _ in 0..3 {
-            let mut refs: Vec<_> = batched.iter_mut().collect();
-            let out = model.decode_batch(&mut refs, &next).unwrap();
-            for i in 0..prompts.len() {
-                let single = model.forward(&mut alone[i], &[next[i]], Logits::Last).unwrap();
-                assert_eq!(&out[i * 1000..(i + 1) * 1000], &single[..], "{scheme} seq {i}");
-                next[i] = argmax(&single);
-            }
-        }
+        let everyone = |_| (0..prompts.len()).collect();
+        check_decode_batches_equal_alone(&model, &prompts, 64, 3, everyone, &scheme.to_string());
     }
 }
 

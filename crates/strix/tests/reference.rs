@@ -5,8 +5,12 @@
 //! both sides; the errors reached are printed — about 1e-6).
 
 mod common;
+mod model_checks;
 
-use common::{argmax, cases, fixtures, rel_err};
+use common::{cases, fixtures, rel_err};
+use model_checks::{
+    batch_prompts, check_against_goldens, check_decode_batches_equal_alone, logits_in_pieces,
+};
 use strix::backend::cpu::CpuBackend;
 use strix::model::{Logits, Model};
 
@@ -19,26 +23,7 @@ fn prompt_and_decode_logits_match_transformers() {
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
-        let vocab = model.config.vocab_size;
-        for case in cases(&dir) {
-            let mut session = model.new_session(1024);
-            let logits = model.forward(&mut session, &case.ids, Logits::All).unwrap();
-            let e = rel_err(&logits, &case.logits);
-            println!("{name} T={}: prompt logits rel err {e:.2e}", case.len);
-            assert!(e <= TOLERANCE, "{name} T={}: prompt logits rel err {e:.2e} > {TOLERANCE:e}", case.len);
-
-            let mut next = argmax(&logits[(case.len - 1) * vocab..]);
-            let mut worst = 0.0f32;
-            for (step, &expected) in case.greedy.iter().enumerate() {
-                assert_eq!(next, expected, "{name} T={}: greedy token {step}", case.len);
-                let logits = model.forward(&mut session, &[next], Logits::Last).unwrap();
-                let e = rel_err(&logits, &case.decode_logits[step * vocab..(step + 1) * vocab]);
-                worst = worst.max(e);
-                next = argmax(&logits);
-            }
-            println!("{name} T={}: decode logits worst rel err {worst:.2e}", case.len);
-            assert!(worst <= TOLERANCE, "{name} T={}: decode rel err {worst:.2e}", case.len);
-        }
+        check_against_goldens(&model, &dir, &name, 1024, TOLERANCE);
     }
 }
 
@@ -56,14 +41,7 @@ fn continuation_equals_one_long_prefill() {
     let reference = model.forward(&mut whole, &all_ids, Logits::All).unwrap();
 
     for split in [&[1usize, 139][..], &[63, 1, 1, 75], &[64, 66, 10], &[65, 65, 1, 1, 8], &[100, 40]] {
-        let mut session = model.new_session(1024);
-        let mut got = Vec::new();
-        let mut at = 0;
-        for &n in split {
-            got.extend(model.forward(&mut session, &all_ids[at..at + n], Logits::All).unwrap());
-            at += n;
-        }
-        assert_eq!(at, all_ids.len());
+        let got = logits_in_pieces(&model, 1024, &all_ids, split);
         let e = rel_err(&got, &reference);
         println!("split {split:?}: rel err {e:.2e}");
         assert!(e <= 1e-5, "split {split:?}: rel err {e:.2e}");
@@ -129,37 +107,10 @@ fn bad_input_is_an_error_not_a_panic() {
 fn decode_batch_rows_equal_decoding_alone() {
     for dir in fixtures() {
         let model = Model::load(&dir, CpuBackend::new(), None).unwrap();
-        let vocab = model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = [1usize, 5, 64, 70, 3]
-            .iter()
-            .map(|&n| (0..n as u32).map(|i| (i * 7 + n as u32) % 300).collect())
-            .collect();
-        let mut alone: Vec<_> = prompts.iter().map(|_| model.new_session(256)).collect();
-        let mut batched: Vec<_> = prompts.iter().map(|_| model.new_session(256)).collect();
-        let mut next: Vec<u32> = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let a = model.forward(&mut alone[i], p, Logits::Last).unwrap();
-            let b = model.forward(&mut batched[i], p, Logits::Last).unwrap();
-            assert_eq!(a, b);
-            next.push(argmax(&a));
-        }
-        for step in 0..6 {
-            // Vary the batch: everyone, then a shrinking subset.
-            let members: Vec<usize> = (0..prompts.len()).filter(|i| step < 3 || i % 2 == 0).collect();
-            let mut refs: Vec<&mut strix::session::Session<CpuBackend>> = Vec::new();
-            for (i, s) in batched.iter_mut().enumerate() {
-                if members.contains(&i) {
-                    refs.push(s);
-                }
-            }
-            let tokens: Vec<u32> = members.iter().map(|&i| next[i]).collect();
-            let out = model.decode_batch(&mut refs, &tokens).unwrap();
-            for (row, &i) in members.iter().enumerate() {
-                let single = model.forward(&mut alone[i], &[next[i]], Logits::Last).unwrap();
-                assert_eq!(&out[row * vocab..(row + 1) * vocab], &single[..], "{dir:?} step {step} seq {i}");
-                next[i] = argmax(&single);
-            }
-        }
+        let prompts = batch_prompts();
+        // Vary the batch: everyone, then a shrinking subset.
+        let members = |step: usize| (0..prompts.len()).filter(|i| step < 3 || i % 2 == 0).collect();
+        check_decode_batches_equal_alone(&model, &prompts, 256, 6, members, &format!("{dir:?}"));
     }
 }
 

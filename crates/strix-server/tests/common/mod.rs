@@ -144,6 +144,15 @@ fn read_body(mut reader: BufReader<TcpStream>, headers: &[(String, String)]) -> 
     body
 }
 
+/// The endpoints the tests post requests to.
+pub const CHAT_PATH: &str = "/v1/chat/completions";
+pub const COMPLETIONS_PATH: &str = "/v1/completions";
+
+/// A chat request's `messages`: one user turn.
+pub fn user(text: &str) -> Value {
+    serde_json::json!([{"role": "user", "content": text}])
+}
+
 pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Response {
     request(addr, "POST", path, &[], body.to_string().as_bytes())
 }

@@ -1,7 +1,8 @@
 //! Damaged copies of the committed fixtures, for the hostile-input tests (`hostile_files.rs`,
 //! `mutated_files.rs`): where each field of a GGUF header lies (so a test can change a count,
 //! a type or an offset in place), rewriting a GGUF with edited metadata or tensors, editing a
-//! safetensors header, and a watchdog that turns a hang into a test failure.
+//! safetensors header, the error a damaged model fails to load with, and a watchdog that turns
+//! a hang into a test failure.
 
 #![allow(dead_code)]
 
@@ -11,7 +12,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use serde_json::Value;
+use strix::backend::cpu::CpuBackend;
 use strix::gguf::{GgufFile, GgufValue, GgufWriter};
+use strix::model::Model;
 use strix::quant::QuantType;
 use tempfile::TempDir;
 
@@ -25,6 +28,15 @@ pub fn model_dir(name: &str) -> PathBuf {
 
 pub fn gguf_model(name: &str) -> PathBuf {
     fixtures().join("gguf-models").join(name)
+}
+
+/// Loads the model at `path` (a directory or a GGUF file) on the CPU, which must fail; the
+/// error's message.
+pub fn load_error(path: &Path) -> String {
+    match Model::load_path(path, CpuBackend::new(), None) {
+        Ok(_) => panic!("{} loaded, but it is broken", path.display()),
+        Err(e) => e.to_string(),
+    }
 }
 
 /// A private copy of a fixture model directory, free to break.
@@ -216,15 +228,30 @@ pub fn rewrite_gguf(
     w.write(out).unwrap();
 }
 
+/// [`rewrite_gguf`]'s metadata edit that keeps every pair as it is.
+pub fn keep_metadata(_: &str, v: &GgufValue) -> Option<GgufValue> {
+    Some(v.clone())
+}
+
+/// [`rewrite_gguf`]'s tensor edit that keeps every tensor as it is.
+pub fn keep_tensor(_: &str, ty: QuantType, bytes: Vec<u8>) -> Option<(QuantType, Vec<u8>)> {
+    Some((ty, bytes))
+}
+
 /// [`rewrite_gguf`] changing one metadata value.
-pub fn with_metadata(src: &Path, out: &Path, key: &str, value: GgufValue) {
-    let key = key.to_string();
-    rewrite_gguf(
-        src,
-        out,
-        |k, v| Some(if k == key { value.clone() } else { v.clone() }),
-        |_, ty, b| Some((ty, b)),
-    );
+pub fn with_metadata(src: &Path, out: &Path, key: &str, value: impl Into<GgufValue>) {
+    let value = value.into();
+    rewrite_gguf(src, out, |k, v| Some(if k == key { value.clone() } else { v.clone() }), keep_tensor);
+}
+
+/// [`rewrite_gguf`] leaving out the metadata pair `key`.
+pub fn without_metadata(src: &Path, out: &Path, key: &str) {
+    rewrite_gguf(src, out, |k, v| (k != key).then(|| v.clone()), keep_tensor);
+}
+
+/// [`rewrite_gguf`] leaving out the tensor `name`.
+pub fn without_tensor(src: &Path, out: &Path, name: &str) {
+    rewrite_gguf(src, out, keep_metadata, |n, ty, b| (n != name).then_some((ty, b)));
 }
 
 // --- safetensors ---------------------------------------------------------------------------
