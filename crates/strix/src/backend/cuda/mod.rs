@@ -140,10 +140,10 @@ path_counters! {
     gdn_decode_fused,
     /// Of those, the calls on the tensor-core kernels (`deltanet_chunked.rs`).
     gdn_chunked_tc,
-    /// MoE blocks of a decode batch whose routed experts ran on the device (`moe.rs`: the
-    /// router, the picked experts and their sum; no read-back).
+    /// MoE blocks whose routed experts ran on the device (`moe.rs`: the router, the picked
+    /// experts and their sum; no read-back).
     moe_device,
-    /// MoE blocks whose routed experts were routed on the host (prompts, packed experts).
+    /// MoE blocks whose routed experts were routed on the host (packed experts).
     moe_host,
     /// Attention calls (every kernel).
     attention,
@@ -1122,9 +1122,9 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
         decode_batch: bool,
     ) {
-        // A decode batch on bf16 experts stays on the device; a prompt's tokens are grouped by
-        // expert on the host so that each expert's rows go through one GEMM.
-        if decode_batch && moe::Kernels::supports(experts, top_k) {
+        // bf16 experts stay on the device, prompts and decode batches alike (a prompt's picks
+        // grouped by expert as a batch's are); packed ones are routed on the host.
+        if moe::Kernels::supports(experts, top_k) {
             self.dev.bind();
             self.moe.experts(&self.dev, x, tokens, router_logits, experts, top_k, out);
             return bump(&self.counters.moe_device);

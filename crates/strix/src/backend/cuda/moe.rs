@@ -1,10 +1,12 @@
-//! Launchers for `moe.cu`: a sparse MoE block's routed experts on the device for a decode
-//! batch — the router's softmax and top-k, each pick's gate/up rows with the SwiGLU, and each
-//! token's down rows summed over its picks (in a batch, each picked expert runs once over all
-//! its picks, bitwise as the one-token kernels) — plus the shared expert's sigmoid gate. Nothing
-//! comes back to the host, so a MoE decode step can be recorded as a CUDA graph. Experts in
-//! bf16 only (up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]); packed experts and prompts
-//! keep the host-routed default (`backend::moe_experts_on_host`).
+//! Launchers for `moe.cu`: a sparse MoE block's routed experts on the device, for a decode
+//! batch or a prompt — the router's softmax and top-k, each pick's gate/up rows with the
+//! SwiGLU, and each token's down rows summed over its picks (over several tokens each picked
+//! expert runs once over all its picks, bitwise as the one-token kernels) — plus the shared
+//! expert's sigmoid gate. Nothing comes back to the host, so a MoE decode step can be
+//! recorded as a CUDA graph. Experts in bf16 only (up to [`MAX_EXPERTS`], top-k up to
+//! [`MAX_TOP_K`]); packed experts keep the host-routed default
+//! (`backend::moe_experts_on_host`). A prompt's experts run on the CUDA cores (a grouped GEMM
+//! on the tensor cores is still to come).
 
 use std::sync::Arc;
 
