@@ -193,6 +193,91 @@ fn packed_weights_keep_their_size_on_the_device() {
 
 /// The one-token GEMV and the decode batch at B = 1, 3, 17, 64, every row bitwise the
 /// one-token result.
+/// A MoE block's packed experts on the device (`moe.rs` with `quant.cu`'s `qmoe_*`) against
+/// an f64 reference on the dequantized weights that quantizes the activations as the kernels
+/// do (x per token, the SwiGLU's output per pick, int8 per 32): within 1e-2 (a SwiGLU output
+/// a rounding away from a half step can quantize one step apart); every token of a batch
+/// bitwise what it gives alone; gate/up and down in the same or different formats.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn packed_moe_experts_match_reference_and_are_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(41);
+    let cases = [
+        (DType::Q8_0, DType::Q8_0, 96usize, 64usize, 6usize, 2usize),
+        (DType::Q4_0, DType::Q4_0, 64, 96, 5, 3),
+        (DType::Q4_K, DType::Q6_K, 256, 512, 6, 2),
+        (DType::Q6_K, DType::Q4_K, 512, 256, 4, 1),
+    ];
+    for (gate_dtype, down_dtype, hidden, inter, n, k) in cases {
+        let mut deq = Vec::new();
+        let mut experts =
+            strix::backend::MoeExperts::<CudaBackend> { gate: vec![], up: vec![], down: vec![] };
+        for _ in 0..n {
+            let (gt, gd) = packed(&mut rng, gate_dtype, inter, hidden);
+            let (ut, ud) = packed(&mut rng, gate_dtype, inter, hidden);
+            let (dt, dd) = packed(&mut rng, down_dtype, hidden, inter);
+            experts.gate.push(g.weight(&gt, inter, hidden).unwrap());
+            experts.up.push(g.weight(&ut, inter, hidden).unwrap());
+            experts.down.push(g.weight(&dt, hidden, inter).unwrap());
+            deq.push((gd, ud, dd));
+        }
+        assert!(g.moe_on_device(&experts, k), "{gate_dtype:?}/{down_dtype:?} experts not on the device");
+        let what = format!(
+            "packed moe {}/{} hidden {hidden} inter {inter} {n} experts top {k}",
+            gate_dtype.name(),
+            down_dtype.name()
+        );
+        for tokens in [1usize, 5, 64] {
+            let x = rng.vec(tokens * hidden, 1.0);
+            let logits = rng.vec(tokens * n, 2.0);
+            let routing = strix::backend::Routing::new(&logits, tokens, n, k);
+            let mut expected = vec![0f32; tokens * hidden];
+            for t in 0..tokens {
+                let xq = int8_activations(&x[t * hidden..(t + 1) * hidden]);
+                let mut sum = vec![0f64; hidden];
+                for r in 0..k {
+                    let (e, w) = (routing.experts[t * k + r] as usize, routing.weights[t * k + r] as f64);
+                    let (gd, ud, dd) = &deq[e];
+                    let act: Vec<f32> = (0..inter)
+                        .map(|i| {
+                            let dot = |m: &[f32]| {
+                                (0..hidden).map(|c| m[i * hidden + c] as f64 * xq[c] as f64).sum::<f64>()
+                            };
+                            let (gv, uv) = (dot(gd) as f32, dot(ud) as f32);
+                            gv / (1.0 + (-gv).exp()) * uv
+                        })
+                        .collect();
+                    let aq = int8_activations(&act);
+                    for (c, o) in sum.iter_mut().enumerate() {
+                        let y: f64 = (0..inter).map(|i| dd[c * inter + i] as f64 * aq[i] as f64).sum();
+                        *o += w * y;
+                    }
+                }
+                for (o, v) in expected[t * hidden..(t + 1) * hidden].iter_mut().zip(&sum) {
+                    *o = *v as f32;
+                }
+            }
+            let mut out = poison(&g, tokens * hidden);
+            let before = g.path_counts().moe_device;
+            g.moe_experts(&g.upload(&x), tokens, &g.upload(&logits), &experts, k, &mut out, true);
+            assert_eq!(g.path_counts().moe_device, before + 1, "{}", g.path_counts());
+            let got = down(&g, &out);
+            check(&format!("{what} T={tokens}"), &got, &expected, 1e-2);
+            for t in 0..tokens {
+                let mut alone = poison(&g, hidden);
+                let (xt, lt) =
+                    (g.upload(&x[t * hidden..(t + 1) * hidden]), g.upload(&logits[t * n..(t + 1) * n]));
+                g.moe_experts(&xt, 1, &lt, &experts, k, &mut alone, true);
+                assert!(
+                    down(&g, &alone) == got[t * hidden..(t + 1) * hidden],
+                    "{what} T={tokens}: token {t} differs alone"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn gemv_and_decode_batch_match_reference() {

@@ -143,7 +143,8 @@ path_counters! {
     /// MoE blocks whose routed experts ran on the device (`moe.rs`: the router, the picked
     /// experts and their sum; no read-back).
     moe_device,
-    /// MoE blocks whose routed experts were routed on the host (packed experts).
+    /// MoE blocks whose routed experts were routed on the host (experts the device kernels
+    /// do not take: a mix of bf16 and packed, more than 512, top-k above 16).
     moe_host,
     /// Attention calls (every kernel).
     attention,
@@ -1122,11 +1123,11 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
         decode_batch: bool,
     ) {
-        // bf16 experts stay on the device, prompts and decode batches alike (a prompt's picks
-        // grouped by expert as a batch's are); packed ones are routed on the host.
+        // The experts stay on the device, prompts and decode batches alike (a prompt's picks
+        // grouped by expert as a batch's are), bf16 or packed; a mix is routed on the host.
         if moe::Kernels::supports(experts, top_k) {
             self.dev.bind();
-            self.moe.experts(&self.dev, x, tokens, router_logits, experts, top_k, out);
+            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, experts, top_k, out);
             return bump(&self.counters.moe_device);
         }
         bump(&self.counters.moe_host);

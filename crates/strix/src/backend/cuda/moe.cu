@@ -1,5 +1,6 @@
-// A sparse MoE block's routed experts on the device, for bf16 experts (Qwen3_5MoeTopKRouter,
-// Qwen3_5MoeExperts), and the shared expert's sigmoid gate:
+// A sparse MoE block's routed experts on the device (Qwen3_5MoeTopKRouter,
+// Qwen3_5MoeExperts) and the shared expert's sigmoid gate; the expert kernels here take bf16
+// experts (quant.cu's qmoe_* the packed ones, between moe_bucket and moe_combine):
 //  - moe_route: per token, softmax of the router logits, the top k (ties to the lower id),
 //    renormalised, written in ascending expert id (the order the reference sums them in);
 //  - one token: moe_gate_up, per pick, the picked expert's gate and up rows and the SwiGLU;

@@ -1,18 +1,20 @@
 //! Launchers for `moe.cu`: a sparse MoE block's routed experts on the device, for a decode
 //! batch or a prompt — the router's softmax and top-k, each pick's gate/up rows with the
-//! SwiGLU, and each token's down rows summed over its picks (over several tokens each picked
-//! expert runs once over all its picks, bitwise as the one-token kernels) — plus the shared
-//! expert's sigmoid gate. Nothing comes back to the host, so a MoE decode step can be
-//! recorded as a CUDA graph. Experts in bf16 only (up to [`MAX_EXPERTS`], top-k up to
-//! [`MAX_TOP_K`]); packed experts keep the host-routed default
-//! (`backend::moe_experts_on_host`). A prompt's experts run on the CUDA cores (a grouped GEMM
-//! on the tensor cores is still to come).
+//! SwiGLU, and each token's down rows summed over its picks (over several tokens, or packed
+//! experts, each picked expert runs once over all its picks, bitwise as the one-token
+//! kernels) — plus the shared expert's sigmoid gate. Nothing comes back to the host, so a MoE
+//! decode step can be recorded as a CUDA graph. Experts all bf16 (`moe.cu`'s dot products)
+//! or all packed (`quant.cu`'s `qmoe_*` on activations quantized per 32, as the packed GEMVs
+//! take them), up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]; anything else keeps the
+//! host-routed default (`backend::moe_experts_on_host`). A prompt's experts run on the CUDA
+//! cores too (a grouped GEMM on the tensor cores is still to come).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
+use super::quant;
 use crate::backend::MoeExperts;
 use crate::error::Result;
 use crate::tensor::DType;
@@ -38,6 +40,11 @@ struct MoeTable {
 struct MoePair {
     a: [u64; MAX_EXPERTS],
     b: [u64; MAX_EXPERTS],
+}
+
+/// The packed formats the `qmoe_*` kernels of `quant.cu` take.
+fn packed(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K)
 }
 
 fn table(ws: &[CudaWeight]) -> [u64; MAX_EXPERTS] {
@@ -74,15 +81,20 @@ impl Kernels {
         })
     }
 
-    /// Whether [`Kernels::experts`] takes these experts: all bf16 of one shape, at most
-    /// [`MAX_EXPERTS`] of them, `top_k` in 1..=[`MAX_TOP_K`] and no more than the experts.
+    /// Whether [`Kernels::experts`] takes these experts: at most [`MAX_EXPERTS`] of one shape,
+    /// `top_k` in 1..=[`MAX_TOP_K`] and no more than the experts, and either all bf16 or all
+    /// packed (gate and up of one format, down of any).
     pub fn supports(experts: &MoeExperts<super::CudaBackend>, top_k: usize) -> bool {
         let n = experts.len();
         let Some(first) = experts.gate.first() else { return false };
         let (inter, hidden) = (first.rows(), first.cols());
-        let shaped = |ws: &[CudaWeight], rows: usize, cols: usize| {
-            ws.len() == n
-                && ws.iter().all(|w| w.dtype() == DType::BF16 && w.rows() == rows && w.cols() == cols)
+        let Some(down) = experts.down.first() else { return false };
+        let kinds_fit = match (first.dtype(), down.dtype()) {
+            (DType::BF16, DType::BF16) => true,
+            (g, d) => packed(g) && packed(d) && hidden.is_multiple_of(32) && inter.is_multiple_of(32),
+        };
+        let shaped = |ws: &[CudaWeight], dtype: DType, rows: usize, cols: usize| {
+            ws.len() == n && ws.iter().all(|w| w.dtype() == dtype && w.rows() == rows && w.cols() == cols)
         };
         (1..=MAX_EXPERTS).contains(&n)
             && (1..=MAX_TOP_K.min(n)).contains(&top_k)
@@ -90,18 +102,20 @@ impl Kernels {
             && hidden > 0
             && inter <= i32::MAX as usize
             && hidden <= i32::MAX as usize
-            && shaped(&experts.gate, inter, hidden)
-            && shaped(&experts.up, inter, hidden)
-            && shaped(&experts.down, hidden, inter)
+            && kinds_fit
+            && shaped(&experts.gate, first.dtype(), inter, hidden)
+            && shaped(&experts.up, first.dtype(), inter, hidden)
+            && shaped(&experts.down, down.dtype(), hidden, inter)
     }
 
     /// `out[t] = Σ weight · expert(x[t])` over the `top_k` experts `router_logits[t]` picks, for
-    /// `tokens` rows (`x`, `out`: `[tokens, hidden]`). The caller checked
-    /// [`Kernels::supports`].
+    /// `tokens` rows (`x`, `out`: `[tokens, hidden]`); `q` runs packed experts. The caller
+    /// checked [`Kernels::supports`].
     #[allow(clippy::too_many_arguments)]
     pub fn experts(
         &self,
         dev: &Device,
+        q: &quant::Kernels,
         x: &CudaBuf,
         tokens: usize,
         router_logits: &CudaBuf,
@@ -141,33 +155,50 @@ impl Kernels {
         );
         let gate_up = MoePair { a: table(&experts.gate), b: table(&experts.up) };
         let down = MoeTable { w: table(&experts.down) };
-        if tokens > 1 {
-            // Each picked expert once over all its picks: the same arithmetic per pick as the
-            // one-token kernels below, its weights read once per step.
-            let (count, active, start, members) = (alloc(1), alloc(n), alloc(n + 1), alloc(picks));
-            let y = alloc(picks * hidden);
+        let (gate_dtype, down_dtype) = (experts.gate[0].dtype(), experts.down[0].dtype());
+        if tokens == 1 && gate_dtype == DType::BF16 {
+            // One token's picks, each its own block: no listing by expert needed.
             dev.launch(
-                "moe_bucket",
-                &self.bucket,
-                (1, 1, 1),
-                (1024, 1, 1),
+                "moe_gate_up",
+                &self.gate_up,
+                (inter.div_ceil(WARPS) as u32, picks as u32, 1),
+                ((WARPS * 32) as u32, 1, 1),
                 0,
-                kernel_args![
-                    ids.ptr(),
-                    picks as i32,
-                    n32,
-                    count.ptr(),
-                    active.ptr(),
-                    start.ptr(),
-                    members.ptr()
-                ],
+                kernel_args![gate_up, x.ptr(), ids.ptr(), k32, i32_, h32, act.ptr()],
             );
-            let most = picks.min(n) as u32;
+            dev.launch(
+                "moe_down_sum",
+                &self.down_sum,
+                (hidden.div_ceil(WARPS) as u32, tokens as u32, 1),
+                ((WARPS * 32) as u32, 1, 1),
+                0,
+                kernel_args![down, act.ptr(), ids.ptr(), weights.ptr(), k32, i32_, h32, out.ptr()],
+            );
+            return;
+        }
+        // Each picked expert once over all its picks (the same arithmetic per pick as the
+        // one-token kernels), its weights read once per call.
+        let (count, active, start, members) = (alloc(1), alloc(n), alloc(n + 1), alloc(picks));
+        let y = alloc(picks * hidden);
+        dev.launch(
+            "moe_bucket",
+            &self.bucket,
+            (1, 1, 1),
+            (1024, 1, 1),
+            0,
+            kernel_args![ids.ptr(), picks as i32, n32, count.ptr(), active.ptr(), start.ptr(), members.ptr()],
+        );
+        let most = picks.min(n) as u32;
+        let (gate_grid, down_grid) =
+            ((inter.div_ceil(WARPS) as u32, most, 1), (hidden.div_ceil(WARPS) as u32, most, 1));
+        let block = ((WARPS * 32) as u32, 1, 1);
+        let listing = (count.ptr(), active.ptr(), start.ptr(), members.ptr());
+        if gate_dtype == DType::BF16 {
             dev.launch(
                 "moe_gate_up_grouped",
                 &self.gate_up_grouped,
-                (inter.div_ceil(WARPS) as u32, most, 1),
-                ((WARPS * 32) as u32, 1, 1),
+                gate_grid,
+                block,
                 0,
                 kernel_args![
                     gate_up,
@@ -175,56 +206,74 @@ impl Kernels {
                     k32,
                     i32_,
                     h32,
-                    count.ptr(),
-                    active.ptr(),
-                    start.ptr(),
-                    members.ptr(),
+                    listing.0,
+                    listing.1,
+                    listing.2,
+                    listing.3,
                     act.ptr()
                 ],
             );
             dev.launch(
                 "moe_down_grouped",
                 &self.down_grouped,
-                (hidden.div_ceil(WARPS) as u32, most, 1),
-                ((WARPS * 32) as u32, 1, 1),
+                down_grid,
+                block,
+                0,
+                kernel_args![down, act.ptr(), i32_, h32, listing.0, listing.1, listing.2, listing.3, y.ptr()],
+            );
+        } else {
+            // Packed experts: activations quantized per 32 as the packed GEMVs take them.
+            let xq = q.quantize(dev, x, tokens, hidden);
+            dev.launch(
+                "qmoe_gate_up",
+                q.moe_kernel(gate_dtype, 0),
+                gate_grid,
+                block,
+                0,
+                kernel_args![
+                    gate_up,
+                    xq.q,
+                    xq.d,
+                    xq.s,
+                    k32,
+                    i32_,
+                    h32,
+                    listing.0,
+                    listing.1,
+                    listing.2,
+                    listing.3,
+                    act.ptr()
+                ],
+            );
+            let aq = q.quantize(dev, &act, picks, inter);
+            dev.launch(
+                "qmoe_down",
+                q.moe_kernel(down_dtype, 1),
+                down_grid,
+                block,
                 0,
                 kernel_args![
                     down,
-                    act.ptr(),
+                    aq.q,
+                    aq.d,
+                    aq.s,
                     i32_,
                     h32,
-                    count.ptr(),
-                    active.ptr(),
-                    start.ptr(),
-                    members.ptr(),
+                    listing.0,
+                    listing.1,
+                    listing.2,
+                    listing.3,
                     y.ptr()
                 ],
             );
-            dev.launch(
-                "moe_combine",
-                &self.combine,
-                (dev.grid_for(tokens * hidden, 256), 1, 1),
-                (256, 1, 1),
-                0,
-                kernel_args![y.ptr(), weights.ptr(), k32, t32, h32, out.ptr()],
-            );
-            return;
         }
         dev.launch(
-            "moe_gate_up",
-            &self.gate_up,
-            (inter.div_ceil(WARPS) as u32, picks as u32, 1),
-            ((WARPS * 32) as u32, 1, 1),
+            "moe_combine",
+            &self.combine,
+            (dev.grid_for(tokens * hidden, 256), 1, 1),
+            (256, 1, 1),
             0,
-            kernel_args![gate_up, x.ptr(), ids.ptr(), k32, i32_, h32, act.ptr()],
-        );
-        dev.launch(
-            "moe_down_sum",
-            &self.down_sum,
-            (hidden.div_ceil(WARPS) as u32, tokens as u32, 1),
-            ((WARPS * 32) as u32, 1, 1),
-            0,
-            kernel_args![down, act.ptr(), ids.ptr(), weights.ptr(), k32, i32_, h32, out.ptr()],
+            kernel_args![y.ptr(), weights.ptr(), k32, t32, h32, out.ptr()],
         );
     }
 

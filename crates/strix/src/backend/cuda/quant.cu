@@ -593,6 +593,126 @@ QGEMV_ALL(q4_k, Q4_KF, 4, 2, 3, 1, 2, 2, 1)
 QGEMV_ALL(q6_k, Q6_KF, 2, 2, 2, 1, 1, 2, 1)
 
 // ---------------------------------------------------------------------------------------
+// A sparse MoE block's experts on packed weights (moe.rs): moe.cu's grouped kernels on a
+// format's units. The picks come listed by expert (moe_bucket); block (rb, j) takes the j-th
+// active expert and its warp w row rb * QG_WARPS + w, and carries up to QMOE_GROUP of the
+// expert's picks through the row at once, each against its own token's quantized activations.
+// A pick's sum is formed as qgemv_body's with one warp a row (units lane, lane + 32, ... in
+// order, then the warp's butterfly), so it does not depend on the other picks. Expert e's
+// quants start at table[e], its scales after all its rows' quants.
+#define QMOE_MAX_EXPERTS 512
+#define QMOE_GROUP 8
+struct QMoeTable {
+    unsigned long long w[QMOE_MAX_EXPERTS];
+};
+struct QMoePair {
+    unsigned long long a[QMOE_MAX_EXPERTS];
+    unsigned long long b[QMOE_MAX_EXPERTS];
+};
+
+template <class F>
+__device__ __forceinline__ void qmoe_row_dots(const u8* wq, i64 row, int rows, int cols, const XQ (&xs)[QMOE_GROUP],
+                                              int count, int lane, float (&out)[QMOE_GROUP]) {
+    const u8* ws = wq + (i64)rows * F::qrow(cols);
+    const int n = F::units(cols);
+    float acc[QMOE_GROUP];
+#pragma unroll
+    for (int q = 0; q < QMOE_GROUP; q++) acc[q] = 0.f;
+    for (int i0 = lane; i0 < n; i0 += 64) {
+        typename F::Raw w[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+            if (i0 + 32 * u < n) w[u] = F::load(wq, ws, row, rows, cols, i0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int i = i0 + 32 * u;
+            if (i < n)
+#pragma unroll
+                for (int q = 0; q < QMOE_GROUP; q++)
+                    if (q < count) acc[q] = __fadd_rn(acc[q], F::dotx(w[u], i, F::loadx(i, xs[q])));
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < QMOE_GROUP; q++) out[q] = warp_sum(acc[q]);
+}
+
+// The quantized activations of row `r` of a [*, cols] quantize_x output.
+__device__ __forceinline__ XQ qmoe_x(const i8* q, const float* d, const int* s, i64 r, int cols) {
+    return XQ{q + r * cols, d + r * (cols >> 5), s + r * (cols >> 4)};
+}
+
+// grid (ceil(inter / QG_WARPS), min(picks, experts)), block QG_WARPS * 32: act[pick][row] =
+// silu(gate · x) * (up · x), x the pick's token (pick / k) of quantize_x's [tokens, hidden].
+template <class F>
+__device__ __forceinline__ void qmoe_gate_up_body(const QMoePair& t, const i8* xq, const float* xd, const int* xs,
+                                                  int k, int inter, int hidden, const int* active_count,
+                                                  const int* active, const int* start, const int* members,
+                                                  float* act) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.y, row = blockIdx.x * QG_WARPS + warp;
+    if (j >= *active_count || row >= inter) return;
+    const int e = active[j], end = start[j + 1];
+    const u8* g = reinterpret_cast<const u8*>(t.a[e]);
+    const u8* u = reinterpret_cast<const u8*>(t.b[e]);
+    for (int p0 = start[j]; p0 < end; p0 += QMOE_GROUP) {
+        const int count = imin(QMOE_GROUP, end - p0);
+        XQ x[QMOE_GROUP];
+#pragma unroll
+        for (int q = 0; q < QMOE_GROUP; q++) x[q] = qmoe_x(xq, xd, xs, members[p0 + imin(q, count - 1)] / k, hidden);
+        float gs[QMOE_GROUP], us[QMOE_GROUP];
+        qmoe_row_dots<F>(g, row, inter, hidden, x, count, lane, gs);
+        qmoe_row_dots<F>(u, row, inter, hidden, x, count, lane, us);
+#pragma unroll
+        for (int q = 0; q < QMOE_GROUP; q++)
+            if (q < count && lane == 0) act[(i64)members[p0 + q] * inter + row] = silu_f(gs[q]) * us[q];
+    }
+}
+
+// grid (ceil(hidden / QG_WARPS), min(picks, experts)): y[pick][c] = down_e[c] · act[pick], act
+// quantized per pick ([picks, inter]).
+template <class F>
+__device__ __forceinline__ void qmoe_down_body(const QMoeTable& t, const i8* aq, const float* ad, const int* as,
+                                               int inter, int hidden, const int* active_count, const int* active,
+                                               const int* start, const int* members, float* y) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.y, c = blockIdx.x * QG_WARPS + warp;
+    if (j >= *active_count || c >= hidden) return;
+    const int end = start[j + 1];
+    const u8* w = reinterpret_cast<const u8*>(t.w[active[j]]);
+    for (int p0 = start[j]; p0 < end; p0 += QMOE_GROUP) {
+        const int count = imin(QMOE_GROUP, end - p0);
+        XQ x[QMOE_GROUP];
+#pragma unroll
+        for (int q = 0; q < QMOE_GROUP; q++) x[q] = qmoe_x(aq, ad, as, members[p0 + imin(q, count - 1)], inter);
+        float ys[QMOE_GROUP];
+        qmoe_row_dots<F>(w, c, hidden, inter, x, count, lane, ys);
+#pragma unroll
+        for (int q = 0; q < QMOE_GROUP; q++)
+            if (q < count && lane == 0) y[(i64)members[p0 + q] * hidden + c] = ys[q];
+    }
+}
+
+#define QMOE(NAME, F)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                              \
+        qmoe_gate_up_##NAME(const __grid_constant__ QMoePair t, const i8* xq, const float* xd, const int* xs, \
+                            int k, int inter, int hidden, const int* active_count, const int* active,        \
+                            const int* start, const int* members, float* act) {                              \
+        qmoe_gate_up_body<F>(t, xq, xd, xs, k, inter, hidden, active_count, active, start, members, act);    \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                              \
+        qmoe_down_##NAME(const __grid_constant__ QMoeTable t, const i8* aq, const float* ad, const int* as,   \
+                         int inter, int hidden, const int* active_count, const int* active, const int* start, \
+                         const int* members, float* y) {                                                     \
+        qmoe_down_body<F>(t, aq, ad, as, inter, hidden, active_count, active, start, members, y);            \
+    }
+QMOE(q8_0, Q8_0F)
+QMOE(q4_0, Q4_0F)
+QMOE(q4_k, Q4_KF)
+QMOE(q6_k, Q6_KF)
+
+// ---------------------------------------------------------------------------------------
 // Tensor-core GEMV on packed weights (qmma_*): decode batches of 1 to 64 tokens on int8
 // mma.sync, for widths that are whole stages of QM_BK = 256 columns (one k-quant super-block).
 //

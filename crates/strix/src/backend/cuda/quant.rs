@@ -282,6 +282,9 @@ pub(super) struct Kernels {
     gemv_multi_rows: Vec<CudaFunction>,
     /// `[format]` one-token gate/up GEMVs with the SwiGLU and its quantization.
     gemv_glu: Vec<CudaFunction>,
+    /// `[format]` a MoE block's grouped expert kernels, gate/up with the SwiGLU and down
+    /// (`qmoe_*`, driven by `moe.rs`).
+    moe: Vec<[CudaFunction; 2]>,
     dequant: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     /// `[format][configuration]` tensor-core GEMVs (`qmma_*`), where the device has the shared
@@ -354,6 +357,7 @@ impl Kernels {
             gemv_rows: Vec::new(),
             gemv_multi_rows: Vec::new(),
             gemv_glu: Vec::new(),
+            moe: Vec::new(),
             dequant: Vec::new(),
             embed: Vec::new(),
             qmma: None,
@@ -381,6 +385,7 @@ impl Kernels {
             k.gemv_rows.push(f(&format!("qgemv_rows_{name}"))?);
             k.gemv_multi_rows.push(f(&format!("qgemv_multi_rows_{name}"))?);
             k.gemv_glu.push(f(&format!("qgemv_glu_{name}"))?);
+            k.moe.push([f(&format!("qmoe_gate_up_{name}"))?, f(&format!("qmoe_down_{name}"))?]);
             k.dequant.push(f(&format!("dequant_bf16_{name}"))?);
             k.embed.push(f(&format!("embed_{name}"))?);
         }
@@ -721,6 +726,16 @@ impl Kernels {
             kernel_args![x.ptr(), xq.q, xq.d, xq.s, groups as i32],
         );
         xq
+    }
+
+    /// `x: [rows, cols]` quantized per 32 for the packed kernels (`cols % 32 == 0`).
+    pub(super) fn quantize(&self, dev: &Device, x: &CudaBuf, rows: usize, cols: usize) -> XQuant {
+        self.quantize_x(dev, x, rows, cols, None)
+    }
+
+    /// `qmoe_gate_up_*` (`which` 0) or `qmoe_down_*` (1) for packed weights of `dtype`.
+    pub(super) fn moe_kernel(&self, dtype: DType, which: usize) -> &CudaFunction {
+        &self.moe[format_index(dtype)][which]
     }
 
     /// Index into [`ROWS_PER_WARP`] of the one-token GEMV for a launch of `blocks(r)` blocks
