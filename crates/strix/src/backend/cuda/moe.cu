@@ -13,10 +13,8 @@
 // in increasing order from zero whatever kernel runs it, and a token's picks summed in pick
 // order, so a token's result is bitwise the same alone or in any batch.
 //
-// The experts' weight pointers come by value (`__grid_constant__`, so indexing one by the
-// picked expert reads the parameter bank instead of copying the table to local memory): up to
+// The experts' weight pointers come by value (MoeTable, MoePair of prelude.cu): up to
 // MOE_MAX_EXPERTS experts, which a recorded decode step keeps with its launches.
-#define MOE_MAX_EXPERTS 512
 #define MOE_MAX_K 16
 #define MOE_WARPS 8
 #define MOE_ROUTE_WARPS 4
@@ -24,14 +22,6 @@
 #define MOE_UNROLL 4
 // Picks of one expert a warp carries through a row at a time (grouped kernels).
 #define MOE_GROUP 8
-
-struct MoeTable {
-    unsigned long long w[MOE_MAX_EXPERTS];
-};
-struct MoePair {
-    unsigned long long a[MOE_MAX_EXPERTS];
-    unsigned long long b[MOE_MAX_EXPERTS];
-};
 
 // A router order key: NaN (a broken model) below every probability, above a taken one (-2).
 __device__ __forceinline__ float moe_key(float p) { return p != p ? -1.5f : p; }
@@ -98,34 +88,11 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
     }
 }
 
-// Σ_i w[i] * x[i] over one row of `n` bf16 weights, this lane's share (chunks lane, lane + 32,
-// ... of 8 weights when n % 8 == 0, else single weights), MOE_UNROLL chunks loaded at a time.
-__device__ __forceinline__ float moe_row_dot(const bf16_t* w, const float* x, int n, int lane) {
-    float acc = 0.f;
-    if ((n & 7) == 0) {
-        const v4u* w4 = reinterpret_cast<const v4u*>(w);
-        const int chunks = n >> 3;
-        for (int base = lane; base < chunks; base += 32 * MOE_UNROLL) {
-            v4u v[MOE_UNROLL];
-#pragma unroll
-            for (int u = 0; u < MOE_UNROLL; u++) {
-                const int i = base + 32 * u;
-                v[u] = i < chunks ? ld_stream(w4 + i) : v4u{0u, 0u, 0u, 0u};
-            }
-#pragma unroll
-            for (int u = 0; u < MOE_UNROLL; u++) {
-                const int i = base + 32 * u;
-                if (i < chunks) acc += dot8(v[u], x + 8 * i);
-            }
-        }
-    } else {
-        for (int c = lane; c < n; c += 32) acc = fmaf(bf16_to_f32(w[c]), x[c], acc);
-    }
-    return warp_sum(acc);
-}
-
-// moe_row_dot of one weight row against up to MOE_GROUP inputs at once (xs[q], q < count),
-// the row streamed once: each sum is bitwise what moe_row_dot gives for that input.
+// Σ_i w[i] * x[i] over one row of `n` bf16 weights for up to MOE_GROUP inputs at once (xs[q],
+// q < count), the row streamed once: per lane, chunks lane, lane + 32, ... of 8 weights in
+// increasing order (single weights when n % 8 != 0), MOE_UNROLL chunks loaded at a time, then
+// the warp's butterfly. An input's sum is the same sequence of operations whatever the other
+// inputs and `count` are.
 __device__ __forceinline__ void moe_row_dots(const bf16_t* w, const float* const (&xs)[MOE_GROUP], int count, int n,
                                              int lane, float (&out)[MOE_GROUP]) {
     float acc[MOE_GROUP];
@@ -159,6 +126,14 @@ __device__ __forceinline__ void moe_row_dots(const bf16_t* w, const float* const
     }
 #pragma unroll
     for (int q = 0; q < MOE_GROUP; q++) out[q] = warp_sum(acc[q]);
+}
+
+// One input: the sum moe_row_dots gives it in any group.
+__device__ __forceinline__ float moe_row_dot(const bf16_t* w, const float* x, int n, int lane) {
+    const float* const xs[MOE_GROUP] = {x, x, x, x, x, x, x, x};
+    float out[MOE_GROUP];
+    moe_row_dots(w, xs, 1, n, lane, out);
+    return out[0];
 }
 
 // grid (ceil(inter / MOE_WARPS), tokens * k), block MOE_WARPS * 32: warp w of block (rb, pick)

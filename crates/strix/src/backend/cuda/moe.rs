@@ -21,20 +21,20 @@ use crate::tensor::DType;
 
 pub(super) const SOURCE: &str = include_str!("moe.cu");
 
-/// `MOE_MAX_EXPERTS`, `MOE_MAX_K`, `MOE_WARPS` and `MOE_ROUTE_WARPS` of the kernels.
+/// `MOE_MAX_EXPERTS` (prelude.cu), `MOE_MAX_K`, `MOE_WARPS` and `MOE_ROUTE_WARPS` of the kernels.
 pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
 const WARPS: usize = 8;
 const ROUTE_WARPS: usize = 4;
 
-/// `MoeTable` of `moe.cu`: one weight pointer per expert, passed by value.
+/// `MoeTable` of `prelude.cu`: one weight pointer per expert, passed by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct MoeTable {
     w: [u64; MAX_EXPERTS],
 }
 
-/// `MoePair` of `moe.cu`: the gate and up pointers per expert.
+/// `MoePair` of `prelude.cu`: the gate and up pointers per expert.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct MoePair {

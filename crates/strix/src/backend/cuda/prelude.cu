@@ -120,3 +120,16 @@ __device__ __forceinline__ float dot8(v4u w, const float* x) {
     s = fmaf(bf16_hi(w.w), b.w, s);
     return s;
 }
+
+// A MoE layer's expert weights, one pointer per expert, passed to a kernel by value as a
+// `__grid_constant__` parameter (indexing it by the picked expert then reads the parameter
+// bank instead of copying the table to local memory): moe.cu's and quant.cu's expert kernels.
+#define MOE_MAX_EXPERTS 512
+struct MoeTable {
+    unsigned long long w[MOE_MAX_EXPERTS];
+};
+// The gate and up pointers per expert.
+struct MoePair {
+    unsigned long long a[MOE_MAX_EXPERTS];
+    unsigned long long b[MOE_MAX_EXPERTS];
+};

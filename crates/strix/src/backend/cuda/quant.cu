@@ -40,13 +40,7 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
 }
 
 // Weights are read once per call: stream them past L1.
-__device__ __forceinline__ v4u ldq(const void* p) {
-    v4u r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
+__device__ __forceinline__ v4u ldq(const void* p) { return ld_stream(reinterpret_cast<const v4u*>(p)); }
 // Scales are shared between lanes: read-only path, cached.
 __device__ __forceinline__ v4u ldg4(const void* p) {
     v4u r;
@@ -600,15 +594,7 @@ QGEMV_ALL(q6_k, Q6_KF, 2, 2, 2, 1, 1, 2, 1)
 // A pick's sum is formed as qgemv_body's with one warp a row (units lane, lane + 32, ... in
 // order, then the warp's butterfly), so it does not depend on the other picks. Expert e's
 // quants start at table[e], its scales after all its rows' quants.
-#define QMOE_MAX_EXPERTS 512
 #define QMOE_GROUP 8
-struct QMoeTable {
-    unsigned long long w[QMOE_MAX_EXPERTS];
-};
-struct QMoePair {
-    unsigned long long a[QMOE_MAX_EXPERTS];
-    unsigned long long b[QMOE_MAX_EXPERTS];
-};
 
 template <class F>
 __device__ __forceinline__ void qmoe_row_dots(const u8* wq, i64 row, int rows, int cols, const XQ (&xs)[QMOE_GROUP],
@@ -644,7 +630,7 @@ __device__ __forceinline__ XQ qmoe_x(const i8* q, const float* d, const int* s, 
 // grid (ceil(inter / QG_WARPS), min(picks, experts)), block QG_WARPS * 32: act[pick][row] =
 // silu(gate · x) * (up · x), x the pick's token (pick / k) of quantize_x's [tokens, hidden].
 template <class F>
-__device__ __forceinline__ void qmoe_gate_up_body(const QMoePair& t, const i8* xq, const float* xd, const int* xs,
+__device__ __forceinline__ void qmoe_gate_up_body(const MoePair& t, const i8* xq, const float* xd, const int* xs,
                                                   int k, int inter, int hidden, const int* active_count,
                                                   const int* active, const int* start, const int* members,
                                                   float* act) {
@@ -672,7 +658,7 @@ __device__ __forceinline__ void qmoe_gate_up_body(const QMoePair& t, const i8* x
 // grid (ceil(hidden / QG_WARPS), min(picks, experts)): y[pick][c] = down_e[c] · act[pick], act
 // quantized per pick ([picks, inter]).
 template <class F>
-__device__ __forceinline__ void qmoe_down_body(const QMoeTable& t, const i8* aq, const float* ad, const int* as,
+__device__ __forceinline__ void qmoe_down_body(const MoeTable& t, const i8* aq, const float* ad, const int* as,
                                                int inter, int hidden, const int* active_count, const int* active,
                                                const int* start, const int* members, float* y) {
     pdl_enter();
@@ -696,13 +682,13 @@ __device__ __forceinline__ void qmoe_down_body(const QMoeTable& t, const i8* aq,
 
 #define QMOE(NAME, F)                                                                                        \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                              \
-        qmoe_gate_up_##NAME(const __grid_constant__ QMoePair t, const i8* xq, const float* xd, const int* xs, \
+        qmoe_gate_up_##NAME(const __grid_constant__ MoePair t, const i8* xq, const float* xd, const int* xs, \
                             int k, int inter, int hidden, const int* active_count, const int* active,        \
                             const int* start, const int* members, float* act) {                              \
         qmoe_gate_up_body<F>(t, xq, xd, xs, k, inter, hidden, active_count, active, start, members, act);    \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                              \
-        qmoe_down_##NAME(const __grid_constant__ QMoeTable t, const i8* aq, const float* ad, const int* as,   \
+        qmoe_down_##NAME(const __grid_constant__ MoeTable t, const i8* aq, const float* ad, const int* as,   \
                          int inter, int hidden, const int* active_count, const int* active, const int* start, \
                          const int* members, float* y) {                                                     \
         qmoe_down_body<F>(t, aq, ad, as, inter, hidden, active_count, active, start, members, y);            \
