@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use bench::median;
 use strix::backend::cuda::CudaBackend;
-use strix::backend::{Backend, DeltaRuleMode};
+use strix::backend::{AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::sampling::argmax;
@@ -325,11 +325,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
             b.gated_delta_rule(
                 &dn,
                 DeltaRuleMode::Recurrent,
-                &qkv,
-                &a,
-                &bb,
-                &a_log,
-                &dt,
+                DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
                 1,
                 &mut state,
                 &mut core,
@@ -351,22 +347,45 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         let (mut q, mut gate) = (b.zeros(q_dim), b.zeros(q_dim));
         let positions = [context];
         let secs = per_call(b, REPS, || {
-            b.attention_prologue(&at, &qg, &mut k, &qn, &kn, &inv_freq, &positions, &mut q, &mut gate)
+            b.attention_prologue(
+                AttentionLayer { shape: at, q_norm: &qn, k_norm: &kn, inv_freq: &inv_freq },
+                &qg,
+                &mut k,
+                &positions,
+                &mut q,
+                &mut gate,
+            )
         })?;
         ops.push(Op { name: "attention prologue", shape: String::new(), calls: n_att, secs, bytes: 0 });
         // Caches in the backend's default type (bf16).
         let cache = |n: usize| b.cache_upload(&vec![1.0; n]);
         let (mut kc, mut vc) = (cache((context + 1) * at.kv_dim()), cache((context + 1) * at.kv_dim()));
         let mut o = b.zeros(q_dim);
-        let secs =
-            per_call(b, REPS, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, context, 1, &mut o))?;
+        let secs = per_call(b, REPS, || {
+            b.attention(
+                &at,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kc, v: &mut vc },
+                context,
+                1,
+                &mut o,
+            )
+        })?;
         let shape = format!("ctx {}", context + 1);
         ops.push(Op { name: "attention", shape, calls: n_att, secs, bytes: 0 });
         // For reference (not part of this step): the same at a 4096-token context.
         let long = 4096;
         let (mut kc, mut vc) = (cache((long + 1) * at.kv_dim()), cache((long + 1) * at.kv_dim()));
-        let secs =
-            per_call(b, REPS, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, long, 1, &mut o))?;
+        let secs = per_call(b, REPS, || {
+            b.attention(
+                &at,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kc, v: &mut vc },
+                long,
+                1,
+                &mut o,
+            )
+        })?;
         ops.push(Op {
             name: "attention (reference only)",
             shape: format!("ctx {}", long + 1),

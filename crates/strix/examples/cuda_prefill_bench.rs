@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use bench::{median, Random};
 use strix::backend::cuda::{CudaBackend, PrefillPath};
-use strix::backend::{Backend, DeltaRuleMode};
+use strix::backend::{AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::synthetic::{preset, SyntheticWeights};
@@ -135,11 +135,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
             b.gated_delta_rule(
                 &dn,
                 DeltaRuleMode::Chunked,
-                &qkv,
-                &a,
-                &bb,
-                &a_log,
-                &dt,
+                DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
                 t,
                 &mut state,
                 &mut core,
@@ -149,11 +145,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
                 b.gated_delta_rule(
                     &dn,
                     DeltaRuleMode::Chunked,
-                    &qkv,
-                    &a,
-                    &bb,
-                    &a_log,
-                    &dt,
+                    DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
                     t,
                     &mut state,
                     &mut core,
@@ -183,7 +175,14 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let (mut q, mut gate) = (b.zeros(t * q_dim), b.zeros(t * q_dim));
         let positions: Vec<usize> = (0..t).collect();
         let secs = timed(b, 10, || {
-            b.attention_prologue(&at, &qg, &mut k, &qn, &kn, &inv_freq, &positions, &mut q, &mut gate)
+            b.attention_prologue(
+                AttentionLayer { shape: at, q_norm: &qn, k_norm: &kn, inv_freq: &inv_freq },
+                &qg,
+                &mut k,
+                &positions,
+                &mut q,
+                &mut gate,
+            )
         });
         push("attention prologue".into(), n_att * passes, secs);
         let k = b.upload(&k0);
@@ -195,15 +194,30 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
             let mut total = 0.0;
             for p in 0..passes {
                 let pos0 = p * PASS;
-                total +=
-                    timed(b, 5, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, pos0, t, &mut o));
+                total += timed(b, 5, || {
+                    b.attention(
+                        &at,
+                        AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                        KvCache { k: &mut kc, v: &mut vc },
+                        pos0,
+                        t,
+                        &mut o,
+                    )
+                });
             }
             push(format!("attention, 8 passes summed [{path:?}]"), n_att, total);
         }
         let mut outs = Vec::new();
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             b.set_prefill_path(path);
-            b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, PROMPT - PASS, t, &mut o);
+            b.attention(
+                &at,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kc, v: &mut vc },
+                PROMPT - PASS,
+                t,
+                &mut o,
+            );
             outs.push(b.download(&o, 0, t * q_dim));
         }
         println!(

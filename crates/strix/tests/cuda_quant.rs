@@ -27,7 +27,7 @@ use common::{argmax, fixtures, gpu, rel_err, small_real_heads, Dequantized, Rng}
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, CudaWeight, GemmPath, PackedMma, PathCounts, QUANT_GEMV_MAX_TOKENS};
-use strix::backend::{Backend, KvCacheType};
+use strix::backend::{Backend, KvCacheType, MlpActivations, MlpWeights};
 use strix::checkpoint::Checkpoint;
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{Logits, Model, TensorSource};
@@ -571,12 +571,12 @@ fn compare_model(
 ) -> f32 {
     let cpu =
         Model::from_source(config.clone(), &Dequantized { inner: src }, CpuBackend::new(), None).unwrap();
-    let gpu = Model::from_source(config.clone(), src, common::gpu_backend(), None).unwrap();
-    let path = if gpu.backend().has_cublas() { path } else { GemmPath::Auto };
-    gpu.backend().set_gemm_path(path);
     // The CPU's cache is f32: so is this one, so that the comparison holds the packed weights'
     // path alone (the bf16 cache has tests of its own in tests/cuda.rs).
-    gpu.backend().set_kv_cache_type(KvCacheType::F32);
+    let gpu =
+        Model::from_source(config.clone(), src, common::gpu_backend_kv(KvCacheType::F32), None).unwrap();
+    let path = if gpu.backend().has_cublas() { path } else { GemmPath::Auto };
+    gpu.backend().set_gemm_path(path);
     let vocab = config.vocab_size;
     let (mut sc, mut sg) = (cpu.new_session(256), gpu.new_session(256));
     let lc = cpu.forward(&mut sc, prompt, Logits::All).unwrap();
@@ -806,7 +806,9 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                     let (mut go, mut uo, mut act) = (poison(&g, inter), poison(&g, inter), poison(&g, inter));
                     let mut o4 = poison(&g, dim);
                     g.rms_norm(&hg, &nwg, dim, eps, &mut x4);
-                    g.mlp(&x4, 1, (&gate, &up, &dn), (&mut go, &mut uo, &mut act), &mut o4, decode_batch);
+                    let weights = MlpWeights { gate: &gate, up: &up, down: &dn };
+                    let acts = MlpActivations { gate: &mut go, up: &mut uo, act: &mut act };
+                    g.mlp(&x4, 1, weights, acts, &mut o4, decode_batch);
                     outs.extend([down(&g, &act), down(&g, &o4)]);
                 }
                 let mut all = vec![down(&g, &x), down(&g, &hg), down(&g, &o1), down(&g, &x2)];

@@ -35,6 +35,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 use super::compile;
 use super::device::{cuda_error, kernel_args, no_panic, CudaBuf, CudaWeight, Device};
 use super::elementwise;
+use crate::backend::MlpWeights;
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -877,10 +878,11 @@ impl Kernels {
         policy: GemmPath,
         x: &CudaBuf,
         tokens: usize,
-        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        weights: MlpWeights<'_, CudaWeight>,
         (gate_out, up_out): (&mut CudaBuf, &mut CudaBuf),
         out: &mut CudaBuf,
     ) -> Option<Ran> {
+        let MlpWeights { gate, up, down } = weights;
         let inter = gate.rows();
         if up.rows() != inter || down.cols() != inter || down.dtype() != DType::BF16 || down.rows() == 0 {
             return None;

@@ -74,8 +74,8 @@ impl Kernels {
 
     /// Whether [`Kernels::experts`] takes these experts: all bf16 of one shape, at most
     /// [`MAX_EXPERTS`] of them, `top_k` in 1..=[`MAX_TOP_K`] and no more than the experts.
-    pub fn supports(experts: &MoeExperts<super::CudaBackend>, top_k: usize) -> bool {
-        let n = experts.len();
+    pub fn supports(experts: &MoeExperts<super::CudaBackend>) -> bool {
+        let (n, top_k) = (experts.len(), experts.top_k);
         let Some(first) = experts.gate.first() else { return false };
         let (inter, hidden) = (first.rows(), first.cols());
         let shaped = |ws: &[CudaWeight], rows: usize, cols: usize| {
@@ -96,7 +96,6 @@ impl Kernels {
     /// `out[t] = Σ weight · expert(x[t])` over the `top_k` experts `router_logits[t]` picks, for
     /// `tokens` rows (`x`, `out`: `[tokens, hidden]`). The caller checked
     /// [`Kernels::supports`].
-    #[allow(clippy::too_many_arguments)]
     pub fn experts(
         &self,
         dev: &Device,
@@ -104,10 +103,10 @@ impl Kernels {
         tokens: usize,
         router_logits: &CudaBuf,
         experts: &MoeExperts<super::CudaBackend>,
-        top_k: usize,
         out: &mut CudaBuf,
     ) {
-        assert!(Self::supports(experts, top_k), "moe: unsupported experts or top_k {top_k}");
+        let top_k = experts.top_k;
+        assert!(Self::supports(experts), "moe: unsupported experts or top_k {top_k}");
         let n = experts.len();
         let (inter, hidden) = (experts.gate[0].rows(), experts.gate[0].cols());
         let picks = tokens * top_k;
