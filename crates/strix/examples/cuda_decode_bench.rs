@@ -30,7 +30,9 @@ use std::time::Instant;
 
 use bench::median;
 use strix::backend::cuda::CudaBackend;
-use strix::backend::{AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache};
+use strix::backend::{
+    AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache, RmsNorm,
+};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::sampling::argmax;
@@ -298,7 +300,9 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
     let ones = |n: usize| b.upload(&vec![0.25; n]);
     let (mut res, x, w) = (ones(h), ones(h), ones(h));
     let mut out = b.zeros(h);
-    let secs = per_call(b, REPS, || b.add_rms_norm(&mut res, &x, &w, h, 1e-6, &mut out))?;
+    let secs = per_call(b, REPS, || {
+        b.add_rms_norm(&mut res, &x, RmsNorm { weight: &w, dim: h, eps: 1e-6 }, &mut out)
+    })?;
     ops.push(Op { name: "add_rms_norm", shape: format!("{h}"), calls: 2 * c.num_layers, secs, bytes: 0 });
     let (g, u) = (ones(inter), ones(inter));
     let mut act = b.zeros(inter);
@@ -334,8 +338,14 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         let shape = format!("{}x{}x{}", dn.num_v_heads, dn.k_head_dim, dn.v_head_dim);
         ops.push(Op { name: "gated delta rule", shape, calls: n_gdn, secs, bytes: 0 });
         let (z, nw) = (ones(dn.value_dim()), ones(dn.v_head_dim));
-        let secs =
-            per_call(b, REPS, || b.gated_rms_norm(&mut core, &z, &nw, dn.num_v_heads, dn.v_head_dim, 1e-6))?;
+        let secs = per_call(b, REPS, || {
+            b.gated_rms_norm(
+                &mut core,
+                &z,
+                RmsNorm { weight: &nw, dim: dn.v_head_dim, eps: 1e-6 },
+                dn.num_v_heads,
+            )
+        })?;
         let shape = format!("{}x{}", dn.num_v_heads, dn.v_head_dim);
         ops.push(Op { name: "gated_rms_norm", shape, calls: n_gdn, secs, bytes: 0 });
     }

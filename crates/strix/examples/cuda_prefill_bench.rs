@@ -22,7 +22,9 @@ use std::time::Instant;
 
 use bench::{median, Random};
 use strix::backend::cuda::{CudaBackend, PrefillPath};
-use strix::backend::{AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache};
+use strix::backend::{
+    AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache, RmsNorm,
+};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::synthetic::{preset, SyntheticWeights};
@@ -109,7 +111,8 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
     let up = |rng: &mut Random, n: usize, s: f32| b.upload(&rng.vec(n, s));
     let (mut res, x, w) = (up(&mut rng, t * h, 1.0), up(&mut rng, t * h, 1.0), up(&mut rng, h, 0.3));
     let mut out = b.zeros(t * h);
-    let secs = timed(b, 10, || b.add_rms_norm(&mut res, &x, &w, h, 1e-6, &mut out));
+    let secs =
+        timed(b, 10, || b.add_rms_norm(&mut res, &x, RmsNorm { weight: &w, dim: h, eps: 1e-6 }, &mut out));
     push("add_rms_norm".into(), 2 * c.num_layers * passes, secs);
     let (g, u) = (up(&mut rng, t * inter, 1.0), up(&mut rng, t * inter, 1.0));
     let mut act = b.zeros(t * inter);
@@ -162,7 +165,9 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let nw = up(&mut rng, dn.v_head_dim, 0.3);
         let mut core = up(&mut rng, t * dn.value_dim(), 1.0);
         let rows = t * dn.num_v_heads;
-        let secs = timed(b, 10, || b.gated_rms_norm(&mut core, &z, &nw, rows, dn.v_head_dim, 1e-6));
+        let secs = timed(b, 10, || {
+            b.gated_rms_norm(&mut core, &z, RmsNorm { weight: &nw, dim: dn.v_head_dim, eps: 1e-6 }, rows)
+        });
         push("gated_rms_norm".into(), n_gdn * passes, secs);
     }
     if n_att > 0 {

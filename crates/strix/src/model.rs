@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::{
     AttentionInput, AttentionLayer, Backend, DeltaNetLayer, DeltaNetProjections, DeltaNetShape,
-    DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, MlpActivations, MlpWeights, MoeExperts,
+    DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, MlpActivations, MlpWeights, MoeExperts, RmsNorm,
 };
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, MoeConfig};
@@ -839,13 +839,14 @@ impl<B: Backend> Model<B> {
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
         let t = ids.len();
         b.embed(&w.embed_tokens, ids, hidden, &mut s.h);
-        b.rms_norm(&s.h, &w.layers[0].input_norm, hidden, eps, &mut s.x);
+        let norm = |weight| RmsNorm { weight, dim: hidden, eps };
+        b.rms_norm(&s.h, norm(&w.layers[0].input_norm), &mut s.x);
         for (l, layer) in w.layers.iter().enumerate() {
             match &layer.mixer {
                 Mixer::DeltaNet(m) => self.delta_net(m, l, seqs, t, s),
                 Mixer::Attention(m) => self.attention(m, l, seqs, positions, s),
             }
-            b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
+            b.add_rms_norm(&mut s.h, &s.y, norm(&layer.post_attention_norm), &mut s.x);
 
             let decode_batch = matches!(seqs, Sequences::Batch(_));
             match &layer.mlp {
@@ -858,7 +859,7 @@ impl<B: Backend> Model<B> {
             }
 
             let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
-            b.add_rms_norm(&mut s.h, &s.y, next_norm, hidden, eps, &mut s.x);
+            b.add_rms_norm(&mut s.h, &s.y, norm(next_norm), &mut s.x);
         }
     }
 
@@ -918,7 +919,7 @@ impl<B: Backend> Model<B> {
                     dt_bias: &m.dt_bias,
                 };
                 b.gated_delta_rule(&d, mode, input, t, state.recurrent, &mut s.core);
-                b.gated_rms_norm(&mut s.core, &s.z, &m.norm, t * d.num_v_heads, d.v_head_dim, d.eps);
+                b.gated_rms_norm(&mut s.core, &s.z, m.layer(d).gated_norm(), t * d.num_v_heads);
             }
             Sequences::Batch(sessions) => {
                 let layer = m.layer(d);

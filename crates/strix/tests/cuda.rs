@@ -21,7 +21,8 @@
 //! the same rounding emulated on the CPU. Errors against the goldens themselves are printed.
 //!
 //! KV caches. The CUDA backend keeps bf16 caches by default; the f32-tolerance tests ask for f32
-//! caches explicitly (`set_kv_cache_type`), and the bf16 cache has tests of its own: rows
+//! caches explicitly (a backend made with `CudaOptions::kv_cache`, `common::gpu_kv`, or for op
+//! tests a cache made as f32, `cache_zeros_as`), and the bf16 cache has tests of its own: rows
 //! bitwise the host's round-to-nearest-even, attention over them against the CPU over the same
 //! rounded rows (`KV_BF16_TOL`), the flash prefill bitwise what it gives over an f32 cache, and
 //! whole models against a CPU reference that rounds its cache rows the same way.
@@ -37,7 +38,7 @@ use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath, TensorCoreKernel}
 use strix::backend::{
     AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetLayer, DeltaNetProjections,
     DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, KvCacheType, MlpActivations,
-    MlpWeights, ValueHeadOrder,
+    MlpWeights, RmsNorm, ValueHeadOrder,
 };
 use strix::config::LayerKind;
 use strix::model::{Logits, Model};
@@ -207,16 +208,16 @@ fn norms_add_swiglu_copy_match_cpu() {
         let (xg, wg) = (g.upload(&x), g.upload(&w));
 
         let mut reference = vec![0.0; n];
-        cpu.rms_norm(&x, &w, dim, 1e-6, &mut reference);
+        cpu.rms_norm(&x, RmsNorm { weight: &w, dim, eps: 1e-6 }, &mut reference);
         let mut out = poison(&g, n);
-        g.rms_norm(&xg, &wg, dim, 1e-6, &mut out);
+        g.rms_norm(&xg, RmsNorm { weight: &wg, dim, eps: 1e-6 }, &mut out);
         check(&format!("rms_norm {rows}x{dim}"), &down(&g, &out), &reference, F32_TOL);
 
         let mut rc = res.clone();
-        cpu.add_rms_norm(&mut rc, &x, &w, dim, 1e-6, &mut reference);
+        cpu.add_rms_norm(&mut rc, &x, RmsNorm { weight: &w, dim, eps: 1e-6 }, &mut reference);
         let mut rg = g.upload(&res);
         let mut out = poison(&g, n);
-        g.add_rms_norm(&mut rg, &xg, &wg, dim, 1e-6, &mut out);
+        g.add_rms_norm(&mut rg, &xg, RmsNorm { weight: &wg, dim, eps: 1e-6 }, &mut out);
         check(&format!("add_rms_norm {rows}x{dim} out"), &down(&g, &out), &reference, F32_TOL);
         check(&format!("add_rms_norm {rows}x{dim} residual"), &down(&g, &rg), &rc, 0.0);
 
@@ -237,9 +238,9 @@ fn norms_add_swiglu_copy_match_cpu() {
         let z = rng.vec(rows * dim, 3.0);
         let w = rng.vec(dim, 1.0);
         let mut xc = x.clone();
-        cpu.gated_rms_norm(&mut xc, &z, &w, rows, dim, 1e-6);
+        cpu.gated_rms_norm(&mut xc, &z, RmsNorm { weight: &w, dim, eps: 1e-6 }, rows);
         let mut xg = g.upload(&x);
-        g.gated_rms_norm(&mut xg, &g.upload(&z), &g.upload(&w), rows, dim, 1e-6);
+        g.gated_rms_norm(&mut xg, &g.upload(&z), RmsNorm { weight: &g.upload(&w), dim, eps: 1e-6 }, rows);
         check(&format!("gated_rms_norm {rows}x{dim}"), &down(&g, &xg), &xc, F32_TOL);
     }
 }

@@ -78,6 +78,13 @@ pub enum DeltaRuleMode {
     Chunked,
 }
 
+impl<'w, Buf> DeltaNetLayer<'w, Buf> {
+    /// The gated RMSNorm over each value head's output.
+    pub fn gated_norm(&self) -> RmsNorm<'w, Buf> {
+        RmsNorm { weight: self.norm, dim: self.shape.v_head_dim, eps: self.shape.eps }
+    }
+}
+
 /// One Gated DeltaNet layer as its ops read it (`Qwen3_5GatedDeltaNet`): the mixer's shape and
 /// the layer's own small parameters, borrowed from the model's weights.
 pub struct DeltaNetLayer<'w, Buf> {
@@ -148,6 +155,14 @@ pub struct KvCache<'c, Cache> {
     pub v: &'c mut Cache,
 }
 
+/// An RMSNorm as its ops take it (`Qwen3_5RMSNorm`, and the gated `Qwen3_5RMSNormGated`): the
+/// weight (`[dim]`), applied to each row of `dim` values, with `eps` under the root.
+pub struct RmsNorm<'w, Buf> {
+    pub weight: &'w Buf,
+    pub dim: usize,
+    pub eps: f32,
+}
+
 /// A SwiGLU MLP's matrices (`Qwen3_5MLP`): `down · (silu(gate · x) * (up · x))`, `gate` and
 /// `up` `[intermediate, hidden]`, `down` `[hidden, intermediate]`.
 pub struct MlpWeights<'w, Weight> {
@@ -175,7 +190,7 @@ macro_rules! copy_borrows {
         impl<T> Copy for $name<'_, T> {}
     )*};
 }
-copy_borrows!(DeltaNetLayer, DeltaRuleInput, AttentionLayer, AttentionInput, MlpWeights);
+copy_borrows!(DeltaNetLayer, DeltaRuleInput, AttentionLayer, AttentionInput, RmsNorm, MlpWeights);
 
 /// The routed experts of one sparse MoE layer (`Qwen3_5MoeExperts`): expert `e` is the SwiGLU
 /// MLP `down[e] · (silu(gate[e] · x) * (up[e] · x))`, each matrix a [`Backend::Weight`] of its
@@ -490,16 +505,14 @@ pub trait Backend: Send + Sync {
         let _ = experts;
         false
     }
-    /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
-    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
+    /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `norm.dim`.
+    fn rms_norm(&self, x: &Self::Buf, norm: RmsNorm<'_, Self::Buf>, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.
     fn add_rms_norm(
         &self,
         residual: &mut Self::Buf,
         x: &Self::Buf,
-        weight: &Self::Buf,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, Self::Buf>,
         out: &mut Self::Buf,
     );
     /// `out = silu(gate) * up` over `len` floats.
@@ -573,17 +586,9 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     );
 
-    /// `Qwen3_5RMSNormGated` in place: each `dim`-row of `x` becomes
+    /// `Qwen3_5RMSNormGated` in place on `rows` rows: each `norm.dim`-row of `x` becomes
     /// `weight * x / rms(x) * silu(z)` (weight not offset by one).
-    fn gated_rms_norm(
-        &self,
-        x: &mut Self::Buf,
-        z: &Self::Buf,
-        weight: &Self::Buf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    );
+    fn gated_rms_norm(&self, x: &mut Self::Buf, z: &Self::Buf, norm: RmsNorm<'_, Self::Buf>, rows: usize);
 
     // --- gated attention ----------------------------------------------------------------------
 
@@ -645,7 +650,7 @@ pub fn deltanet_decode_each<B: Backend + ?Sized>(
     let input = DeltaRuleInput { qkv, a, b, a_log: layer.a_log, dt_bias: layer.dt_bias };
     be.gated_delta_rule_rows(shape, input, states, out);
     let rows = states.len() * shape.num_v_heads;
-    be.gated_rms_norm(out, z, layer.norm, rows, shape.v_head_dim, shape.eps);
+    be.gated_rms_norm(out, z, layer.gated_norm(), rows);
 }
 
 /// [`Backend::matmul_glu`] as [`Backend::matmul_many`] into `acts.gate` and `acts.up` and

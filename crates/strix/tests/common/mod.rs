@@ -163,19 +163,17 @@ macro_rules! delegate_activation_ops_to_cpu {
         }
     };
     ($inner:tt, without_attention) => {
-        fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
-            self.$inner.rms_norm(x, w, dim, eps, out)
+        fn rms_norm(&self, x: &Vec<f32>, norm: strix::backend::RmsNorm<'_, Vec<f32>>, out: &mut Vec<f32>) {
+            self.$inner.rms_norm(x, norm, out)
         }
         fn add_rms_norm(
             &self,
             r: &mut Vec<f32>,
             x: &Vec<f32>,
-            w: &Vec<f32>,
-            dim: usize,
-            eps: f32,
+            norm: strix::backend::RmsNorm<'_, Vec<f32>>,
             out: &mut Vec<f32>,
         ) {
-            self.$inner.add_rms_norm(r, x, w, dim, eps, out)
+            self.$inner.add_rms_norm(r, x, norm, out)
         }
         fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
             self.$inner.swiglu(g, u, len, out)
@@ -226,12 +224,10 @@ macro_rules! delegate_activation_ops_to_cpu {
             &self,
             x: &mut Vec<f32>,
             z: &Vec<f32>,
-            w: &Vec<f32>,
+            norm: strix::backend::RmsNorm<'_, Vec<f32>>,
             rows: usize,
-            dim: usize,
-            eps: f32,
         ) {
-            self.$inner.gated_rms_norm(x, z, w, rows, dim, eps)
+            self.$inner.gated_rms_norm(x, z, norm, rows)
         }
         fn attention_prologue(
             &self,

@@ -459,7 +459,6 @@ pub fn recurrent_one_token(shape: &DeltaNetShape, raw: RawInputs, state: &mut [f
 /// `m × n` row-major `dst` with row stride `ldd`; `lhs` element `(i, p)` is at
 /// `i · lrs + p · lcs`, `rhs` element `(p, j)` at `p · rrs + j · rcs`. Single-threaded: the
 /// heads already run in parallel.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn mm(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],

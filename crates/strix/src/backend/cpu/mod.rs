@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use crate::backend::{
     AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetShape, DeltaNetState, DeltaRuleInput,
-    DeltaRuleMode, KvCache, MoeExperts,
+    DeltaRuleMode, KvCache, MoeExperts, RmsNorm,
 };
 use crate::error::Result;
 use crate::sampling::NonFiniteLogits;
@@ -341,8 +341,9 @@ impl Backend for CpuBackend {
         true
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(&self, x: &Vec<f32>, norm: RmsNorm<'_, Vec<f32>>, out: &mut Vec<f32>) {
         let _t = self.timed("rms_norm");
+        let RmsNorm { weight, dim, eps } = norm;
         let rows = x.len().min(out.len()) / dim;
         out[..rows * dim]
             .par_chunks_mut(dim * rows_per_task(dim))
@@ -361,12 +362,11 @@ impl Backend for CpuBackend {
         &self,
         residual: &mut Vec<f32>,
         x: &Vec<f32>,
-        weight: &Vec<f32>,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, Vec<f32>>,
         out: &mut Vec<f32>,
     ) {
         let _t = self.timed("add_rms_norm");
+        let RmsNorm { weight, dim, eps } = norm;
         let rows = residual.len().min(x.len()).min(out.len()) / dim;
         let n = dim * rows_per_task(dim);
         residual[..rows * dim]
@@ -473,16 +473,9 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn gated_rms_norm(
-        &self,
-        x: &mut Vec<f32>,
-        z: &Vec<f32>,
-        weight: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) {
+    fn gated_rms_norm(&self, x: &mut Vec<f32>, z: &Vec<f32>, norm: RmsNorm<'_, Vec<f32>>, rows: usize) {
         let _t = self.timed("gated_rms_norm");
+        let RmsNorm { weight, dim, eps } = norm;
         let n = dim * rows_per_task(dim);
         x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
             for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {

@@ -421,8 +421,8 @@ impl Kernels {
         // As the CPU computes it, so both backends scale q identically.
         let q_scale = 1.0 / (dk as f32).sqrt();
         let kh_div = shape.key_head_divisor() as i32;
-        let (t, nk32, nv32, dk32, dv32) = (tokens as i32, nk as i32, nv as i32, dk as i32, dv as i32);
-        match mode {
+        // Both kernels take the same arguments; the launch shape is the algorithm's.
+        let (name, f, grid, block, smem) = match mode {
             DeltaRuleMode::Recurrent => {
                 assert!(
                     dk <= GDN_RECURRENT_MAX_DK,
@@ -433,29 +433,8 @@ impl Kernels {
                 } else {
                     (&self.gdn_recurrent_generic, "gdn_recurrent_generic")
                 };
-                dev.launch(
-                    name,
-                    f,
-                    (nv as u32, dv.div_ceil(GDN_COLS) as u32, 1),
-                    ((GDN_COLS * GDN_PARTS) as u32, 1, 1),
-                    0,
-                    kernel_args![
-                        qkv.ptr(),
-                        a.ptr(),
-                        b.ptr(),
-                        a_log.ptr(),
-                        dt_bias.ptr(),
-                        state.ptr(),
-                        out.ptr(),
-                        t,
-                        nk32,
-                        nv32,
-                        dk32,
-                        dv32,
-                        q_scale,
-                        kh_div
-                    ],
-                );
+                let grid = (nv as u32, dv.div_ceil(GDN_COLS) as u32, 1);
+                (name, f, grid, ((GDN_COLS * GDN_PARTS) as u32, 1, 1), 0)
             }
             DeltaRuleMode::Chunked => {
                 let smem = chunked_smem_floats(dk) * 4;
@@ -464,31 +443,39 @@ impl Kernels {
                     "gated_delta_rule: k_head_dim {dk} needs {smem} bytes of shared memory, the device allows {}",
                     self.chunked_smem_limit
                 );
-                dev.launch(
+                (
                     "gdn_chunked",
                     &self.gdn_chunked,
                     (nv as u32, dv.div_ceil(CHUNK_COLS) as u32, 1),
                     (256, 1, 1),
-                    smem as u32,
-                    kernel_args![
-                        qkv.ptr(),
-                        a.ptr(),
-                        b.ptr(),
-                        a_log.ptr(),
-                        dt_bias.ptr(),
-                        state.ptr(),
-                        out.ptr(),
-                        t,
-                        nk32,
-                        nv32,
-                        dk32,
-                        dv32,
-                        q_scale,
-                        kh_div
-                    ],
-                );
+                    smem,
+                )
             }
-        }
+        };
+        let (t, nk32, nv32, dk32, dv32) = (tokens as i32, nk as i32, nv as i32, dk as i32, dv as i32);
+        dev.launch(
+            name,
+            f,
+            grid,
+            block,
+            smem as u32,
+            kernel_args![
+                qkv.ptr(),
+                a.ptr(),
+                b.ptr(),
+                a_log.ptr(),
+                dt_bias.ptr(),
+                state.ptr(),
+                out.ptr(),
+                t,
+                nk32,
+                nv32,
+                dk32,
+                dv32,
+                q_scale,
+                kh_div
+            ],
+        );
     }
 }
 

@@ -50,7 +50,7 @@ use std::sync::Mutex;
 use crate::backend::{
     AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetLayer, DeltaNetProjections,
     DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, KvCacheType, MlpActivations,
-    MlpWeights, MoeExperts,
+    MlpWeights, MoeExperts, RmsNorm,
 };
 use crate::error::Result;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
@@ -850,23 +850,21 @@ impl Backend for CudaBackend {
         self.count_matmuls(ran, 1);
     }
 
-    fn rms_norm(&self, x: &CudaBuf, weight: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
+    fn rms_norm(&self, x: &CudaBuf, norm: RmsNorm<'_, CudaBuf>, out: &mut CudaBuf) {
         self.dev.bind();
-        self.produce(out, dim, true, |out, side| self.ew.rms_norm(&self.dev, x, weight, dim, eps, out, side));
+        self.produce(out, norm.dim, true, |out, side| self.ew.rms_norm(&self.dev, x, norm, out, side));
     }
 
     fn add_rms_norm(
         &self,
         residual: &mut CudaBuf,
         x: &CudaBuf,
-        weight: &CudaBuf,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, CudaBuf>,
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
-        self.produce(out, dim, true, |out, side| {
-            self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out, side)
+        self.produce(out, norm.dim, true, |out, side| {
+            self.ew.add_rms_norm(&self.dev, residual, x, norm, out, side)
         });
     }
 
@@ -921,17 +919,9 @@ impl Backend for CudaBackend {
         self.dn.gated_delta_rule(&self.dev, mode, run, state, out);
     }
 
-    fn gated_rms_norm(
-        &self,
-        x: &mut CudaBuf,
-        z: &CudaBuf,
-        weight: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) {
+    fn gated_rms_norm(&self, x: &mut CudaBuf, z: &CudaBuf, norm: RmsNorm<'_, CudaBuf>, rows: usize) {
         self.dev.bind();
-        self.ew.gated_rms_norm(&self.dev, x, z, weight, rows, dim, eps);
+        self.ew.gated_rms_norm(&self.dev, x, z, norm, rows);
     }
 
     fn attention_prologue(
