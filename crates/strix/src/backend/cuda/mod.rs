@@ -445,6 +445,11 @@ impl CudaBackend {
         self.prefill_path.load(Ordering::Relaxed) == PrefillPath::Auto as u8
     }
 
+    /// How this backend's multi-token products run now.
+    fn gemms(&self) -> matmul::Gemms<'_> {
+        matmul::Gemms { dev: &self.dev, ew: &self.ew, blas: self.blas.as_ref(), policy: self.gemm_path() }
+    }
+
     fn gemm_path(&self) -> GemmPath {
         match self.gemm_path.load(Ordering::Relaxed) {
             1 => GemmPath::Cublas,
@@ -834,8 +839,7 @@ impl Backend for CudaBackend {
         let pre = self.prequantized(x, tokens, w.cols(), w.dtype().is_quantized());
         self.dev.bind();
         let ran = if w.dtype().is_quantized() {
-            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
-            match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out, pre) {
+            match self.q.matmul(self.gemms(), &self.mm, x, tokens, w, out, pre) {
                 quant::QRan::Gemv => return bump(&self.counters.gemv_quant),
                 quant::QRan::GemvRows => return bump(&self.counters.gemv_quant_rows),
                 quant::QRan::TensorCores => return bump(&self.counters.gemv_quant_mma),
@@ -845,7 +849,7 @@ impl Backend for CudaBackend {
                 }
             }
         } else {
-            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out)
+            self.mm.matmul(self.gemms(), x, tokens, w, out)
         };
         self.count_matmuls(ran, 1);
     }
@@ -980,8 +984,7 @@ impl Backend for CudaBackend {
             self.prequantized(x, tokens, cols, false);
             // A prompt's projections: the input rounded to bf16 once for all their GEMMs.
             self.dev.bind();
-            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
-            if let Some(ran) = mm.matmul_many_prompt(&self.dev, &self.ew, blas, path, x, tokens, ws, outs) {
+            if let Some(ran) = self.mm.matmul_many_prompt(self.gemms(), x, tokens, ws, outs) {
                 return self.count_matmuls(ran, ws.len() as u64);
             }
             return crate::backend::matmul_each(self, x, tokens, ws, outs, decode_batch);
@@ -1139,9 +1142,8 @@ impl Backend for CudaBackend {
         if !decode_batch && tokens > 1 {
             // A prompt: the SwiGLU goes straight into the down GEMM's bf16 input.
             self.dev.bind();
-            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
             let outs = (&mut *gate, &mut *up);
-            if let Some(ran) = mm.mlp_prompt(&self.dev, &self.ew, blas, path, x, tokens, weights, outs, out) {
+            if let Some(ran) = self.mm.mlp_prompt(self.gemms(), x, tokens, weights, outs, out) {
                 return self.count_matmuls(ran, 3);
             }
         }
