@@ -898,6 +898,7 @@ impl<B: Backend> Model<B> {
     ) {
         let b = &self.backend;
         let d = deltanet_shape(&self.config);
+        let layer = m.layer(d);
         seqs.matmul_many(
             b,
             &s.x,
@@ -908,21 +909,20 @@ impl<B: Backend> Model<B> {
         match seqs {
             Sequences::One(session) => {
                 let state = session.deltanet_state(l);
-                b.causal_conv1d_silu(&d, &mut s.qkv, t, &m.conv1d, state.conv);
+                b.causal_conv1d_silu(&d, &mut s.qkv, t, layer.conv1d, state.conv);
                 // As in the reference: the single-token step for decode, chunks for anything longer.
                 let mode = if t == 1 { DeltaRuleMode::Recurrent } else { DeltaRuleMode::Chunked };
                 let input = DeltaRuleInput {
                     qkv: &s.qkv,
                     a: &s.decay_in,
                     b: &s.beta_in,
-                    a_log: &m.a_log,
-                    dt_bias: &m.dt_bias,
+                    a_log: layer.a_log,
+                    dt_bias: layer.dt_bias,
                 };
                 b.gated_delta_rule(&d, mode, input, t, state.recurrent, &mut s.core);
-                b.gated_rms_norm(&mut s.core, &s.z, m.layer(d).gated_norm(), t * d.num_v_heads);
+                b.gated_rms_norm(&mut s.core, &s.z, layer.gated_norm(), t * d.num_v_heads);
             }
             Sequences::Batch(sessions) => {
-                let layer = m.layer(d);
                 let mut states: Vec<DeltaNetState<B::Buf>> =
                     sessions.iter_mut().map(|session| session.deltanet_state(l)).collect();
                 let projections =

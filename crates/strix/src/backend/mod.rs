@@ -78,13 +78,6 @@ pub enum DeltaRuleMode {
     Chunked,
 }
 
-impl<'w, Buf> DeltaNetLayer<'w, Buf> {
-    /// The gated RMSNorm over each value head's output.
-    pub fn gated_norm(&self) -> RmsNorm<'w, Buf> {
-        RmsNorm { weight: self.norm, dim: self.shape.v_head_dim, eps: self.shape.eps }
-    }
-}
-
 /// One Gated DeltaNet layer as its ops read it (`Qwen3_5GatedDeltaNet`): the mixer's shape and
 /// the layer's own small parameters, borrowed from the model's weights.
 pub struct DeltaNetLayer<'w, Buf> {
@@ -97,6 +90,13 @@ pub struct DeltaNetLayer<'w, Buf> {
     pub dt_bias: &'w Buf,
     /// `norm.weight`, `[v_head_dim]`: the gated RMSNorm's weight (not offset by one).
     pub norm: &'w Buf,
+}
+
+impl<'w, Buf> DeltaNetLayer<'w, Buf> {
+    /// The gated RMSNorm over each value head's output.
+    pub fn gated_norm(&self) -> RmsNorm<'w, Buf> {
+        RmsNorm { weight: self.norm, dim: self.shape.v_head_dim, eps: self.shape.eps }
+    }
 }
 
 /// What the gated delta rule reads for a run of tokens: the convolved `qkv` (`[tokens,
