@@ -358,6 +358,7 @@ impl Kernels {
 
     /// Merges the key ranges of `rows` query rows and applies the gate. A row's visible keys
     /// come from `positions` (device `u32`s, a decode batch) or, when it is 0, `pos0 + row`.
+    // The combine kernel's own arguments, one for one.
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &self,
@@ -435,11 +436,12 @@ impl Kernels {
                 cache.k.len() / kv.max(1),
                 p + 1
             );
-            // One launch reads one element type: every cache of one backend has it.
+            // One launch reads one element type: every cache a backend makes for its sessions
+            // has the backend's.
             assert!(
                 cache.k.dtype == dtype && cache.v.dtype == dtype,
                 "attention_rows: sequence {i}'s KV cache is {}, sequence 0's {dtype}: a decode batch takes \
-                 sessions of one backend",
+                 caches of one element type",
                 cache.k.dtype
             );
             ptrs.push(cache.k.ptr());
