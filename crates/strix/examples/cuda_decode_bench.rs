@@ -371,15 +371,9 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         let cache = |n: usize| b.cache_upload(&vec![1.0; n]);
         let (mut kc, mut vc) = (cache((context + 1) * at.kv_dim()), cache((context + 1) * at.kv_dim()));
         let mut o = b.zeros(q_dim);
+        let input = AttentionInput { q: &q, k: &k, v: &v, gate: &gate };
         let secs = per_call(b, REPS, || {
-            b.attention(
-                &at,
-                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
-                KvCache { k: &mut kc, v: &mut vc },
-                context,
-                1,
-                &mut o,
-            )
+            b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, context, 1, &mut o)
         })?;
         let shape = format!("ctx {}", context + 1);
         ops.push(Op { name: "attention", shape, calls: n_att, secs, bytes: 0 });
@@ -387,14 +381,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         let long = 4096;
         let (mut kc, mut vc) = (cache((long + 1) * at.kv_dim()), cache((long + 1) * at.kv_dim()));
         let secs = per_call(b, REPS, || {
-            b.attention(
-                &at,
-                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
-                KvCache { k: &mut kc, v: &mut vc },
-                long,
-                1,
-                &mut o,
-            )
+            b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, long, 1, &mut o)
         })?;
         ops.push(Op {
             name: "attention (reference only)",

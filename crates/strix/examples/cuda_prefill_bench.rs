@@ -194,20 +194,14 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let cache = rng.vec(PROMPT * at.kv_dim(), 1.0);
         let (mut kc, mut vc) = (b.cache_upload(&cache), b.cache_upload(&cache));
         let mut o = b.zeros(t * q_dim);
+        let input = AttentionInput { q: &q, k: &k, v: &v, gate: &gate };
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             b.set_prefill_path(path);
             let mut total = 0.0;
             for p in 0..passes {
                 let pos0 = p * PASS;
                 total += timed(b, 5, || {
-                    b.attention(
-                        &at,
-                        AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
-                        KvCache { k: &mut kc, v: &mut vc },
-                        pos0,
-                        t,
-                        &mut o,
-                    )
+                    b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, pos0, t, &mut o)
                 });
             }
             push(format!("attention, 8 passes summed [{path:?}]"), n_att, total);
@@ -215,14 +209,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let mut outs = Vec::new();
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             b.set_prefill_path(path);
-            b.attention(
-                &at,
-                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
-                KvCache { k: &mut kc, v: &mut vc },
-                PROMPT - PASS,
-                t,
-                &mut o,
-            );
+            b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, PROMPT - PASS, t, &mut o);
             outs.push(b.download(&o, 0, t * q_dim));
         }
         println!(
