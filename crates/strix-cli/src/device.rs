@@ -108,16 +108,12 @@ fn cuda_reason(e: &strix::Error) -> String {
 /// one that cannot be used, since that is probably not what the user wants). With `verbose`
 /// the choice is reported on stderr.
 pub fn open(args: &DeviceArgs, verbose: bool) -> Result<Opened> {
-    let opened = open_device(args.device, verbose)?;
-    match (&opened, args.kv_cache) {
-        (Opened::Cpu(_), Some(KvCacheType::Bf16)) => {
-            return Err(anyhow!(
-                "--kv-cache bf16: the CPU backend keeps its KV cache in f32 (exact); use --kv-cache f32 \
-                 or --device cuda"
-            ))
-        }
-        (Opened::Cuda(b), Some(t)) => b.set_kv_cache_type(t),
-        _ => {}
+    let opened = open_device(args.device, args.kv_cache, verbose)?;
+    if let (Opened::Cpu(_), Some(KvCacheType::Bf16)) = (&opened, args.kv_cache) {
+        return Err(anyhow!(
+            "--kv-cache bf16: the CPU backend keeps its KV cache in f32 (exact); use --kv-cache f32 \
+             or --device cuda"
+        ));
     }
     if verbose {
         eprintln!("strix: KV cache: {}", with_backend!(&opened, b => b.kv_cache_type()));
@@ -135,12 +131,14 @@ fn cpu_backend() -> CpuBackend {
 /// The CUDA backend's options from the environment (`STRIX_CUDA_GRAPHS`, `STRIX_CUDA_PDL`,
 /// `STRIX_CUDA_GEMV`, `STRIX_CUDA_MMA_KERNEL`, `STRIX_CUDA_MMA_TILES`, `STRIX_GDN_DECODE_COLS`,
 /// `STRIX_PRODUCER_QUANT`, `STRIX_KERNEL_CACHE`: see [`CudaOptions`]); a value that does not
-/// parse is an error naming the variable.
-fn cuda_options() -> Result<CudaOptions> {
-    CudaOptions::from_vars(|k| std::env::var(k).ok()).map_err(|e| anyhow!("{e}"))
+/// parse is an error naming the variable. `kv_cache` is the `--kv-cache` flag's type (bf16
+/// when it names none).
+fn cuda_options(kv_cache: Option<KvCacheType>) -> Result<CudaOptions> {
+    let options = CudaOptions::from_vars(|k| std::env::var(k).ok()).map_err(|e| anyhow!("{e}"))?;
+    Ok(CudaOptions { kv_cache: kv_cache.unwrap_or(options.kv_cache), ..options })
 }
 
-fn open_device(device: Device, verbose: bool) -> Result<Opened> {
+fn open_device(device: Device, kv_cache: Option<KvCacheType>, verbose: bool) -> Result<Opened> {
     let opened = match device {
         Device::Cpu => {
             if verbose {
@@ -149,7 +147,7 @@ fn open_device(device: Device, verbose: bool) -> Result<Opened> {
             return Ok(Opened::Cpu(cpu_backend()));
         }
         Device::Cuda(n) => {
-            let backend = CudaBackend::with_options(n, &cuda_options()?)
+            let backend = CudaBackend::with_options(n, &cuda_options(kv_cache)?)
                 .map_err(|e| anyhow!("--device cuda:{n}: {}", cuda_reason(&e)))?;
             Opened::Cuda(backend)
         }
@@ -162,7 +160,7 @@ fn open_device(device: Device, verbose: bool) -> Result<Opened> {
                 }
                 return Ok(Opened::Cpu(cpu_backend()));
             }
-            match CudaBackend::with_options(0, &cuda_options()?) {
+            match CudaBackend::with_options(0, &cuda_options(kv_cache)?) {
                 Ok(backend) => Opened::Cuda(backend),
                 Err(e) => {
                     eprintln!(

@@ -30,7 +30,9 @@ use std::time::Instant;
 
 use bench::median;
 use strix::backend::cuda::CudaBackend;
-use strix::backend::{Backend, DeltaRuleMode};
+use strix::backend::{
+    AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache, RmsNorm,
+};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::sampling::argmax;
@@ -298,7 +300,9 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
     let ones = |n: usize| b.upload(&vec![0.25; n]);
     let (mut res, x, w) = (ones(h), ones(h), ones(h));
     let mut out = b.zeros(h);
-    let secs = per_call(b, REPS, || b.add_rms_norm(&mut res, &x, &w, h, 1e-6, &mut out))?;
+    let secs = per_call(b, REPS, || {
+        b.add_rms_norm(&mut res, &x, RmsNorm { weight: &w, dim: h, eps: 1e-6 }, &mut out)
+    })?;
     ops.push(Op { name: "add_rms_norm", shape: format!("{h}"), calls: 2 * c.num_layers, secs, bytes: 0 });
     let (g, u) = (ones(inter), ones(inter));
     let mut act = b.zeros(inter);
@@ -325,11 +329,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
             b.gated_delta_rule(
                 &dn,
                 DeltaRuleMode::Recurrent,
-                &qkv,
-                &a,
-                &bb,
-                &a_log,
-                &dt,
+                DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
                 1,
                 &mut state,
                 &mut core,
@@ -338,8 +338,14 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         let shape = format!("{}x{}x{}", dn.num_v_heads, dn.k_head_dim, dn.v_head_dim);
         ops.push(Op { name: "gated delta rule", shape, calls: n_gdn, secs, bytes: 0 });
         let (z, nw) = (ones(dn.value_dim()), ones(dn.v_head_dim));
-        let secs =
-            per_call(b, REPS, || b.gated_rms_norm(&mut core, &z, &nw, dn.num_v_heads, dn.v_head_dim, 1e-6))?;
+        let secs = per_call(b, REPS, || {
+            b.gated_rms_norm(
+                &mut core,
+                &z,
+                RmsNorm { weight: &nw, dim: dn.v_head_dim, eps: 1e-6 },
+                dn.num_v_heads,
+            )
+        })?;
         let shape = format!("{}x{}", dn.num_v_heads, dn.v_head_dim);
         ops.push(Op { name: "gated_rms_norm", shape, calls: n_gdn, secs, bytes: 0 });
     }
@@ -351,22 +357,32 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend, context: usize) -> strix::Result<
         let (mut q, mut gate) = (b.zeros(q_dim), b.zeros(q_dim));
         let positions = [context];
         let secs = per_call(b, REPS, || {
-            b.attention_prologue(&at, &qg, &mut k, &qn, &kn, &inv_freq, &positions, &mut q, &mut gate)
+            b.attention_prologue(
+                AttentionLayer { shape: at, q_norm: &qn, k_norm: &kn, inv_freq: &inv_freq },
+                &qg,
+                &mut k,
+                &positions,
+                &mut q,
+                &mut gate,
+            )
         })?;
         ops.push(Op { name: "attention prologue", shape: String::new(), calls: n_att, secs, bytes: 0 });
         // Caches in the backend's default type (bf16).
         let cache = |n: usize| b.cache_upload(&vec![1.0; n]);
         let (mut kc, mut vc) = (cache((context + 1) * at.kv_dim()), cache((context + 1) * at.kv_dim()));
         let mut o = b.zeros(q_dim);
-        let secs =
-            per_call(b, REPS, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, context, 1, &mut o))?;
+        let input = AttentionInput { q: &q, k: &k, v: &v, gate: &gate };
+        let secs = per_call(b, REPS, || {
+            b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, context, 1, &mut o)
+        })?;
         let shape = format!("ctx {}", context + 1);
         ops.push(Op { name: "attention", shape, calls: n_att, secs, bytes: 0 });
         // For reference (not part of this step): the same at a 4096-token context.
         let long = 4096;
         let (mut kc, mut vc) = (cache((long + 1) * at.kv_dim()), cache((long + 1) * at.kv_dim()));
-        let secs =
-            per_call(b, REPS, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, long, 1, &mut o))?;
+        let secs = per_call(b, REPS, || {
+            b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, long, 1, &mut o)
+        })?;
         ops.push(Op {
             name: "attention (reference only)",
             shape: format!("ctx {}", long + 1),

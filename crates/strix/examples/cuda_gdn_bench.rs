@@ -26,7 +26,7 @@ use std::time::Instant;
 use bench::Random;
 
 use strix::backend::cuda::{CudaBackend, CudaOptions};
-use strix::backend::Backend;
+use strix::backend::{Backend, DeltaNetLayer, DeltaNetProjections, DeltaNetState};
 use strix::model::deltanet_shape;
 use strix::synthetic::preset;
 
@@ -86,22 +86,22 @@ fn main() -> strix::Result<()> {
                 let mut convs: Vec<Vec<_>> = (0..sets)
                     .map(|_| conv0.chunks(sh.conv_state_len()).map(|s| b.upload(s)).collect())
                     .collect();
+                let layer = DeltaNetLayer {
+                    shape: sh,
+                    conv1d: &conv_w,
+                    a_log: &a_log,
+                    dt_bias: &dt_bias,
+                    norm: &norm,
+                };
                 let mut call = |i: usize| {
                     let set = i % sets;
-                    b.deltanet_decode_rows(
-                        &sh,
-                        &mut qkv,
-                        &z,
-                        &a,
-                        &bb,
-                        &conv_w,
-                        &a_log,
-                        &dt_bias,
-                        &norm,
-                        &mut convs[set].iter_mut().collect::<Vec<_>>(),
-                        &mut states[set].iter_mut().collect::<Vec<_>>(),
-                        &mut out,
-                    )
+                    let mut set_states: Vec<_> = convs[set]
+                        .iter_mut()
+                        .zip(states[set].iter_mut())
+                        .map(|(conv, recurrent)| DeltaNetState { conv, recurrent })
+                        .collect();
+                    let projections = DeltaNetProjections { qkv: &mut qkv, z: &z, a: &a, b: &bb };
+                    b.deltanet_decode_rows(layer, projections, &mut set_states, &mut out)
                 };
                 call(0);
                 call(1);

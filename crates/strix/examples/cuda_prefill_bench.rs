@@ -22,7 +22,9 @@ use std::time::Instant;
 
 use bench::{median, Random};
 use strix::backend::cuda::{CudaBackend, PrefillPath};
-use strix::backend::{Backend, DeltaRuleMode};
+use strix::backend::{
+    AttentionInput, AttentionLayer, Backend, DeltaRuleInput, DeltaRuleMode, KvCache, RmsNorm,
+};
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
 use strix::synthetic::{preset, SyntheticWeights};
@@ -109,7 +111,8 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
     let up = |rng: &mut Random, n: usize, s: f32| b.upload(&rng.vec(n, s));
     let (mut res, x, w) = (up(&mut rng, t * h, 1.0), up(&mut rng, t * h, 1.0), up(&mut rng, h, 0.3));
     let mut out = b.zeros(t * h);
-    let secs = timed(b, 10, || b.add_rms_norm(&mut res, &x, &w, h, 1e-6, &mut out));
+    let secs =
+        timed(b, 10, || b.add_rms_norm(&mut res, &x, RmsNorm { weight: &w, dim: h, eps: 1e-6 }, &mut out));
     push("add_rms_norm".into(), 2 * c.num_layers * passes, secs);
     let (g, u) = (up(&mut rng, t * inter, 1.0), up(&mut rng, t * inter, 1.0));
     let mut act = b.zeros(t * inter);
@@ -135,11 +138,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
             b.gated_delta_rule(
                 &dn,
                 DeltaRuleMode::Chunked,
-                &qkv,
-                &a,
-                &bb,
-                &a_log,
-                &dt,
+                DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
                 t,
                 &mut state,
                 &mut core,
@@ -149,11 +148,7 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
                 b.gated_delta_rule(
                     &dn,
                     DeltaRuleMode::Chunked,
-                    &qkv,
-                    &a,
-                    &bb,
-                    &a_log,
-                    &dt,
+                    DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
                     t,
                     &mut state,
                     &mut core,
@@ -170,7 +165,9 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let nw = up(&mut rng, dn.v_head_dim, 0.3);
         let mut core = up(&mut rng, t * dn.value_dim(), 1.0);
         let rows = t * dn.num_v_heads;
-        let secs = timed(b, 10, || b.gated_rms_norm(&mut core, &z, &nw, rows, dn.v_head_dim, 1e-6));
+        let secs = timed(b, 10, || {
+            b.gated_rms_norm(&mut core, &z, RmsNorm { weight: &nw, dim: dn.v_head_dim, eps: 1e-6 }, rows)
+        });
         push("gated_rms_norm".into(), n_gdn * passes, secs);
     }
     if n_att > 0 {
@@ -183,27 +180,36 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
         let (mut q, mut gate) = (b.zeros(t * q_dim), b.zeros(t * q_dim));
         let positions: Vec<usize> = (0..t).collect();
         let secs = timed(b, 10, || {
-            b.attention_prologue(&at, &qg, &mut k, &qn, &kn, &inv_freq, &positions, &mut q, &mut gate)
+            b.attention_prologue(
+                AttentionLayer { shape: at, q_norm: &qn, k_norm: &kn, inv_freq: &inv_freq },
+                &qg,
+                &mut k,
+                &positions,
+                &mut q,
+                &mut gate,
+            )
         });
         push("attention prologue".into(), n_att * passes, secs);
         let k = b.upload(&k0);
         let cache = rng.vec(PROMPT * at.kv_dim(), 1.0);
         let (mut kc, mut vc) = (b.cache_upload(&cache), b.cache_upload(&cache));
         let mut o = b.zeros(t * q_dim);
+        let input = AttentionInput { q: &q, k: &k, v: &v, gate: &gate };
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             b.set_prefill_path(path);
             let mut total = 0.0;
             for p in 0..passes {
                 let pos0 = p * PASS;
-                total +=
-                    timed(b, 5, || b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, pos0, t, &mut o));
+                total += timed(b, 5, || {
+                    b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, pos0, t, &mut o)
+                });
             }
             push(format!("attention, 8 passes summed [{path:?}]"), n_att, total);
         }
         let mut outs = Vec::new();
         for path in [PrefillPath::F32, PrefillPath::Auto] {
             b.set_prefill_path(path);
-            b.attention(&at, &q, &k, &v, &gate, &mut kc, &mut vc, PROMPT - PASS, t, &mut o);
+            b.attention(&at, input, KvCache { k: &mut kc, v: &mut vc }, PROMPT - PASS, t, &mut o);
             outs.push(b.download(&o, 0, t * q_dim));
         }
         println!(

@@ -8,7 +8,10 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::backend::{Backend, DeltaRuleMode, MoeExperts};
+use crate::backend::{
+    AttentionInput, AttentionLayer, Backend, DeltaNetLayer, DeltaNetProjections, DeltaNetShape,
+    DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, MlpActivations, MlpWeights, MoeExperts, RmsNorm,
+};
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
@@ -155,6 +158,19 @@ pub struct DeltaNetWeights<B: Backend> {
     out_proj: B::Weight,
 }
 
+impl<B: Backend> DeltaNetWeights<B> {
+    /// The layer's small parameters as the DeltaNet ops take them.
+    fn layer(&self, shape: DeltaNetShape) -> DeltaNetLayer<'_, B::Buf> {
+        DeltaNetLayer {
+            shape,
+            conv1d: &self.conv1d,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+        }
+    }
+}
+
 pub struct AttentionWeights<B: Backend> {
     q_proj: B::Weight,
     k_proj: B::Weight,
@@ -176,11 +192,16 @@ pub struct DenseMlpWeights<B: Backend> {
     down_proj: B::Weight,
 }
 
+impl<B: Backend> DenseMlpWeights<B> {
+    fn weights(&self) -> MlpWeights<'_, B::Weight> {
+        MlpWeights { gate: &self.gate_proj, up: &self.up_proj, down: &self.down_proj }
+    }
+}
+
 /// `Qwen3_5MoeSparseMoeBlock`: the router (`mlp.gate`), the routed experts, the shared expert
 /// (a dense SwiGLU MLP) and its gate (`mlp.shared_expert_gate`, one logit per token).
 pub struct MoeWeights<B: Backend> {
     router: B::Weight,
-    top_k: usize,
     experts: MoeExperts<B>,
     shared_expert: DenseMlpWeights<B>,
     shared_expert_gate: B::Weight,
@@ -352,11 +373,11 @@ impl<B: Backend> Model<B> {
                     };
                     Mlp::Moe(MoeWeights {
                         router: matrix(&format!("{p}mlp.gate.weight"), e, h)?,
-                        top_k: moe.num_experts_per_tok,
                         experts: MoeExperts {
                             gate: (0..e).map(|e| expert(e, "gate_proj", i, h)).collect::<Result<_>>()?,
                             up: (0..e).map(|e| expert(e, "up_proj", i, h)).collect::<Result<_>>()?,
                             down: (0..e).map(|e| expert(e, "down_proj", h, i)).collect::<Result<_>>()?,
+                            top_k: moe.num_experts_per_tok,
                         },
                         shared_expert: dense(
                             &format!("{p}mlp.shared_expert."),
@@ -534,7 +555,7 @@ impl<B: Backend> Model<B> {
                     let x = &m.experts;
                     let all: usize =
                         x.gate.iter().chain(&x.up).chain(&x.down).map(|w| b.weight_bytes(w)).sum();
-                    all / x.len() * m.top_k
+                    all / x.len() * x.top_k
                         + dense(&m.shared_expert)
                         + b.weight_bytes(&m.router)
                         + b.weight_bytes(&m.shared_expert_gate)
@@ -751,7 +772,7 @@ impl<B: Backend> Model<B> {
         // A backend that routes experts on the host cannot record a MoE step: run it op by op.
         let recordable = self.weights.layers.iter().all(|l| match &l.mlp {
             Mlp::Dense(_) => true,
-            Mlp::Moe(m) => b.moe_on_device(&m.experts, m.top_k),
+            Mlp::Moe(m) => b.moe_on_device(&m.experts),
         });
         let run_step = |step: &mut dyn FnMut() -> B::Buf, read: &mut dyn FnMut(&B::Buf)| {
             if recordable {
@@ -818,25 +839,27 @@ impl<B: Backend> Model<B> {
         let (hidden, eps) = (c.hidden_size, c.rms_norm_eps);
         let t = ids.len();
         b.embed(&w.embed_tokens, ids, hidden, &mut s.h);
-        b.rms_norm(&s.h, &w.layers[0].input_norm, hidden, eps, &mut s.x);
+        let norm = |weight| RmsNorm { weight, dim: hidden, eps };
+        b.rms_norm(&s.h, norm(&w.layers[0].input_norm), &mut s.x);
         for (l, layer) in w.layers.iter().enumerate() {
             match &layer.mixer {
                 Mixer::DeltaNet(m) => self.delta_net(m, l, seqs, t, s),
                 Mixer::Attention(m) => self.attention(m, l, seqs, positions, s),
             }
-            b.add_rms_norm(&mut s.h, &s.y, &layer.post_attention_norm, hidden, eps, &mut s.x);
+            b.add_rms_norm(&mut s.h, &s.y, norm(&layer.post_attention_norm), &mut s.x);
 
             let decode_batch = matches!(seqs, Sequences::Batch(_));
             match &layer.mlp {
                 Mlp::Dense(m) => {
-                    let scratch = (&mut s.mlp_gate, &mut s.mlp_up, &mut s.mlp_act);
-                    b.mlp(&s.x, t, (&m.gate_proj, &m.up_proj, &m.down_proj), scratch, &mut s.y, decode_batch);
+                    let acts =
+                        MlpActivations { gate: &mut s.mlp_gate, up: &mut s.mlp_up, act: &mut s.mlp_act };
+                    b.mlp(&s.x, t, m.weights(), acts, &mut s.y, decode_batch);
                 }
                 Mlp::Moe(m) => self.sparse_moe(m, seqs, t, s),
             }
 
             let next_norm = w.layers.get(l + 1).map_or(&w.final_norm, |n| &n.input_norm);
-            b.add_rms_norm(&mut s.h, &s.y, next_norm, hidden, eps, &mut s.x);
+            b.add_rms_norm(&mut s.h, &s.y, norm(next_norm), &mut s.x);
         }
     }
 
@@ -847,15 +870,8 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let decode_batch = matches!(seqs, Sequences::Batch(_));
         // shared_expert_output = self.shared_expert(hidden_states)
-        let shared = &m.shared_expert;
-        b.mlp(
-            &s.x,
-            t,
-            (&shared.gate_proj, &shared.up_proj, &shared.down_proj),
-            (&mut s.mlp_gate, &mut s.mlp_up, &mut s.mlp_act),
-            &mut s.shared_out,
-            decode_batch,
-        );
+        let acts = MlpActivations { gate: &mut s.mlp_gate, up: &mut s.mlp_up, act: &mut s.mlp_act };
+        b.mlp(&s.x, t, m.shared_expert.weights(), acts, &mut s.shared_out, decode_batch);
         // router_logits = self.gate(hidden_states); the shared expert's gate logit beside it.
         seqs.matmul_many(
             b,
@@ -865,7 +881,7 @@ impl<B: Backend> Model<B> {
             &mut [&mut s.router_logits, &mut s.shared_gate],
         );
         // expert_output = self.experts(hidden_states, selected_experts, routing_weights)
-        b.moe_experts(&s.x, t, &s.router_logits, &m.experts, m.top_k, &mut s.y, decode_batch);
+        b.moe_experts(&s.x, t, &s.router_logits, &m.experts, &mut s.y, decode_batch);
         // expert_output + sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
         b.add_sigmoid_gated(&mut s.y, &s.shared_out, &s.shared_gate, t, self.config.hidden_size);
     }
@@ -882,6 +898,7 @@ impl<B: Backend> Model<B> {
     ) {
         let b = &self.backend;
         let d = deltanet_shape(&self.config);
+        let layer = m.layer(d);
         seqs.matmul_many(
             b,
             &s.x,
@@ -891,49 +908,26 @@ impl<B: Backend> Model<B> {
         );
         match seqs {
             Sequences::One(session) => {
-                let LayerState::DeltaNet { conv, recurrent } = session.layer_mut(l) else {
-                    unreachable!("session layers follow the model's layer_types")
-                };
-                b.causal_conv1d_silu(&d, &mut s.qkv, t, &m.conv1d, conv);
+                let state = session.deltanet_state(l);
+                b.causal_conv1d_silu(&d, &mut s.qkv, t, layer.conv1d, state.conv);
                 // As in the reference: the single-token step for decode, chunks for anything longer.
                 let mode = if t == 1 { DeltaRuleMode::Recurrent } else { DeltaRuleMode::Chunked };
-                b.gated_delta_rule(
-                    &d,
-                    mode,
-                    &s.qkv,
-                    &s.decay_in,
-                    &s.beta_in,
-                    &m.a_log,
-                    &m.dt_bias,
-                    t,
-                    recurrent,
-                    &mut s.core,
-                );
-                b.gated_rms_norm(&mut s.core, &s.z, &m.norm, t * d.num_v_heads, d.v_head_dim, d.eps);
+                let input = DeltaRuleInput {
+                    qkv: &s.qkv,
+                    a: &s.decay_in,
+                    b: &s.beta_in,
+                    a_log: layer.a_log,
+                    dt_bias: layer.dt_bias,
+                };
+                b.gated_delta_rule(&d, mode, input, t, state.recurrent, &mut s.core);
+                b.gated_rms_norm(&mut s.core, &s.z, layer.gated_norm(), t * d.num_v_heads);
             }
             Sequences::Batch(sessions) => {
-                let (mut convs, mut states) = (Vec::with_capacity(t), Vec::with_capacity(t));
-                for session in sessions.iter_mut() {
-                    let LayerState::DeltaNet { conv, recurrent } = session.layer_mut(l) else {
-                        unreachable!("session layers follow the model's layer_types")
-                    };
-                    convs.push(conv);
-                    states.push(recurrent);
-                }
-                b.deltanet_decode_rows(
-                    &d,
-                    &mut s.qkv,
-                    &s.z,
-                    &s.decay_in,
-                    &s.beta_in,
-                    &m.conv1d,
-                    &m.a_log,
-                    &m.dt_bias,
-                    &m.norm,
-                    &mut convs,
-                    &mut states,
-                    &mut s.core,
-                );
+                let mut states: Vec<DeltaNetState<B::Buf>> =
+                    sessions.iter_mut().map(|session| session.deltanet_state(l)).collect();
+                let projections =
+                    DeltaNetProjections { qkv: &mut s.qkv, z: &s.z, a: &s.decay_in, b: &s.beta_in };
+                b.deltanet_decode_rows(layer, projections, &mut states, &mut s.core);
             }
         }
         seqs.matmul(b, &s.core, t, &m.out_proj, &mut s.y);
@@ -959,34 +953,18 @@ impl<B: Backend> Model<B> {
             &[&m.q_proj, &m.k_proj, &m.v_proj],
             &mut [&mut s.q_and_gate, &mut s.k, &mut s.v],
         );
-        b.attention_prologue(
-            &a,
-            &s.q_and_gate,
-            &mut s.k,
-            &m.q_norm,
-            &m.k_norm,
-            &self.inv_freq,
-            positions,
-            &mut s.q,
-            &mut s.gate,
-        );
+        let layer =
+            AttentionLayer { shape: a, q_norm: &m.q_norm, k_norm: &m.k_norm, inv_freq: &self.inv_freq };
+        b.attention_prologue(layer, &s.q_and_gate, &mut s.k, positions, &mut s.q, &mut s.gate);
+        let input = AttentionInput { q: &s.q, k: &s.k, v: &s.v, gate: &s.gate };
         match seqs {
             Sequences::One(session) => {
-                let LayerState::Attention { k, v, .. } = session.layer_mut(l) else {
-                    unreachable!("session layers follow the model's layer_types")
-                };
-                b.attention(&a, &s.q, &s.k, &s.v, &s.gate, k, v, positions[0], t, &mut s.attn);
+                b.attention(&a, input, session.kv_cache(l), positions[0], t, &mut s.attn);
             }
             Sequences::Batch(sessions) => {
-                let (mut ks, mut vs) = (Vec::with_capacity(t), Vec::with_capacity(t));
-                for session in sessions.iter_mut() {
-                    let LayerState::Attention { k, v, .. } = session.layer_mut(l) else {
-                        unreachable!("session layers follow the model's layer_types")
-                    };
-                    ks.push(k);
-                    vs.push(v);
-                }
-                b.attention_rows(&a, &s.q, &s.k, &s.v, &s.gate, &mut ks, &mut vs, positions, &mut s.attn);
+                let mut caches: Vec<KvCache<B::Cache>> =
+                    sessions.iter_mut().map(|session| session.kv_cache(l)).collect();
+                b.attention_rows(&a, input, &mut caches, positions, &mut s.attn);
             }
         }
         seqs.matmul(b, &s.attn, t, &m.o_proj, &mut s.y);

@@ -7,15 +7,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DeltaNetState, KvCache};
 
 /// Source of session ids: unique for the life of the process.
 static NEXT_SESSION_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The state one decoder layer carries between calls.
 pub enum LayerState<B: Backend> {
-    /// `[capacity, kv_dim]` keys and values (post-norm, post-RoPE keys), in the element type
-    /// the backend made the caches with.
+    /// `[capacity, kv_dim]` keys and values (post-norm, post-RoPE keys), in the backend's
+    /// element type.
     Attention { k: B::Cache, v: B::Cache, capacity: usize },
     /// `[conv_dim, kernel - 1]` last conv inputs and `[v_heads, k_dim, v_dim]` delta-rule state.
     DeltaNet { conv: B::Buf, recurrent: B::Buf },
@@ -64,8 +64,20 @@ impl<B: Backend> Session<B> {
         self.max_context - self.tokens.len()
     }
 
-    pub(crate) fn layer_mut(&mut self, l: usize) -> &mut LayerState<B> {
-        &mut self.layers[l]
+    /// The state of layer `l`, a Gated DeltaNet layer, as the DeltaNet ops take it.
+    pub(crate) fn deltanet_state(&mut self, l: usize) -> DeltaNetState<'_, B::Buf> {
+        let LayerState::DeltaNet { conv, recurrent } = &mut self.layers[l] else {
+            unreachable!("layer {l}: session layers follow the model's layer_types")
+        };
+        DeltaNetState { conv, recurrent }
+    }
+
+    /// The KV cache of layer `l`, an attention layer, as the attention ops take it.
+    pub(crate) fn kv_cache(&mut self, l: usize) -> KvCache<'_, B::Cache> {
+        let LayerState::Attention { k, v, .. } = &mut self.layers[l] else {
+            unreachable!("layer {l}: session layers follow the model's layer_types")
+        };
+        KvCache { k, v }
     }
 
     /// Makes every KV cache hold at least `needed` positions. Caches grow geometrically (capped
@@ -263,7 +275,7 @@ mod tests {
         let mut s = Session::new(layers, 1000);
         s.reserve(&cpu, 5, kv);
         let id = s.buffers_id();
-        let LayerState::Attention { k, capacity, .. } = s.layer_mut(0) else { unreachable!() };
+        let LayerState::Attention { k, capacity, .. } = &mut s.layers[0] else { unreachable!() };
         assert_eq!((*capacity, k.len()), (256, 256 * kv));
         let rows: Vec<f32> = (0..5 * kv).map(|i| i as f32 + 0.5).collect();
         k[..5 * kv].copy_from_slice(&rows);
@@ -271,7 +283,7 @@ mod tests {
         assert_eq!(s.buffers_id(), id, "no growth, same buffers");
         s.reserve(&cpu, 300, kv);
         assert_ne!(s.buffers_id(), id);
-        let LayerState::Attention { k, capacity, .. } = s.layer_mut(0) else { unreachable!() };
+        let LayerState::Attention { k, capacity, .. } = &mut s.layers[0] else { unreachable!() };
         assert_eq!(*capacity, 512);
         assert_eq!(cpu.cache_download(k, 0, 5 * kv), rows);
         assert!(cpu.cache_download(k, 5 * kv, 507 * kv).iter().all(|&x| x == 0.0));

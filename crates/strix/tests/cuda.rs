@@ -21,7 +21,8 @@
 //! the same rounding emulated on the CPU. Errors against the goldens themselves are printed.
 //!
 //! KV caches. The CUDA backend keeps bf16 caches by default; the f32-tolerance tests ask for f32
-//! caches explicitly (`set_kv_cache_type`), and the bf16 cache has tests of its own: rows
+//! caches explicitly (a backend made with `CudaOptions::kv_cache`, `common::gpu_kv`, or for op
+//! tests a cache made as f32, `cache_zeros_as`), and the bf16 cache has tests of its own: rows
 //! bitwise the host's round-to-nearest-even, attention over them against the CPU over the same
 //! rounded rows (`KV_BF16_TOL`), the flash prefill bitwise what it gives over an f32 cache, and
 //! whole models against a CPU reference that rounds its cache rows the same way.
@@ -31,10 +32,14 @@
 
 mod common;
 
-use common::{argmax, cases, fixtures, gpu, rel_err, small_real_heads, Case, Rng};
+use common::{argmax, cases, fixtures, gpu, gpu_kv, rel_err, small_real_heads, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
 use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath, TensorCoreKernel};
-use strix::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType, ValueHeadOrder};
+use strix::backend::{
+    AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetLayer, DeltaNetProjections,
+    DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, KvCacheType, MlpActivations,
+    MlpWeights, RmsNorm, ValueHeadOrder,
+};
 use strix::config::LayerKind;
 use strix::model::{Logits, Model};
 use strix::tensor::{Bytes, DType, HostTensor};
@@ -203,16 +208,16 @@ fn norms_add_swiglu_copy_match_cpu() {
         let (xg, wg) = (g.upload(&x), g.upload(&w));
 
         let mut reference = vec![0.0; n];
-        cpu.rms_norm(&x, &w, dim, 1e-6, &mut reference);
+        cpu.rms_norm(&x, RmsNorm { weight: &w, dim, eps: 1e-6 }, &mut reference);
         let mut out = poison(&g, n);
-        g.rms_norm(&xg, &wg, dim, 1e-6, &mut out);
+        g.rms_norm(&xg, RmsNorm { weight: &wg, dim, eps: 1e-6 }, &mut out);
         check(&format!("rms_norm {rows}x{dim}"), &down(&g, &out), &reference, F32_TOL);
 
         let mut rc = res.clone();
-        cpu.add_rms_norm(&mut rc, &x, &w, dim, 1e-6, &mut reference);
+        cpu.add_rms_norm(&mut rc, &x, RmsNorm { weight: &w, dim, eps: 1e-6 }, &mut reference);
         let mut rg = g.upload(&res);
         let mut out = poison(&g, n);
-        g.add_rms_norm(&mut rg, &xg, &wg, dim, 1e-6, &mut out);
+        g.add_rms_norm(&mut rg, &xg, RmsNorm { weight: &wg, dim, eps: 1e-6 }, &mut out);
         check(&format!("add_rms_norm {rows}x{dim} out"), &down(&g, &out), &reference, F32_TOL);
         check(&format!("add_rms_norm {rows}x{dim} residual"), &down(&g, &rg), &rc, 0.0);
 
@@ -233,11 +238,25 @@ fn norms_add_swiglu_copy_match_cpu() {
         let z = rng.vec(rows * dim, 3.0);
         let w = rng.vec(dim, 1.0);
         let mut xc = x.clone();
-        cpu.gated_rms_norm(&mut xc, &z, &w, rows, dim, 1e-6);
+        cpu.gated_rms_norm(&mut xc, &z, RmsNorm { weight: &w, dim, eps: 1e-6 }, rows);
         let mut xg = g.upload(&x);
-        g.gated_rms_norm(&mut xg, &g.upload(&z), &g.upload(&w), rows, dim, 1e-6);
+        g.gated_rms_norm(&mut xg, &g.upload(&z), RmsNorm { weight: &g.upload(&w), dim, eps: 1e-6 }, rows);
         check(&format!("gated_rms_norm {rows}x{dim}"), &down(&g, &xg), &xc, F32_TOL);
     }
+}
+
+/// Each sequence's K and V caches, paired as the attention ops take them.
+fn kv_caches<'a, C>(ks: &'a mut [C], vs: &'a mut [C]) -> Vec<KvCache<'a, C>> {
+    ks.iter_mut().zip(vs.iter_mut()).map(|(k, v)| KvCache { k, v }).collect()
+}
+
+/// Each sequence's conv and recurrent states, paired as the DeltaNet decode ops take them.
+fn deltanet_states<'a, B>(convs: &'a mut [B], recurrent: &'a mut [B]) -> Vec<DeltaNetState<'a, B>> {
+    convs
+        .iter_mut()
+        .zip(recurrent.iter_mut())
+        .map(|(conv, recurrent)| DeltaNetState { conv, recurrent })
+        .collect()
 }
 
 fn dn_shape(nk: usize, nv: usize, dk: usize, dv: usize, kernel: usize) -> DeltaNetShape {
@@ -310,10 +329,24 @@ fn gated_delta_rule_matches_cpu() {
             for mode in [DeltaRuleMode::Recurrent, DeltaRuleMode::Chunked] {
                 let mut sc = init.clone();
                 let mut oc = vec![0.0; tokens * sh.value_dim()];
-                cpu.gated_delta_rule(&sh, mode, &qkv, &a, &b, &a_log, &dt_bias, tokens, &mut sc, &mut oc);
+                cpu.gated_delta_rule(
+                    &sh,
+                    mode,
+                    DeltaRuleInput { qkv: &qkv, a: &a, b: &b, a_log: &a_log, dt_bias: &dt_bias },
+                    tokens,
+                    &mut sc,
+                    &mut oc,
+                );
                 let mut sg = g.upload(&init);
                 let mut og = poison(&g, tokens * sh.value_dim());
-                g.gated_delta_rule(&sh, mode, &qg, &ag, &bg, &alg, &dtg, tokens, &mut sg, &mut og);
+                g.gated_delta_rule(
+                    &sh,
+                    mode,
+                    DeltaRuleInput { qkv: &qg, a: &ag, b: &bg, a_log: &alg, dt_bias: &dtg },
+                    tokens,
+                    &mut sg,
+                    &mut og,
+                );
                 let what = format!(
                     "gdn {mode:?} heads {}/{} dims {}/{} T={tokens}",
                     sh.num_k_heads, nv, sh.k_head_dim, sh.v_head_dim
@@ -330,9 +363,8 @@ fn gated_delta_rule_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn attention_ops_match_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = gpu_kv(KvCacheType::F32) else { return };
     g.set_prefill_path(PrefillPath::F32);
-    g.set_kv_cache_type(KvCacheType::F32);
     let cpu = CpuBackend::new();
     let mut rng = Rng(7);
     let shapes =
@@ -361,17 +393,19 @@ fn attention_ops_match_cpu() {
                 (vec![0.0; tokens * nh * hd], vec![0.0; tokens * nh * hd], k.clone());
             let positions: Vec<usize> = (pos0..pos0 + tokens).collect();
             cpu.attention_prologue(
-                &sh, &qag, &mut kcur, &q_norm, &k_norm, &inv_freq, &positions, &mut qc, &mut gc,
+                AttentionLayer { shape: sh, q_norm: &q_norm, k_norm: &k_norm, inv_freq: &inv_freq },
+                &qag,
+                &mut kcur,
+                &positions,
+                &mut qc,
+                &mut gc,
             );
             let (mut qgpu, mut ggpu, mut kgpu) =
                 (poison(&g, tokens * nh * hd), poison(&g, tokens * nh * hd), g.upload(&k));
             g.attention_prologue(
-                &sh,
+                AttentionLayer { shape: sh, q_norm: &qng, k_norm: &kng, inv_freq: &ifg },
                 &g.upload(&qag),
                 &mut kgpu,
-                &qng,
-                &kng,
-                &ifg,
                 &positions,
                 &mut qgpu,
                 &mut ggpu,
@@ -382,16 +416,24 @@ fn attention_ops_match_cpu() {
 
             // Attention from the same (CPU) q and k on both sides, so its error is its own.
             let mut oc = vec![0.0; tokens * nh * hd];
-            cpu.attention(&sh, &qc, &kcur, &v, &gc, &mut kc, &mut vc, pos0, tokens, &mut oc);
+            cpu.attention(
+                &sh,
+                AttentionInput { q: &qc, k: &kcur, v: &v, gate: &gc },
+                KvCache { k: &mut kc, v: &mut vc },
+                pos0,
+                tokens,
+                &mut oc,
+            );
             let mut og = poison(&g, tokens * nh * hd);
             g.attention(
                 &sh,
-                &g.upload(&qc),
-                &g.upload(&kcur),
-                &g.upload(&v),
-                &g.upload(&gc),
-                &mut kg_cache,
-                &mut vg_cache,
+                AttentionInput {
+                    q: &g.upload(&qc),
+                    k: &g.upload(&kcur),
+                    v: &g.upload(&v),
+                    gate: &g.upload(&gc),
+                },
+                KvCache { k: &mut kg_cache, v: &mut vg_cache },
                 pos0,
                 tokens,
                 &mut og,
@@ -412,9 +454,8 @@ fn attention_ops_match_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn long_context_attention_matches_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = gpu_kv(KvCacheType::F32) else { return };
     g.set_prefill_path(PrefillPath::F32);
-    g.set_kv_cache_type(KvCacheType::F32);
     let cpu = CpuBackend::new();
     let mut rng = Rng(11);
     for &(nh, nkv, hd) in &[(16usize, 4usize, 256usize), (4, 2, 32)] {
@@ -431,18 +472,26 @@ fn long_context_attention_matches_cpu() {
             );
             let (mut kc, mut vc) = (kc0.clone(), vc0.clone());
             let mut reference = vec![0.0; tokens * qd];
-            cpu.attention(&sh, &q, &k, &v, &gate, &mut kc, &mut vc, pos0, tokens, &mut reference);
+            cpu.attention(
+                &sh,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kc, v: &mut vc },
+                pos0,
+                tokens,
+                &mut reference,
+            );
             let (mut kg, mut vg) = (g.cache_upload(&kc0), g.cache_upload(&vc0));
             let mut out = poison(&g, tokens * qd);
             let before = g.path_counts().attention_multi_split;
             g.attention(
                 &sh,
-                &g.upload(&q),
-                &g.upload(&k),
-                &g.upload(&v),
-                &g.upload(&gate),
-                &mut kg,
-                &mut vg,
+                AttentionInput {
+                    q: &g.upload(&q),
+                    k: &g.upload(&k),
+                    v: &g.upload(&v),
+                    gate: &g.upload(&gate),
+                },
+                KvCache { k: &mut kg, v: &mut vg },
                 pos0,
                 tokens,
                 &mut out,
@@ -466,8 +515,7 @@ fn long_context_attention_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn flash_attention_matches_cpu() {
-    let Some(g) = gpu() else { return };
-    g.set_kv_cache_type(KvCacheType::F32);
+    let Some(g) = gpu_kv(KvCacheType::F32) else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng(21);
     type Runs = &'static [(usize, usize)];
@@ -494,17 +542,25 @@ fn flash_attention_matches_cpu() {
                 rng.vec(tokens * qd, 2.0),
             );
             let mut reference = vec![0.0; tokens * qd];
-            cpu.attention(&sh, &q, &k, &v, &gate, &mut kc, &mut vc, pos0, tokens, &mut reference);
+            cpu.attention(
+                &sh,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kc, v: &mut vc },
+                pos0,
+                tokens,
+                &mut reference,
+            );
             let mut out = poison(&g, tokens * qd);
             let before = g.path_counts();
             g.attention(
                 &sh,
-                &g.upload(&q),
-                &g.upload(&k),
-                &g.upload(&v),
-                &g.upload(&gate),
-                &mut kg,
-                &mut vg,
+                AttentionInput {
+                    q: &g.upload(&q),
+                    k: &g.upload(&k),
+                    v: &g.upload(&v),
+                    gate: &g.upload(&gate),
+                },
+                KvCache { k: &mut kg, v: &mut vg },
                 pos0,
                 tokens,
                 &mut out,
@@ -536,18 +592,21 @@ fn flash_attention_matches_cpu() {
         );
         let (mut kc, mut vc) = (vec![0.0; tokens * kv], vec![0.0; tokens * kv]);
         let mut reference = vec![0.0; tokens * qd];
-        cpu.attention(&sh, &q, &k, &v, &gate, &mut kc, &mut vc, 0, tokens, &mut reference);
+        cpu.attention(
+            &sh,
+            AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+            KvCache { k: &mut kc, v: &mut vc },
+            0,
+            tokens,
+            &mut reference,
+        );
         let (mut kg, mut vg) = (g.cache_zeros(tokens * kv), g.cache_zeros(tokens * kv));
         let mut out = poison(&g, tokens * qd);
         let before = g.path_counts();
         g.attention(
             &sh,
-            &g.upload(&q),
-            &g.upload(&k),
-            &g.upload(&v),
-            &g.upload(&gate),
-            &mut kg,
-            &mut vg,
+            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            KvCache { k: &mut kg, v: &mut vg },
             0,
             tokens,
             &mut out,
@@ -576,8 +635,7 @@ fn cache_bits(g: &CudaBackend, c: &strix::backend::cuda::CudaCache, len: usize) 
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
-    let Some(g) = gpu() else { return };
-    g.set_kv_cache_type(KvCacheType::Bf16);
+    let Some(g) = gpu_kv(KvCacheType::Bf16) else { return };
     let mut rng = Rng(31);
     let sh = AttentionShape { num_heads: 4, num_kv_heads: 2, head_dim: 64, rotary_dim: 8, eps: 1e-6 };
     let (kv, qd) = (sh.kv_dim(), 4 * 64);
@@ -616,12 +674,8 @@ fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
         let mut out = poison(&g, tokens * qd);
         g.attention(
             &sh,
-            &g.upload(&q),
-            &g.upload(&k),
-            &g.upload(&v),
-            &g.upload(&gate),
-            &mut kc,
-            &mut vc,
+            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            KvCache { k: &mut kc, v: &mut vc },
             pos0,
             tokens,
             &mut out,
@@ -634,12 +688,13 @@ fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
     let mut out = poison(&g, qd);
     g.attention_rows(
         &sh,
-        &g.upload(&rng.vec(qd, 1.0)),
-        &g.upload(&k),
-        &g.upload(&v),
-        &g.upload(&rng.vec(qd, 1.0)),
-        &mut [&mut kc],
-        &mut [&mut vc],
+        AttentionInput {
+            q: &g.upload(&rng.vec(qd, 1.0)),
+            k: &g.upload(&k),
+            v: &g.upload(&v),
+            gate: &g.upload(&rng.vec(qd, 1.0)),
+        },
+        &mut [KvCache { k: &mut kc, v: &mut vc }],
         &[27],
         &mut out,
     );
@@ -668,8 +723,7 @@ fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
-    let Some(g) = gpu() else { return };
-    g.set_kv_cache_type(KvCacheType::Bf16);
+    let Some(g) = gpu_kv(KvCacheType::Bf16) else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng(33);
     let lengths = [1usize, 31, 33, 64, 65, 511, 513, 2100, 4096];
@@ -689,12 +743,8 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
         let before = g.path_counts();
         g.attention_rows(
             &sh,
-            &g.upload(&q),
-            &g.upload(&k),
-            &g.upload(&v),
-            &g.upload(&gate),
-            &mut kcs.iter_mut().collect::<Vec<_>>(),
-            &mut vcs.iter_mut().collect::<Vec<_>>(),
+            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            &mut kv_caches(&mut kcs, &mut vcs),
             &positions,
             &mut out,
         );
@@ -705,12 +755,8 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
         let mut reference = vec![0.0; n * qd];
         cpu.attention_rows(
             &sh,
-            &q,
-            &bf16_round(&k),
-            &bf16_round(&v),
-            &gate,
-            &mut ckc.iter_mut().collect::<Vec<_>>(),
-            &mut cvc.iter_mut().collect::<Vec<_>>(),
+            AttentionInput { q: &q, k: &bf16_round(&k), v: &bf16_round(&v), gate: &gate },
+            &mut kv_caches(&mut ckc, &mut cvc),
             &positions,
             &mut reference,
         );
@@ -738,12 +784,8 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
         let before = g.path_counts();
         g.attention(
             &sh,
-            &g.upload(&q),
-            &g.upload(&k),
-            &g.upload(&v),
-            &g.upload(&gate),
-            &mut kg,
-            &mut vg,
+            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            KvCache { k: &mut kg, v: &mut vg },
             pos0,
             tokens,
             &mut out,
@@ -754,12 +796,8 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
         let mut reference = vec![0.0; tokens * qd];
         cpu.attention(
             &sh,
-            &q,
-            &bf16_round(&k),
-            &bf16_round(&v),
-            &gate,
-            &mut kc,
-            &mut vc,
+            AttentionInput { q: &q, k: &bf16_round(&k), v: &bf16_round(&v), gate: &gate },
+            KvCache { k: &mut kc, v: &mut vc },
             pos0,
             tokens,
             &mut reference,
@@ -794,10 +832,10 @@ fn flash_prefill_over_a_bf16_cache_equals_the_f32_cache_bitwise() {
         let sh = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, rotary_dim: 8, eps: 1e-6 };
         let (kv, qd) = (sh.kv_dim(), nh * hd);
         let capacity = runs.iter().map(|&(p, t)| p + t).max().unwrap() + 5;
-        g.set_kv_cache_type(KvCacheType::F32);
-        let (mut kf, mut vf) = (g.cache_zeros(capacity * kv), g.cache_zeros(capacity * kv));
-        g.set_kv_cache_type(KvCacheType::Bf16);
-        let (mut kb, mut vb) = (g.cache_zeros(capacity * kv), g.cache_zeros(capacity * kv));
+        let f32_cache = || g.cache_zeros_as(KvCacheType::F32, capacity * kv);
+        let (mut kf, mut vf) = (f32_cache(), f32_cache());
+        let bf16_cache = || g.cache_zeros_as(KvCacheType::Bf16, capacity * kv);
+        let (mut kb, mut vb) = (bf16_cache(), bf16_cache());
         for &(pos0, tokens) in runs {
             let (q, k, v, gate) = (
                 g.upload(&rng.vec(tokens * qd, 1.0)),
@@ -807,8 +845,22 @@ fn flash_prefill_over_a_bf16_cache_equals_the_f32_cache_bitwise() {
             );
             let (mut of, mut ob) = (poison(&g, tokens * qd), poison(&g, tokens * qd));
             let before = g.path_counts();
-            g.attention(&sh, &q, &k, &v, &gate, &mut kf, &mut vf, pos0, tokens, &mut of);
-            g.attention(&sh, &q, &k, &v, &gate, &mut kb, &mut vb, pos0, tokens, &mut ob);
+            g.attention(
+                &sh,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kf, v: &mut vf },
+                pos0,
+                tokens,
+                &mut of,
+            );
+            g.attention(
+                &sh,
+                AttentionInput { q: &q, k: &k, v: &v, gate: &gate },
+                KvCache { k: &mut kb, v: &mut vb },
+                pos0,
+                tokens,
+                &mut ob,
+            );
             let after = g.path_counts();
             assert_eq!(after.flash_attention, before.flash_attention + 2, "{after}");
             let what = format!("flash h{nh}/{nkv} d{hd} pos0={pos0} T={tokens}");
@@ -855,11 +907,7 @@ fn tensor_core_delta_rule_matches_cpu() {
                 cpu.gated_delta_rule(
                     &sh,
                     DeltaRuleMode::Chunked,
-                    &qkv,
-                    &a,
-                    &b,
-                    &a_log,
-                    &dt_bias,
+                    DeltaRuleInput { qkv: &qkv, a: &a, b: &b, a_log: &a_log, dt_bias: &dt_bias },
                     tokens,
                     &mut sc,
                     &mut oc,
@@ -869,11 +917,13 @@ fn tensor_core_delta_rule_matches_cpu() {
                 g.gated_delta_rule(
                     &sh,
                     DeltaRuleMode::Chunked,
-                    &g.upload(&qkv),
-                    &g.upload(&a),
-                    &g.upload(&b),
-                    &alg,
-                    &dtg,
+                    DeltaRuleInput {
+                        qkv: &g.upload(&qkv),
+                        a: &g.upload(&a),
+                        b: &g.upload(&b),
+                        a_log: &alg,
+                        dt_bias: &dtg,
+                    },
                     tokens,
                     &mut sg,
                     &mut og,
@@ -900,11 +950,7 @@ fn tensor_core_delta_rule_matches_cpu() {
     cpu.gated_delta_rule(
         &sh,
         DeltaRuleMode::Chunked,
-        &qkv,
-        &a,
-        &b,
-        &a_log,
-        &dt_bias,
+        DeltaRuleInput { qkv: &qkv, a: &a, b: &b, a_log: &a_log, dt_bias: &dt_bias },
         tokens,
         &mut sc,
         &mut oc,
@@ -914,11 +960,13 @@ fn tensor_core_delta_rule_matches_cpu() {
     g.gated_delta_rule(
         &sh,
         DeltaRuleMode::Chunked,
-        &g.upload(&qkv),
-        &g.upload(&a),
-        &g.upload(&b),
-        &g.upload(&a_log),
-        &g.upload(&dt_bias),
+        DeltaRuleInput {
+            qkv: &g.upload(&qkv),
+            a: &g.upload(&a),
+            b: &g.upload(&b),
+            a_log: &g.upload(&a_log),
+            dt_bias: &g.upload(&dt_bias),
+        },
         tokens,
         &mut sg,
         &mut og,
@@ -1052,35 +1100,27 @@ impl Backend for Bf16Reference {
     fn attention(
         &self,
         s: &AttentionShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        gate: &Vec<f32>,
-        kc: &mut Vec<f32>,
-        vc: &mut Vec<f32>,
+        input: AttentionInput<'_, Vec<f32>>,
+        cache: KvCache<'_, Vec<f32>>,
         pos0: usize,
         tokens: usize,
         out: &mut Vec<f32>,
     ) {
         let n = tokens * s.kv_dim();
-        let (k, v) = (self.kv_rows(k, n), self.kv_rows(v, n));
-        self.cpu.attention(s, q, &k, &v, gate, kc, vc, pos0, tokens, out)
+        let (k, v) = (self.kv_rows(input.k, n), self.kv_rows(input.v, n));
+        self.cpu.attention(s, AttentionInput { k: &k, v: &v, ..input }, cache, pos0, tokens, out)
     }
     fn attention_rows(
         &self,
         s: &AttentionShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        gate: &Vec<f32>,
-        kcs: &mut [&mut Vec<f32>],
-        vcs: &mut [&mut Vec<f32>],
+        input: AttentionInput<'_, Vec<f32>>,
+        caches: &mut [KvCache<'_, Vec<f32>>],
         positions: &[usize],
         out: &mut Vec<f32>,
     ) {
         let n = positions.len() * s.kv_dim();
-        let (k, v) = (self.kv_rows(k, n), self.kv_rows(v, n));
-        self.cpu.attention_rows(s, q, &k, &v, gate, kcs, vcs, positions, out)
+        let (k, v) = (self.kv_rows(input.k, n), self.kv_rows(input.v, n));
+        self.cpu.attention_rows(s, AttentionInput { k: &k, v: &v, ..input }, caches, positions, out)
     }
     common::delegate_activation_ops_to_cpu!(cpu, without_attention);
 }
@@ -1104,9 +1144,8 @@ fn fixtures_against(path: GemmPath, round_activations: bool, kv: KvCacheType, to
     let (mut worst_ref, mut worst_golden) = (0.0f32, 0.0f32);
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu = Model::load(&dir, common::gpu_backend(), None).unwrap();
+        let gpu = Model::load(&dir, common::gpu_backend_kv(kv), None).unwrap();
         gpu.backend().set_gemm_path(path);
-        gpu.backend().set_kv_cache_type(kv);
         // The precise path: split GEMMs and the f32 prefill kernels.
         if path == GemmPath::CublasSplit {
             gpu.backend().set_prefill_path(PrefillPath::F32);
@@ -1251,13 +1290,15 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
             gate: gate.iter().map(|t| cpu.weight(t, inter, hidden).unwrap()).collect(),
             up: up.iter().map(|t| cpu.weight(t, inter, hidden).unwrap()).collect(),
             down: down_w.iter().map(|t| cpu.weight(t, hidden, inter).unwrap()).collect(),
+            top_k: k,
         };
         let gpu_experts = strix::backend::MoeExperts::<CudaBackend> {
             gate: gate.iter().map(|t| g.weight(t, inter, hidden).unwrap()).collect(),
             up: up.iter().map(|t| g.weight(t, inter, hidden).unwrap()).collect(),
             down: down_w.iter().map(|t| g.weight(t, hidden, inter).unwrap()).collect(),
+            top_k: k,
         };
-        assert!(g.moe_on_device(&gpu_experts, k), "{n} bf16 experts, top {k}: not on the device");
+        assert!(g.moe_on_device(&gpu_experts), "{n} bf16 experts, top {k}: not on the device");
         for tokens in [1usize, 3, 64] {
             let x = rng.vec(tokens * hidden, 1.0);
             let mut logits = rng.vec(tokens * n, 2.0);
@@ -1266,11 +1307,11 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
             let last = (tokens - 1) * n;
             logits[last + 1] = logits[last];
             let mut reference = vec![0.0; tokens * hidden];
-            cpu.moe_experts(&x, tokens, &logits, &cpu_experts, k, &mut reference, true);
+            cpu.moe_experts(&x, tokens, &logits, &cpu_experts, &mut reference, true);
             let (xg, lg) = (g.upload(&x), g.upload(&logits));
             let mut out = poison(&g, tokens * hidden);
             let before = g.path_counts().moe_device;
-            g.moe_experts(&xg, tokens, &lg, &gpu_experts, k, &mut out, true);
+            g.moe_experts(&xg, tokens, &lg, &gpu_experts, &mut out, true);
             assert_eq!(g.path_counts().moe_device, before + 1, "{}", g.path_counts());
             let got = down(&g, &out);
             check(
@@ -1283,7 +1324,7 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
                 let mut alone = poison(&g, hidden);
                 let xt = g.upload(&x[t * hidden..(t + 1) * hidden]);
                 let lt = g.upload(&logits[t * n..(t + 1) * n]);
-                g.moe_experts(&xt, 1, &lt, &gpu_experts, k, &mut alone, true);
+                g.moe_experts(&xt, 1, &lt, &gpu_experts, &mut alone, true);
                 assert!(
                     down(&g, &alone) == got[t * hidden..(t + 1) * hidden],
                     "moe {n}/{k} T={tokens}: token {t} differs from the token alone"
@@ -1316,11 +1357,10 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
     }
     for dir in moe_fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let gpu = Model::load(&dir, common::gpu_backend(), None).unwrap();
+        let gpu = Model::load(&dir, common::gpu_backend_kv(KvCacheType::F32), None).unwrap();
         assert!(gpu.config.moe.is_some(), "{name}: not read as a MoE model");
         gpu.backend().set_gemm_path(GemmPath::CublasSplit);
         gpu.backend().set_prefill_path(PrefillPath::F32);
-        gpu.backend().set_kv_cache_type(KvCacheType::F32);
         let reference = Model::load(
             &dir,
             Bf16Reference { cpu: CpuBackend::new(), round_activations: false, round_kv: false },
@@ -1364,7 +1404,7 @@ fn moe_fixtures_match_the_cpu_on_the_same_weights() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn continuation_equals_one_long_prefill() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = gpu_kv(KvCacheType::F32) else { return };
     if !g.has_cublas() {
         println!("skipped: cuBLAS is not installed");
         return;
@@ -1373,7 +1413,6 @@ fn continuation_equals_one_long_prefill() {
     let model = Model::load(&dir, g, None).unwrap();
     model.backend().set_gemm_path(GemmPath::CublasSplit);
     model.backend().set_prefill_path(PrefillPath::F32);
-    model.backend().set_kv_cache_type(KvCacheType::F32);
     let case = cases(&dir).into_iter().find(|c| c.len == 130).unwrap();
     let mut all_ids = case.ids.clone();
     all_ids.extend(&case.greedy);
@@ -1493,20 +1532,13 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
             // Batched.
             let mut xg = g.upload(&qkv);
             let mut convs: Vec<_> = conv0.iter().map(|s| g.upload(s)).collect();
-            g.causal_conv1d_silu_rows(&sh, &mut xg, &wg, &mut convs.iter_mut().collect::<Vec<_>>());
             let mut states: Vec<_> = state0.iter().map(|s| g.upload(s)).collect();
+            let mut both = deltanet_states(&mut convs, &mut states);
+            g.causal_conv1d_silu_rows(&sh, &mut xg, &wg, &mut both);
             let mut out = poison(&g, n * vd);
             let (ag, bg) = (g.upload(&a), g.upload(&b));
-            g.gated_delta_rule_rows(
-                &sh,
-                &xg,
-                &ag,
-                &bg,
-                &alg,
-                &dtg,
-                &mut states.iter_mut().collect::<Vec<_>>(),
-                &mut out,
-            );
+            let input = DeltaRuleInput { qkv: &xg, a: &ag, b: &bg, a_log: &alg, dt_bias: &dtg };
+            g.gated_delta_rule_rows(&sh, input, &mut both, &mut out);
             let (xb, ob) = (down(&g, &xg), down(&g, &out));
             // One at a time.
             for i in 0..n {
@@ -1525,11 +1557,7 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
                 g.gated_delta_rule(
                     &sh,
                     DeltaRuleMode::Recurrent,
-                    &x1,
-                    &a1,
-                    &b1,
-                    &alg,
-                    &dtg,
+                    DeltaRuleInput { qkv: &x1, a: &a1, b: &b1, a_log: &alg, dt_bias: &dtg },
                     1,
                     &mut s1,
                     &mut o1,
@@ -1543,7 +1571,6 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
     // an f32 cache against the CPU at F32_TOL, a bf16 one against the CPU over the same rounded
     // rows at KV_BF16_TOL.
     for kv_type in [KvCacheType::F32, KvCacheType::Bf16] {
-        g.set_kv_cache_type(kv_type);
         let rounded = |x: &[f32]| if kv_type == KvCacheType::Bf16 { bf16_round(x) } else { x.to_vec() };
         let tol = if kv_type == KvCacheType::Bf16 { KV_BF16_TOL } else { F32_TOL };
         for &(nh, nkv, hd) in &[(4usize, 2usize, 32usize), (16, 4, 256), (3, 1, 80)] {
@@ -1557,17 +1584,18 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
                 (0..n).map(|_| (rng.vec(capacity * kv, 1.0), rng.vec(capacity * kv, 1.0))).collect();
             let (q, k, v, gate) =
                 (rng.vec(n * qd, 1.0), rng.vec(n * kv, 1.0), rng.vec(n * kv, 1.0), rng.vec(n * qd, 2.0));
-            let mut kcs: Vec<_> = caches0.iter().map(|c| g.cache_upload(&c.0)).collect();
-            let mut vcs: Vec<_> = caches0.iter().map(|c| g.cache_upload(&c.1)).collect();
+            let mut kcs: Vec<_> = caches0.iter().map(|c| g.cache_upload_as(kv_type, &c.0)).collect();
+            let mut vcs: Vec<_> = caches0.iter().map(|c| g.cache_upload_as(kv_type, &c.1)).collect();
             let mut out = poison(&g, n * qd);
             g.attention_rows(
                 &sh,
-                &g.upload(&q),
-                &g.upload(&k),
-                &g.upload(&v),
-                &g.upload(&gate),
-                &mut kcs.iter_mut().collect::<Vec<_>>(),
-                &mut vcs.iter_mut().collect::<Vec<_>>(),
+                AttentionInput {
+                    q: &g.upload(&q),
+                    k: &g.upload(&k),
+                    v: &g.upload(&v),
+                    gate: &g.upload(&gate),
+                },
+                &mut kv_caches(&mut kcs, &mut vcs),
                 &positions,
                 &mut out,
             );
@@ -1577,12 +1605,8 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
             let mut cvc: Vec<Vec<f32>> = caches0.iter().map(|c| rounded(&c.1)).collect();
             cpu.attention_rows(
                 &sh,
-                &q,
-                &rounded(&k),
-                &rounded(&v),
-                &gate,
-                &mut ckc.iter_mut().collect::<Vec<_>>(),
-                &mut cvc.iter_mut().collect::<Vec<_>>(),
+                AttentionInput { q: &q, k: &rounded(&k), v: &rounded(&v), gate: &gate },
+                &mut kv_caches(&mut ckc, &mut cvc),
                 &positions,
                 &mut reference,
             );
@@ -1593,17 +1617,14 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
                 tol,
             );
             for (i, &p) in positions.iter().enumerate() {
-                let (mut kc1, mut vc1) = (g.cache_upload(&caches0[i].0), g.cache_upload(&caches0[i].1));
+                let (mut kc1, mut vc1) =
+                    (g.cache_upload_as(kv_type, &caches0[i].0), g.cache_upload_as(kv_type, &caches0[i].1));
                 let mut o1 = poison(&g, qd);
                 let r = |x: &[f32], w: usize| g.upload(&x[i * w..(i + 1) * w]);
                 g.attention(
                     &sh,
-                    &r(&q, qd),
-                    &r(&k, kv),
-                    &r(&v, kv),
-                    &r(&gate, qd),
-                    &mut kc1,
-                    &mut vc1,
+                    AttentionInput { q: &r(&q, qd), k: &r(&k, kv), v: &r(&v, kv), gate: &r(&gate, qd) },
+                    KvCache { k: &mut kc1, v: &mut vc1 },
                     p,
                     1,
                     &mut o1,
@@ -1649,11 +1670,11 @@ fn decode_batch_rows_equal_single_decodes_bitwise() {
 fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 12);
-    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
-    model.backend().set_tensor_core_gemv(tensor_core);
-    // Both cache types: sessions made under each setting.
+    // Both cache types: a model on a backend of each; the GEMV counts summed over both.
+    let mut gemv_glu = 0;
     for kv in [KvCacheType::Bf16, KvCacheType::F32] {
-        model.backend().set_kv_cache_type(kv);
+        let model = Model::from_source(c.clone(), &weights, common::gpu_backend_kv(kv), None).unwrap();
+        model.backend().set_tensor_core_gemv(tensor_core);
         let mut rng = Rng(10);
         let prompts: Vec<Vec<u32>> = [5usize, 70, 1, 33]
             .iter()
@@ -1679,10 +1700,11 @@ fn decode_batch_rows_equal_single_decodes(tensor_core: bool) {
                 tokens[i] = argmax(&one);
             }
         }
+        let counts = model.backend().path_counts();
+        println!("decode batch ({kv} KV cache, tensor-core GEMV {tensor_core}): {counts}");
+        gemv_glu += counts.gemv_glu;
     }
-    let counts = model.backend().path_counts();
-    println!("decode batch (tensor-core GEMV {tensor_core}): {counts}");
-    assert_eq!(counts.gemv_glu > 0, !tensor_core, "{counts}");
+    assert_eq!(gemv_glu > 0, !tensor_core, "fused gate/up GEMVs: {gemv_glu}");
 }
 
 /// A session is checked against free device memory when it is made: one that cannot fit is a
@@ -1704,10 +1726,9 @@ fn sessions_that_do_not_fit_in_device_memory_are_errors() {
     let attention_layers = c.layer_kinds.iter().filter(|k| matches!(k, LayerKind::Attention)).count();
     let kv = strix::model::attention_shape(c).kv_dim();
     let b16 = model.session_bytes(4096);
-    model.backend().set_kv_cache_type(KvCacheType::F32);
-    let b32 = model.session_bytes(4096);
+    let f32_model = Model::load(&dir, common::gpu_backend_kv(KvCacheType::F32), None).unwrap();
+    let b32 = f32_model.session_bytes(4096);
     assert_eq!(b32 - b16, attention_layers * 2 * 4096 * kv * 2, "{b16} vs {b32}");
-    model.backend().set_kv_cache_type(KvCacheType::Bf16);
 }
 
 // --- recorded decode steps (CUDA graphs) -------------------------------------------------------
@@ -1742,14 +1763,13 @@ fn recorded_decode_steps_equal_eager_steps_bitwise() {
 fn recorded_decode_steps_equal_eager_steps(tensor_core: bool) {
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 13);
-    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
     let mut rng = Rng(14);
     let prompt: Vec<u32> = (0..20).map(|_| rng.below(c.vocab_size) as u32).collect();
-    let g = model.backend();
-    g.set_tensor_core_gemv(tensor_core);
 
     for kv in [KvCacheType::Bf16, KvCacheType::F32] {
-        g.set_kv_cache_type(kv);
+        let model = Model::from_source(c.clone(), &weights, common::gpu_backend_kv(kv), None).unwrap();
+        let g = model.backend();
+        g.set_tensor_core_gemv(tensor_core);
         println!("{kv} KV cache");
         g.set_graphs(false);
         g.reset_path_counts();
@@ -1801,15 +1821,14 @@ fn recorded_decode_batches_equal_single_decodes_bitwise() {
     }
     let c = small_real_heads(512);
     let weights = strix::synthetic::SyntheticWeights::new(c.clone(), 15);
-    let model = Model::from_source(c.clone(), &weights, common::gpu_backend(), None).unwrap();
     let mut rng = Rng(16);
     let prompts: Vec<Vec<u32>> = [3usize, 90, 1, 40, 17]
         .iter()
         .map(|&n| (0..n).map(|_| rng.below(c.vocab_size) as u32).collect())
         .collect();
-    let g = model.backend();
     for kv in [KvCacheType::Bf16, KvCacheType::F32] {
-        g.set_kv_cache_type(kv);
+        let model = Model::from_source(c.clone(), &weights, common::gpu_backend_kv(kv), None).unwrap();
+        let g = model.backend();
         g.reset_path_counts();
         let mut batch: Vec<_> = prompts.iter().map(|_| model.try_new_session(256).unwrap()).collect();
         let mut alone: Vec<_> = prompts.iter().map(|_| model.try_new_session(256).unwrap()).collect();
@@ -1918,7 +1937,14 @@ fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
         let xg = g.upload(&x);
         let mut ours = poison(&g, rows);
         let (mut gate_out, mut up_out) = (poison(&g, rows), poison(&g, rows));
-        g.matmul_glu(&xg, 1, &gate, &up, &mut gate_out, &mut up_out, &mut ours, true);
+        g.matmul_glu(
+            &xg,
+            1,
+            &gate,
+            &up,
+            MlpActivations { gate: &mut gate_out, up: &mut up_out, act: &mut ours },
+            true,
+        );
         let (mut gt, mut u) = (poison(&g, rows), poison(&g, rows));
         g.matmul_many(&xg, 1, &[&gate, &up], &mut [&mut gt, &mut u], true);
         let mut theirs = poison(&g, rows);
@@ -1927,7 +1953,14 @@ fn gated_mlp_gemv_equals_the_separate_ops_bitwise() {
         assert_eq!(down(&g, &ours), down(&g, &theirs), "{what}");
         let mut reference = vec![0.0; rows];
         let (mut cg, mut cu) = (vec![0.0; rows], vec![0.0; rows]);
-        cpu.matmul_glu(&x, 1, &cpu_w(&gh), &cpu_w(&uh), &mut cg, &mut cu, &mut reference, true);
+        cpu.matmul_glu(
+            &x,
+            1,
+            &cpu_w(&gh),
+            &cpu_w(&uh),
+            MlpActivations { gate: &mut cg, up: &mut cu, act: &mut reference },
+            true,
+        );
         check(&what, &down(&g, &ours), &reference, F32_TOL);
     }
     let counts = g.path_counts();
@@ -2187,20 +2220,15 @@ impl GdnDecodeCase {
         let mut qkv = self.qkv.clone();
         let (mut convs, mut states) = (self.conv0.clone(), self.state0.clone());
         let mut out = vec![0.0; self.n * self.sh.value_dim()];
-        cpu.deltanet_decode_rows(
-            &self.sh,
-            &mut qkv,
-            &self.z,
-            &self.a,
-            &self.b,
-            &self.conv_w,
-            &self.a_log,
-            &self.dt_bias,
-            &self.norm,
-            &mut convs.iter_mut().collect::<Vec<_>>(),
-            &mut states.iter_mut().collect::<Vec<_>>(),
-            &mut out,
-        );
+        let layer = DeltaNetLayer {
+            shape: self.sh,
+            conv1d: &self.conv_w,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+        };
+        let projections = DeltaNetProjections { qkv: &mut qkv, z: &self.z, a: &self.a, b: &self.b };
+        cpu.deltanet_decode_rows(layer, projections, &mut deltanet_states(&mut convs, &mut states), &mut out);
         (out, convs, states)
     }
 
@@ -2212,20 +2240,13 @@ impl GdnDecodeCase {
         let mut convs: Vec<_> = self.conv0[rows.clone()].iter().map(|s| g.upload(s)).collect();
         let mut states: Vec<_> = self.state0[rows.clone()].iter().map(|s| g.upload(s)).collect();
         let mut out = poison(g, rows.len() * vd);
-        g.deltanet_decode_rows(
-            &self.sh,
-            &mut qkv,
-            &part(&self.z, vd),
-            &part(&self.a, nv),
-            &part(&self.b, nv),
-            &g.upload(&self.conv_w),
-            &g.upload(&self.a_log),
-            &g.upload(&self.dt_bias),
-            &g.upload(&self.norm),
-            &mut convs.iter_mut().collect::<Vec<_>>(),
-            &mut states.iter_mut().collect::<Vec<_>>(),
-            &mut out,
-        );
+        let (conv1d, a_log, dt_bias, norm) =
+            (g.upload(&self.conv_w), g.upload(&self.a_log), g.upload(&self.dt_bias), g.upload(&self.norm));
+        let layer =
+            DeltaNetLayer { shape: self.sh, conv1d: &conv1d, a_log: &a_log, dt_bias: &dt_bias, norm: &norm };
+        let (z, a, b) = (part(&self.z, vd), part(&self.a, nv), part(&self.b, nv));
+        let projections = DeltaNetProjections { qkv: &mut qkv, z: &z, a: &a, b: &b };
+        g.deltanet_decode_rows(layer, projections, &mut deltanet_states(&mut convs, &mut states), &mut out);
         (
             down(g, &out),
             convs.iter().map(|c| down(g, c)).collect(),
@@ -2932,26 +2953,41 @@ fn prompt_projections_and_mlp_equal_the_separate_ops_bitwise() {
 
             // mlp against matmul_glu + matmul.
             let mut out = poison(&g, tokens * hidden);
-            let scratch = (
-                &mut poison(&g, tokens * inter),
-                &mut poison(&g, tokens * inter),
-                &mut poison(&g, tokens * inter),
-            );
+            let acts = MlpActivations {
+                gate: &mut poison(&g, tokens * inter),
+                up: &mut poison(&g, tokens * inter),
+                act: &mut poison(&g, tokens * inter),
+            };
             let before = g.path_counts();
-            g.mlp(&xg, tokens, (&gate.0, &up.0, &dn.0), scratch, &mut out, false);
+            g.mlp(&xg, tokens, MlpWeights { gate: &gate.0, up: &up.0, down: &dn.0 }, acts, &mut out, false);
             let after = g.path_counts();
             let cublas = |c: &strix::backend::cuda::PathCounts| c.gemm_cublas + c.gemm_cublas_split;
             assert_eq!(cublas(&after) - cublas(&before), 3, "{what}: three cuBLAS GEMMs");
             assert_eq!(after.gemm_fallback, before.gemm_fallback, "{what}: no fallback GEMM");
             let (mut act, mut out1) = (poison(&g, tokens * inter), poison(&g, tokens * hidden));
-            g.matmul_glu(&xg, tokens, &gate.0, &up.0, &mut a1, &mut b1, &mut act, false);
+            g.matmul_glu(
+                &xg,
+                tokens,
+                &gate.0,
+                &up.0,
+                MlpActivations { gate: &mut a1, up: &mut b1, act: &mut act },
+                false,
+            );
             g.matmul(&act, tokens, &dn.0, &mut out1);
             let ours = down(&g, &out);
             assert!(ours == down(&g, &out1), "{what}: mlp");
             let mut reference = vec![0.0; tokens * hidden];
             let (mut cg, mut cu, mut ca) =
                 (vec![0.0; tokens * inter], vec![0.0; tokens * inter], vec![0.0; tokens * inter]);
-            cpu.mlp(&x, tokens, (&gate.1, &up.1, &dn.1), (&mut cg, &mut cu, &mut ca), &mut reference, false);
+            let acts = MlpActivations { gate: &mut cg, up: &mut cu, act: &mut ca };
+            cpu.mlp(
+                &x,
+                tokens,
+                MlpWeights { gate: &gate.1, up: &up.1, down: &dn.1 },
+                acts,
+                &mut reference,
+                false,
+            );
             check(&what, &ours, &reference, BF16_TOL);
         }
     }
@@ -3004,24 +3040,25 @@ fn prefill_draws_on_the_device_match_the_host() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn restored_sessions_continue_bitwise_on_the_device() {
-    let Some(g) = gpu() else { return };
+    if gpu().is_none() {
+        return;
+    }
     let dir = fixtures().into_iter().find(|d| d.ends_with("vlm-f32-gdn2x")).unwrap();
-    let mut model = Model::load(&dir, g, None).unwrap();
-    model.set_pass_tokens(64).unwrap();
     let prompt: Vec<u32> = (0..200).map(|i| (i * 31 + 7) % 300).collect();
-    // The rest of the prompt in one piece, then greedy decode steps.
-    let continue_from = |session: &mut strix::session::Session<CudaBackend>| {
-        let mut logits = model.forward(session, &prompt[128..], Logits::Last).unwrap();
-        let mut all = logits.clone();
-        for _ in 0..8 {
-            let next = argmax(&logits);
-            logits = model.forward(session, &[next], Logits::Last).unwrap();
-            all.extend(&logits);
-        }
-        all
-    };
     for kv in [KvCacheType::F32, KvCacheType::Bf16] {
-        model.backend().set_kv_cache_type(kv);
+        let mut model = Model::load(&dir, common::gpu_backend_kv(kv), None).unwrap();
+        model.set_pass_tokens(64).unwrap();
+        // The rest of the prompt in one piece, then greedy decode steps.
+        let continue_from = |session: &mut strix::session::Session<CudaBackend>| {
+            let mut logits = model.forward(session, &prompt[128..], Logits::Last).unwrap();
+            let mut all = logits.clone();
+            for _ in 0..8 {
+                let next = argmax(&logits);
+                logits = model.forward(session, &[next], Logits::Last).unwrap();
+                all.extend(&logits);
+            }
+            all
+        };
         let mut fed = model.new_session(1024);
         model.prefill(&mut fed, &prompt[..64]).unwrap();
         let first = model.save_block(&fed, 0).unwrap();

@@ -27,7 +27,7 @@ use common::{argmax, fixtures, gpu, rel_err, small_real_heads, Dequantized, Rng}
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{CudaBackend, CudaWeight, GemmPath, PackedMma, PathCounts, QUANT_GEMV_MAX_TOKENS};
-use strix::backend::{Backend, KvCacheType};
+use strix::backend::{Backend, KvCacheType, MlpActivations, MlpWeights, RmsNorm};
 use strix::checkpoint::Checkpoint;
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{Logits, Model, TensorSource};
@@ -656,12 +656,12 @@ fn compare_model(
 ) -> f32 {
     let cpu =
         Model::from_source(config.clone(), &Dequantized { inner: src }, CpuBackend::new(), None).unwrap();
-    let gpu = Model::from_source(config.clone(), src, common::gpu_backend(), None).unwrap();
-    let path = if gpu.backend().has_cublas() { path } else { GemmPath::Auto };
-    gpu.backend().set_gemm_path(path);
     // The CPU's cache is f32: so is this one, so that the comparison holds the packed weights'
     // path alone (the bf16 cache has tests of its own in tests/cuda.rs).
-    gpu.backend().set_kv_cache_type(KvCacheType::F32);
+    let gpu =
+        Model::from_source(config.clone(), src, common::gpu_backend_kv(KvCacheType::F32), None).unwrap();
+    let path = if gpu.backend().has_cublas() { path } else { GemmPath::Auto };
+    gpu.backend().set_gemm_path(path);
     let vocab = config.vocab_size;
     let (mut sc, mut sg) = (cpu.new_session(256), gpu.new_session(256));
     let lc = cpu.forward(&mut sc, prompt, Logits::All).unwrap();
@@ -878,11 +878,11 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                 let (mut x, mut x2, mut x3) = (poison(&g, dim), poison(&g, dim), poison(&g, dim));
                 let (mut o1, mut o3) = (poison(&g, rows), poison(&g, rows));
                 let mut fused = [poison(&g, rows), poison(&g, 77)];
-                g.add_rms_norm(&mut hg, &yg, &nwg, dim, eps, &mut x);
+                g.add_rms_norm(&mut hg, &yg, RmsNorm { weight: &nwg, dim, eps }, &mut x);
                 g.matmul_rows(&x, 1, &w, &mut o1);
-                g.rms_norm(&hg, &nwg, dim, eps, &mut x2);
+                g.rms_norm(&hg, RmsNorm { weight: &nwg, dim, eps }, &mut x2);
                 g.matmul_many(&x2, 1, &[&w, &w2], &mut fused.iter_mut().collect::<Vec<_>>(), true);
-                g.rms_norm(&yg, &nwg, dim, eps, &mut x3);
+                g.rms_norm(&yg, RmsNorm { weight: &nwg, dim, eps }, &mut x3);
                 g.matmul(&x3, 1, &w, &mut o3);
                 // The MLP of one token, as a decode batch and as a prompt's last token runs it.
                 let mut outs = Vec::new();
@@ -890,8 +890,10 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                     let mut x4 = poison(&g, dim);
                     let (mut go, mut uo, mut act) = (poison(&g, inter), poison(&g, inter), poison(&g, inter));
                     let mut o4 = poison(&g, dim);
-                    g.rms_norm(&hg, &nwg, dim, eps, &mut x4);
-                    g.mlp(&x4, 1, (&gate, &up, &dn), (&mut go, &mut uo, &mut act), &mut o4, decode_batch);
+                    g.rms_norm(&hg, RmsNorm { weight: &nwg, dim, eps }, &mut x4);
+                    let weights = MlpWeights { gate: &gate, up: &up, down: &dn };
+                    let acts = MlpActivations { gate: &mut go, up: &mut uo, act: &mut act };
+                    g.mlp(&x4, 1, weights, acts, &mut o4, decode_batch);
                     outs.extend([down(&g, &act), down(&g, &o4)]);
                 }
                 let mut all = vec![down(&g, &x), down(&g, &hg), down(&g, &o1), down(&g, &x2)];
@@ -930,7 +932,7 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
             let (hg, nwg, zg) = (g.upload(&h), g.upload(&nw), g.upload(&z));
             let normed = {
                 let mut x = poison(&g, dim);
-                g.rms_norm(&hg, &nwg, dim, eps, &mut x);
+                g.rms_norm(&hg, RmsNorm { weight: &nwg, dim, eps }, &mut x);
                 down(&g, &x)
             };
             let mut plus = normed.clone();
@@ -946,12 +948,12 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                 let before = used(&g);
                 // Every buffer made before the norm: an upload is work on the device too.
                 let (mut x, mut o) = (poison(&g, dim), poison(&g, rows));
-                g.rms_norm(&hg, &nwg, dim, eps, &mut x);
+                g.rms_norm(&hg, RmsNorm { weight: &nwg, dim, eps }, &mut x);
                 match case {
                     0 => {
                         // x += z (the residual add of add_rms_norm; its norm goes elsewhere).
                         let mut normed_again = poison(&g, dim);
-                        g.add_rms_norm(&mut x, &zg, &nwg, dim, eps, &mut normed_again);
+                        g.add_rms_norm(&mut x, &zg, RmsNorm { weight: &nwg, dim, eps }, &mut normed_again);
                         g.matmul_rows(&x, 1, &w, &mut o);
                     }
                     1 => {
@@ -962,7 +964,12 @@ fn producer_quantized_activations_on(tensor_cores: bool) {
                     2 => g.matmul_rows(&zg, 1, &w, &mut o),
                     3 => {
                         let (mut other, mut other_normed) = (g.upload(&z), poison(&g, dim));
-                        g.add_rms_norm(&mut other, &zg, &nwg, dim, eps, &mut other_normed);
+                        g.add_rms_norm(
+                            &mut other,
+                            &zg,
+                            RmsNorm { weight: &nwg, dim, eps },
+                            &mut other_normed,
+                        );
                         g.matmul_rows(&x, 1, &w, &mut o);
                     }
                     _ => g.matmul_rows(&x, 1, &w, &mut o),

@@ -118,8 +118,9 @@ fn default_moe_ops_match_transformers() {
     for name in ["moe-causal-bf16-sharded", "moe-causal-f32-top1"] {
         let dir = fixture(name);
         let model = Model::load(&dir, HostMoe(CpuBackend::new()), None).unwrap();
-        let no_experts = MoeExperts::<HostMoe> { gate: Vec::new(), up: Vec::new(), down: Vec::new() };
-        assert!(!model.backend().moe_on_device(&no_experts, 1));
+        let no_experts =
+            MoeExperts::<HostMoe> { gate: Vec::new(), up: Vec::new(), down: Vec::new(), top_k: 1 };
+        assert!(!model.backend().moe_on_device(&no_experts));
         check_against_goldens(&dir, &model, "default ops");
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Activations and states are `f32` buffers owned by the backend ([`Backend::Buf`]); weight
 //! matrices stay in their checkpoint dtype ([`Backend::Weight`]); the attention layers' KV
-//! caches are [`Backend::Cache`]s, whose element type ([`KvCacheType`]) the backend picks.
+//! caches are [`Backend::Cache`]s, in an element type ([`KvCacheType`]) fixed when the backend
+//! is made.
 //! Shapes are passed explicitly and rows are tokens: a `[tokens, dim]` activation is `tokens * dim` floats, row-major.
 //! Each op says what it computes in the terms of `modeling_qwen3_5.py` (and
 //! `modeling_qwen3_5_moe.py` for the sparse MoE block); a backend may fuse internally but must
@@ -77,14 +78,130 @@ pub enum DeltaRuleMode {
     Chunked,
 }
 
+/// One Gated DeltaNet layer as its ops read it (`Qwen3_5GatedDeltaNet`): the mixer's shape and
+/// the layer's own small parameters, borrowed from the model's weights.
+pub struct DeltaNetLayer<'w, Buf> {
+    pub shape: DeltaNetShape,
+    /// `conv1d.weight`, `[conv_dim, conv_kernel]`: the depthwise causal conv's taps.
+    pub conv1d: &'w Buf,
+    /// `A_log`, `[num_v_heads]`: the decay's rate, `g = -exp(A_log) * softplus(a + dt_bias)`.
+    pub a_log: &'w Buf,
+    /// `dt_bias`, `[num_v_heads]`.
+    pub dt_bias: &'w Buf,
+    /// `norm.weight`, `[v_head_dim]`: the gated RMSNorm's weight (not offset by one).
+    pub norm: &'w Buf,
+}
+
+impl<'w, Buf> DeltaNetLayer<'w, Buf> {
+    /// The gated RMSNorm over each value head's output.
+    pub fn gated_norm(&self) -> RmsNorm<'w, Buf> {
+        RmsNorm { weight: self.norm, dim: self.shape.v_head_dim, eps: self.shape.eps }
+    }
+}
+
+/// What the gated delta rule reads for a run of tokens: the convolved `qkv` (`[tokens,
+/// conv_dim]`, q, k and v side by side), and what its decay `g = -exp(a_log) * softplus(a +
+/// dt_bias)` and write strength `beta = sigmoid(b)` are made of: the raw `a` and `b`
+/// projections (`[tokens, num_v_heads]`) and the layer's `a_log` and `dt_bias`
+/// (`[num_v_heads]`).
+pub struct DeltaRuleInput<'a, Buf> {
+    pub qkv: &'a Buf,
+    pub a: &'a Buf,
+    pub b: &'a Buf,
+    pub a_log: &'a Buf,
+    pub dt_bias: &'a Buf,
+}
+
+/// A decode batch's four Gated DeltaNet projections of the normed input, one row a sequence:
+/// `qkv` raw (before the conv, and free to be overwritten by it), `z` (`[batch, value_dim]`,
+/// the output gate), `a` and `b` (`[batch, num_v_heads]`).
+pub struct DeltaNetProjections<'a, Buf> {
+    pub qkv: &'a mut Buf,
+    pub z: &'a Buf,
+    pub a: &'a Buf,
+    pub b: &'a Buf,
+}
+
+/// One sequence's state in one Gated DeltaNet layer: the conv's last `kernel - 1` inputs
+/// (`[conv_dim, kernel - 1]`) and the delta rule's `[num_v_heads, k_head_dim, v_head_dim]`.
+pub struct DeltaNetState<'s, Buf> {
+    pub conv: &'s mut Buf,
+    pub recurrent: &'s mut Buf,
+}
+
+/// One gated attention layer as its prologue reads it (`Qwen3_5Attention`): the shape, the
+/// per-head `q_norm` and `k_norm` weights (`[head_dim]`) and the rotary inverse frequencies
+/// (`[rotary_dim / 2]`, shared by every layer).
+pub struct AttentionLayer<'w, Buf> {
+    pub shape: AttentionShape,
+    pub q_norm: &'w Buf,
+    pub k_norm: &'w Buf,
+    pub inv_freq: &'w Buf,
+}
+
+/// What attention reads for a run of tokens: the normed, rotated queries `q` and the output
+/// `gate` (`[tokens, heads * head_dim]`, the prologue's), the new keys `k` (normed and rotated)
+/// and values `v` (`[tokens, kv_dim]`).
+pub struct AttentionInput<'a, Buf> {
+    pub q: &'a Buf,
+    pub k: &'a Buf,
+    pub v: &'a Buf,
+    pub gate: &'a Buf,
+}
+
+/// One sequence's keys and values in one attention layer, `[capacity, kv_dim]` each.
+pub struct KvCache<'c, Cache> {
+    pub k: &'c mut Cache,
+    pub v: &'c mut Cache,
+}
+
+/// An RMSNorm as its ops take it (`Qwen3_5RMSNorm`, and the gated `Qwen3_5RMSNormGated`): the
+/// weight (`[dim]`), applied to each row of `dim` values, with `eps` under the root.
+pub struct RmsNorm<'w, Buf> {
+    pub weight: &'w Buf,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+/// A SwiGLU MLP's matrices (`Qwen3_5MLP`): `down · (silu(gate · x) * (up · x))`, `gate` and
+/// `up` `[intermediate, hidden]`, `down` `[hidden, intermediate]`.
+pub struct MlpWeights<'w, Weight> {
+    pub gate: &'w Weight,
+    pub up: &'w Weight,
+    pub down: &'w Weight,
+}
+
+/// A gated MLP's intermediate activations, `[tokens, intermediate]` each: the `gate` and `up`
+/// products and `act = silu(gate) * up`.
+pub struct MlpActivations<'s, Buf> {
+    pub gate: &'s mut Buf,
+    pub up: &'s mut Buf,
+    pub act: &'s mut Buf,
+}
+
+/// The structs of shared borrows are plain values: copied, not moved, into each op.
+macro_rules! copy_borrows {
+    ($($name:ident),*) => {$(
+        impl<T> Clone for $name<'_, T> {
+            fn clone(&self) -> Self {
+                *self
+            }
+        }
+        impl<T> Copy for $name<'_, T> {}
+    )*};
+}
+copy_borrows!(DeltaNetLayer, DeltaRuleInput, AttentionLayer, AttentionInput, RmsNorm, MlpWeights);
+
 /// The routed experts of one sparse MoE layer (`Qwen3_5MoeExperts`): expert `e` is the SwiGLU
 /// MLP `down[e] · (silu(gate[e] · x) * (up[e] · x))`, each matrix a [`Backend::Weight`] of its
 /// own (`[moe_intermediate, hidden]` for `gate` and `up`, `[hidden, moe_intermediate]` for
-/// `down`), however the checkpoint stores them (one by one, or fused into 3-D tensors).
+/// `down`), however the checkpoint stores them (one by one, or fused into 3-D tensors). Each
+/// token runs the `top_k` its router picks (`num_experts_per_tok`).
 pub struct MoeExperts<B: Backend + ?Sized> {
     pub gate: Vec<B::Weight>,
     pub up: Vec<B::Weight>,
     pub down: Vec<B::Weight>,
+    pub top_k: usize,
 }
 
 impl<B: Backend + ?Sized> MoeExperts<B> {
@@ -94,6 +211,11 @@ impl<B: Backend + ?Sized> MoeExperts<B> {
 
     pub fn is_empty(&self) -> bool {
         self.gate.is_empty()
+    }
+
+    /// Expert `e`'s SwiGLU MLP.
+    pub fn expert(&self, e: usize) -> MlpWeights<'_, B::Weight> {
+        MlpWeights { gate: &self.gate[e], up: &self.up[e], down: &self.down[e] }
     }
 }
 
@@ -169,8 +291,8 @@ pub trait Backend: Send + Sync {
     type Buf: Send + Sync;
     /// A `[rows, cols]` weight matrix on the device, in its stored dtype.
     type Weight: Send + Sync;
-    /// One attention layer's keys or values, `[capacity, kv_dim]` rows in the element type
-    /// the cache was made with ([`Backend::kv_cache_type`] at the time).
+    /// One attention layer's keys or values, `[capacity, kv_dim]` rows in the backend's
+    /// [`Backend::kv_cache_type`].
     type Cache: Send + Sync;
 
     /// A short name for logs and benchmarks ("cpu", "cuda:0").
@@ -192,7 +314,8 @@ pub trait Backend: Send + Sync {
     /// Copies `len` floats starting at `offset` to the host.
     fn download(&self, buf: &Self::Buf, offset: usize, len: usize) -> Vec<f32>;
 
-    /// The element type of the KV caches [`Backend::cache_zeros`] makes now.
+    /// The element type of every KV cache this backend makes, fixed when the backend is made
+    /// (the CPU's is f32; the CUDA backend's is [`cuda::CudaOptions::kv_cache`]).
     fn kv_cache_type(&self) -> KvCacheType {
         KvCacheType::F32
     }
@@ -207,8 +330,8 @@ pub trait Backend: Send + Sync {
     /// device and bitwise (saving and restoring a session's DeltaNet states).
     fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, dst_offset: usize, len: usize);
     /// Copies `len` elements of `src` from `src_offset` into `dst` from `dst_offset`, on the
-    /// device and bitwise, in the element type both were made with (saving and restoring a
-    /// session's KV rows). Both caches must have the same element type.
+    /// device and bitwise, in the caches' element type (saving and restoring a session's KV
+    /// rows).
     fn cache_copy(
         &self,
         src: &Self::Cache,
@@ -304,47 +427,43 @@ pub trait Backend: Send + Sync {
     ) {
         matmul_each(self, x, tokens, ws, outs, decode_batch);
     }
-    /// The first half of a gated MLP: `act = silu(x · gateᵀ) * (x · upᵀ)` (`[tokens, rows]`),
-    /// which a backend may compute in one pass (the SwiGLU in the GEMV's epilogue). The default
-    /// is [`Backend::matmul_many`] into `gate_out` and `up_out` (`[tokens, rows]` each; a
-    /// backend that fuses may leave them untouched) and [`Backend::swiglu`]; `decode_batch` as
-    /// for `matmul_many`, and the result must equal the default's (bitwise where the backend's
-    /// batch invariance depends on it).
-    #[allow(clippy::too_many_arguments)]
+    /// The first half of a gated MLP: `acts.act = silu(x · gateᵀ) * (x · upᵀ)` (`[tokens,
+    /// rows]`), which a backend may compute in one pass (the SwiGLU in the GEMV's epilogue). The
+    /// default is [`Backend::matmul_many`] into `acts.gate` and `acts.up` (a backend that fuses
+    /// may leave them untouched) and [`Backend::swiglu`]; `decode_batch` as for `matmul_many`,
+    /// and the result must equal the default's (bitwise where the backend's batch invariance
+    /// depends on it).
     fn matmul_glu(
         &self,
         x: &Self::Buf,
         tokens: usize,
         gate: &Self::Weight,
         up: &Self::Weight,
-        gate_out: &mut Self::Buf,
-        up_out: &mut Self::Buf,
-        act: &mut Self::Buf,
+        acts: MlpActivations<'_, Self::Buf>,
         decode_batch: bool,
     ) {
-        matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
+        matmul_glu_each(self, x, tokens, gate, up, acts, decode_batch);
     }
     /// The gated MLP, `out = (silu(x · gateᵀ) * (x · upᵀ)) · downᵀ`: [`Backend::matmul_glu`]
-    /// into the scratch `gate_out`, `up_out`, `act`, then the down product (row by row with
+    /// into the scratch `acts`, then the down product (row by row with
     /// [`Backend::matmul_rows`] for a decode batch). A backend may fuse steps, leaving the
     /// scratch unspecified; `out` must equal the default's (bitwise where the backend's batch
     /// invariance depends on it).
-    #[allow(clippy::too_many_arguments)]
     fn mlp(
         &self,
         x: &Self::Buf,
         tokens: usize,
-        (gate, up, down): (&Self::Weight, &Self::Weight, &Self::Weight),
-        (gate_out, up_out, act): (&mut Self::Buf, &mut Self::Buf, &mut Self::Buf),
+        weights: MlpWeights<'_, Self::Weight>,
+        acts: MlpActivations<'_, Self::Buf>,
         out: &mut Self::Buf,
         decode_batch: bool,
     ) {
-        mlp_each(self, x, tokens, (gate, up, down), (gate_out, up_out, act), out, decode_batch);
+        mlp_each(self, x, tokens, weights, acts, out, decode_batch);
     }
     /// The routed experts of a sparse MoE block (`Qwen3_5MoeTopKRouter` and
     /// `Qwen3_5MoeExperts`): for each row `t` of `x: [tokens, hidden]`, route its
-    /// `router_logits: [tokens, num_experts]` row ([`Routing::new`]: softmax, top-`top_k`,
-    /// renormalised) and write `out[t] = Σ weight_e · expert_e(x[t])` over its chosen experts,
+    /// `router_logits: [tokens, num_experts]` row ([`Routing::new`]: softmax, the experts'
+    /// `top_k`, renormalised) and write `out[t] = Σ weight_e · expert_e(x[t])` over its chosen experts,
     /// summed in ascending expert id from zero (`out: [tokens, hidden]`, overwritten; a
     /// backend may replace the buffer with one of exactly that size). `decode_batch` as for
     /// [`Backend::matmul_many`]: each row must then be bitwise what it gives alone.
@@ -353,18 +472,16 @@ pub trait Backend: Send + Sync {
     /// tokens through [`Backend::mlp`]: correct on any backend, with two downloads and uploads
     /// per expert. A backend that keeps it on the device says so with
     /// [`Backend::moe_on_device`].
-    #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,
         x: &Self::Buf,
         tokens: usize,
         router_logits: &Self::Buf,
         experts: &MoeExperts<Self>,
-        top_k: usize,
         out: &mut Self::Buf,
         decode_batch: bool,
     ) {
-        moe_experts_on_host(self, x, tokens, router_logits, experts, top_k, out, decode_batch);
+        moe_experts_on_host(self, x, tokens, router_logits, experts, out, decode_batch);
     }
     /// The shared expert's gate (`Qwen3_5MoeSparseMoeBlock`): `out[r] += sigmoid(gate[r]) *
     /// x[r]` for `rows` rows of `dim` (`gate: [rows]`, one logit per row). The default
@@ -379,25 +496,23 @@ pub trait Backend: Send + Sync {
     ) {
         add_sigmoid_gated_on_host(self, out, x, gate, rows, dim);
     }
-    /// Whether [`Backend::moe_experts`] with these experts and `top_k`, and
+    /// Whether [`Backend::moe_experts`] with these experts (and their `top_k`), and
     /// [`Backend::add_sigmoid_gated`], run a decode batch without reading anything back to the
     /// host, so that a decode step of a MoE model may be recorded ([`Backend::decode_step`]).
     /// The defaults route on the host: a backend that keeps their defaults answers `false`,
     /// and the model then runs MoE decode steps op by op.
-    fn moe_on_device(&self, experts: &MoeExperts<Self>, top_k: usize) -> bool {
-        let _ = (experts, top_k);
+    fn moe_on_device(&self, experts: &MoeExperts<Self>) -> bool {
+        let _ = experts;
         false
     }
-    /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `dim`.
-    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf);
+    /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `norm.dim`.
+    fn rms_norm(&self, x: &Self::Buf, norm: RmsNorm<'_, Self::Buf>, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.
     fn add_rms_norm(
         &self,
         residual: &mut Self::Buf,
         x: &Self::Buf,
-        weight: &Self::Buf,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, Self::Buf>,
         out: &mut Self::Buf,
     );
     /// `out = silu(gate) * up` over `len` floats.
@@ -421,155 +536,100 @@ pub trait Backend: Send + Sync {
     );
 
     /// [`Backend::causal_conv1d_silu`] for a decode batch: row `i` of `qkv` is one token of
-    /// sequence `i`, whose conv state is `states[i]`.
+    /// sequence `i`, whose conv state is `states[i].conv`.
     fn causal_conv1d_silu_rows(
         &self,
         shape: &DeltaNetShape,
         qkv: &mut Self::Buf,
         weight: &Self::Buf,
-        states: &mut [&mut Self::Buf],
+        states: &mut [DeltaNetState<'_, Self::Buf>],
     );
 
-    /// One recurrent step of the gated delta rule for a decode batch: row `i` of `qkv`, `a`,
-    /// `b` and `out` belongs to sequence `i`, whose state is `states[i]`. Row `i` must equal
-    /// [`Backend::gated_delta_rule`] in `Recurrent` mode on that row alone.
-    #[allow(clippy::too_many_arguments)]
+    /// One recurrent step of the gated delta rule for a decode batch: row `i` of the input's
+    /// `qkv`, `a`, `b` and of `out` belongs to sequence `i`, whose state is
+    /// `states[i].recurrent`. Row `i` must equal [`Backend::gated_delta_rule`] in `Recurrent`
+    /// mode on that row alone.
     fn gated_delta_rule_rows(
         &self,
         shape: &DeltaNetShape,
-        qkv: &Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
-        a_log: &Self::Buf,
-        dt_bias: &Self::Buf,
-        states: &mut [&mut Self::Buf],
+        input: DeltaRuleInput<'_, Self::Buf>,
+        states: &mut [DeltaNetState<'_, Self::Buf>],
         out: &mut Self::Buf,
     );
 
     /// A decode batch's whole Gated DeltaNet core: [`Backend::causal_conv1d_silu_rows`] on the
-    /// raw `qkv` (updating `convs[i]`; `qkv` may be overwritten), [`Backend::gated_delta_rule_rows`] (updating
-    /// `states[i]`) and [`Backend::gated_rms_norm`] with `z` and `norm`, into `out:
-    /// [batch, value_dim]`. Backends fuse it; the default runs the three ops.
-    #[allow(clippy::too_many_arguments)]
+    /// raw `qkv` (which it may overwrite), [`Backend::gated_delta_rule_rows`] and
+    /// [`Backend::gated_rms_norm`] with `z` and the layer's `norm`, into `out: [batch,
+    /// value_dim]`, updating both parts of each sequence's state. Backends fuse it; the
+    /// default runs the three ops.
     fn deltanet_decode_rows(
         &self,
-        shape: &DeltaNetShape,
-        qkv: &mut Self::Buf,
-        z: &Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
-        conv_weight: &Self::Buf,
-        a_log: &Self::Buf,
-        dt_bias: &Self::Buf,
-        norm: &Self::Buf,
-        convs: &mut [&mut Self::Buf],
-        states: &mut [&mut Self::Buf],
+        layer: DeltaNetLayer<'_, Self::Buf>,
+        projections: DeltaNetProjections<'_, Self::Buf>,
+        states: &mut [DeltaNetState<'_, Self::Buf>],
         out: &mut Self::Buf,
     ) {
-        deltanet_decode_each(
-            self,
-            shape,
-            qkv,
-            z,
-            a,
-            b,
-            conv_weight,
-            a_log,
-            dt_bias,
-            norm,
-            convs,
-            states,
-            out,
-        );
+        deltanet_decode_each(self, layer, projections, states, out);
     }
 
-    /// The gated delta rule over `tokens` tokens, from the convolved `qkv`, the raw `a` and `b`
-    /// projections (`[tokens, num_v_heads]`), `a_log` and `dt_bias` (`[num_v_heads]`):
-    /// q and k are L2-normalised, q scaled by `1/sqrt(k_head_dim)`, `beta = sigmoid(b)`,
-    /// `g = -exp(a_log) * softplus(a + dt_bias)`, value head `h` reads key head
-    /// `h / (num_v_heads / num_k_heads)`. Writes `out: [tokens, value_dim]` and updates
-    /// `state: [num_v_heads, k_head_dim, v_head_dim]`.
-    #[allow(clippy::too_many_arguments)]
+    /// The gated delta rule over `tokens` tokens of the input: q and k are L2-normalised, q
+    /// scaled by `1/sqrt(k_head_dim)`, `beta = sigmoid(b)`, `g = -exp(a_log) * softplus(a +
+    /// dt_bias)`, value head `h` reads key head `h / (num_v_heads / num_k_heads)`. Writes
+    /// `out: [tokens, value_dim]` and updates `state: [num_v_heads, k_head_dim, v_head_dim]`.
     fn gated_delta_rule(
         &self,
         shape: &DeltaNetShape,
         mode: DeltaRuleMode,
-        qkv: &Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
-        a_log: &Self::Buf,
-        dt_bias: &Self::Buf,
+        input: DeltaRuleInput<'_, Self::Buf>,
         tokens: usize,
         state: &mut Self::Buf,
         out: &mut Self::Buf,
     );
 
-    /// `Qwen3_5RMSNormGated` in place: each `dim`-row of `x` becomes
+    /// `Qwen3_5RMSNormGated` in place on `rows` rows: each `norm.dim`-row of `x` becomes
     /// `weight * x / rms(x) * silu(z)` (weight not offset by one).
-    fn gated_rms_norm(
-        &self,
-        x: &mut Self::Buf,
-        z: &Self::Buf,
-        weight: &Self::Buf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    );
+    fn gated_rms_norm(&self, x: &mut Self::Buf, z: &Self::Buf, norm: RmsNorm<'_, Self::Buf>, rows: usize);
 
     // --- gated attention ----------------------------------------------------------------------
 
     /// Splits `q_proj`'s output `[tokens, heads, 2 * head_dim]` (query then gate, per head) into
     /// `q: [tokens, heads * head_dim]` and `gate` (same shape), RMS-norms q and `k`
     /// (`[tokens, kv_heads * head_dim]`, in place) per head with `(1 + q_norm)` / `(1 + k_norm)`,
-    /// and applies rotate-half RoPE to the first `rotary_dim` dims of every head of q and k,
-    /// row `t` at position `positions[t]` (`tokens = positions.len()`), with
-    /// `inv_freq: [rotary_dim / 2]`.
-    #[allow(clippy::too_many_arguments)]
+    /// and applies rotate-half RoPE with the layer's `inv_freq` to the first `rotary_dim` dims
+    /// of every head of q and k, row `t` at position `positions[t]` (`tokens =
+    /// positions.len()`).
     fn attention_prologue(
         &self,
-        shape: &AttentionShape,
+        layer: AttentionLayer<'_, Self::Buf>,
         q_and_gate: &Self::Buf,
         k: &mut Self::Buf,
-        q_norm: &Self::Buf,
-        k_norm: &Self::Buf,
-        inv_freq: &Self::Buf,
         positions: &[usize],
         q: &mut Self::Buf,
         gate: &mut Self::Buf,
     );
 
-    /// Writes `k`, `v` (`[tokens, kv_dim]`) into the caches (`[capacity, kv_dim]`) at rows
-    /// `pos0..` (rounded to the caches' element type), then causal softmax attention of `q` over cache rows `0..pos0 + tokens`
+    /// Writes the input's `k`, `v` into the cache (rounded to its element type) at rows
+    /// `pos0..`, then causal softmax attention of `q` over cache rows `0..pos0 + tokens`
     /// (query `t` sees rows `..=pos0 + t`), scaled by `1/sqrt(head_dim)`, GQA; the result is
     /// multiplied by `sigmoid(gate)` into `out: [tokens, heads * head_dim]`.
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         shape: &AttentionShape,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        gate: &Self::Buf,
-        k_cache: &mut Self::Cache,
-        v_cache: &mut Self::Cache,
+        input: AttentionInput<'_, Self::Buf>,
+        cache: KvCache<'_, Self::Cache>,
         pos0: usize,
         tokens: usize,
         out: &mut Self::Buf,
     );
 
-    /// [`Backend::attention`] for a decode batch: row `i` of `q`, `k`, `v`, `gate` and `out`
-    /// is the token of sequence `i` at position `positions[i]`, whose caches are
-    /// `k_caches[i]`, `v_caches[i]`. Row `i` must equal `attention` on that row alone.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Backend::attention`] for a decode batch: row `i` of the input and of `out` is the
+    /// token of sequence `i` at position `positions[i]`, whose cache is `caches[i]`. Row `i`
+    /// must equal `attention` on that row alone.
     fn attention_rows(
         &self,
         shape: &AttentionShape,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        gate: &Self::Buf,
-        k_caches: &mut [&mut Self::Cache],
-        v_caches: &mut [&mut Self::Cache],
+        input: AttentionInput<'_, Self::Buf>,
+        caches: &mut [KvCache<'_, Self::Cache>],
         positions: &[usize],
         out: &mut Self::Buf,
     );
@@ -577,63 +637,62 @@ pub trait Backend: Send + Sync {
 
 /// [`Backend::deltanet_decode_rows`] as its three ops: the default, and a backend's fallback
 /// for shapes its fused kernel does not take.
-#[allow(clippy::too_many_arguments)]
 pub fn deltanet_decode_each<B: Backend + ?Sized>(
     be: &B,
-    shape: &DeltaNetShape,
-    qkv: &mut B::Buf,
-    z: &B::Buf,
-    a: &B::Buf,
-    b: &B::Buf,
-    conv_weight: &B::Buf,
-    a_log: &B::Buf,
-    dt_bias: &B::Buf,
-    norm: &B::Buf,
-    convs: &mut [&mut B::Buf],
-    states: &mut [&mut B::Buf],
+    layer: DeltaNetLayer<'_, B::Buf>,
+    projections: DeltaNetProjections<'_, B::Buf>,
+    states: &mut [DeltaNetState<'_, B::Buf>],
     out: &mut B::Buf,
 ) {
-    be.causal_conv1d_silu_rows(shape, qkv, conv_weight, convs);
-    be.gated_delta_rule_rows(shape, qkv, a, b, a_log, dt_bias, states, out);
+    let DeltaNetProjections { qkv, z, a, b } = projections;
+    let shape = &layer.shape;
+    be.causal_conv1d_silu_rows(shape, qkv, layer.conv1d, states);
+    let input = DeltaRuleInput { qkv, a, b, a_log: layer.a_log, dt_bias: layer.dt_bias };
+    be.gated_delta_rule_rows(shape, input, states, out);
     let rows = states.len() * shape.num_v_heads;
-    be.gated_rms_norm(out, z, norm, rows, shape.v_head_dim, shape.eps);
+    be.gated_rms_norm(out, z, layer.gated_norm(), rows);
 }
 
-/// [`Backend::matmul_glu`] as [`Backend::matmul_many`] into `gate_out` and `up_out` and
+/// [`Backend::matmul_glu`] as [`Backend::matmul_many`] into `acts.gate` and `acts.up` and
 /// [`Backend::swiglu`]: the default, and a backend's fallback.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_glu_each<B: Backend + ?Sized>(
     b: &B,
     x: &B::Buf,
     tokens: usize,
     gate: &B::Weight,
     up: &B::Weight,
-    gate_out: &mut B::Buf,
-    up_out: &mut B::Buf,
-    act: &mut B::Buf,
+    acts: MlpActivations<'_, B::Buf>,
     decode_batch: bool,
 ) {
+    let MlpActivations { gate: gate_out, up: up_out, act } = acts;
     b.matmul_many(x, tokens, &[gate, up], &mut [&mut *gate_out, &mut *up_out], decode_batch);
     b.swiglu(gate_out, up_out, tokens * b.weight_shape(gate).0, act);
 }
 
 /// [`Backend::mlp`] as [`Backend::matmul_glu`] then the down product: the default, and a
 /// backend's fallback where it does not fuse.
-#[allow(clippy::too_many_arguments)]
 pub fn mlp_each<B: Backend + ?Sized>(
     b: &B,
     x: &B::Buf,
     tokens: usize,
-    (gate, up, down): (&B::Weight, &B::Weight, &B::Weight),
-    (gate_out, up_out, act): (&mut B::Buf, &mut B::Buf, &mut B::Buf),
+    weights: MlpWeights<'_, B::Weight>,
+    acts: MlpActivations<'_, B::Buf>,
     out: &mut B::Buf,
     decode_batch: bool,
 ) {
-    b.matmul_glu(x, tokens, gate, up, gate_out, up_out, act, decode_batch);
+    let MlpActivations { gate, up, act } = acts;
+    b.matmul_glu(
+        x,
+        tokens,
+        weights.gate,
+        weights.up,
+        MlpActivations { gate, up, act: &mut *act },
+        decode_batch,
+    );
     if decode_batch {
-        b.matmul_rows(act, tokens, down, out);
+        b.matmul_rows(act, tokens, weights.down, out);
     } else {
-        b.matmul(act, tokens, down, out);
+        b.matmul(act, tokens, weights.down, out);
     }
 }
 
@@ -642,20 +701,18 @@ pub fn mlp_each<B: Backend + ?Sized>(
 /// that expert's weights, and the weighted outputs are summed on the host (in ascending expert
 /// id, as the reference's `index_add_`) and uploaded into `out`. The default, and the
 /// reference for a backend's own kernels.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_experts_on_host<B: Backend + ?Sized>(
     b: &B,
     x: &B::Buf,
     tokens: usize,
     router_logits: &B::Buf,
     experts: &MoeExperts<B>,
-    top_k: usize,
     out: &mut B::Buf,
     decode_batch: bool,
 ) {
     let n = experts.len();
     let (inter, hidden) = b.weight_shape(&experts.gate[0]);
-    let routing = Routing::new(&b.download(router_logits, 0, tokens * n), tokens, n, top_k);
+    let routing = Routing::new(&b.download(router_logits, 0, tokens * n), tokens, n, experts.top_k);
     let xs = b.download(x, 0, tokens * hidden);
     let mut acc = vec![0f32; tokens * hidden];
     for (e, members) in routing.by_expert(n).iter().enumerate() {
@@ -670,8 +727,8 @@ pub fn moe_experts_on_host<B: Backend + ?Sized>(
         let xe = b.upload(&rows);
         let (mut g, mut u, mut a, mut y) =
             (b.scratch(m * inter), b.scratch(m * inter), b.scratch(m * inter), b.scratch(m * hidden));
-        let weights = (&experts.gate[e], &experts.up[e], &experts.down[e]);
-        b.mlp(&xe, m, weights, (&mut g, &mut u, &mut a), &mut y, decode_batch);
+        let acts = MlpActivations { gate: &mut g, up: &mut u, act: &mut a };
+        b.mlp(&xe, m, experts.expert(e), acts, &mut y, decode_batch);
         let ys = b.download(&y, 0, m * hidden);
         for (&(t, w), y) in members.iter().zip(ys.chunks_exact(hidden)) {
             for (o, &v) in acc[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {

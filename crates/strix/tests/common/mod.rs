@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
 use strix::backend::cuda::CudaBackend;
+use strix::backend::KvCacheType;
 use strix::model::TensorSource;
 use strix::tensor::HostTensor;
 
@@ -142,47 +143,37 @@ macro_rules! delegate_activation_ops_to_cpu {
         fn attention(
             &self,
             s: &strix::backend::AttentionShape,
-            q: &Vec<f32>,
-            k: &Vec<f32>,
-            v: &Vec<f32>,
-            gate: &Vec<f32>,
-            kc: &mut Vec<f32>,
-            vc: &mut Vec<f32>,
+            input: strix::backend::AttentionInput<'_, Vec<f32>>,
+            cache: strix::backend::KvCache<'_, Vec<f32>>,
             pos0: usize,
             tokens: usize,
             out: &mut Vec<f32>,
         ) {
-            self.$inner.attention(s, q, k, v, gate, kc, vc, pos0, tokens, out)
+            self.$inner.attention(s, input, cache, pos0, tokens, out)
         }
         fn attention_rows(
             &self,
             s: &strix::backend::AttentionShape,
-            q: &Vec<f32>,
-            k: &Vec<f32>,
-            v: &Vec<f32>,
-            gate: &Vec<f32>,
-            kcs: &mut [&mut Vec<f32>],
-            vcs: &mut [&mut Vec<f32>],
+            input: strix::backend::AttentionInput<'_, Vec<f32>>,
+            caches: &mut [strix::backend::KvCache<'_, Vec<f32>>],
             positions: &[usize],
             out: &mut Vec<f32>,
         ) {
-            self.$inner.attention_rows(s, q, k, v, gate, kcs, vcs, positions, out)
+            self.$inner.attention_rows(s, input, caches, positions, out)
         }
     };
     ($inner:tt, without_attention) => {
-        fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
-            self.$inner.rms_norm(x, w, dim, eps, out)
+        fn rms_norm(&self, x: &Vec<f32>, norm: strix::backend::RmsNorm<'_, Vec<f32>>, out: &mut Vec<f32>) {
+            self.$inner.rms_norm(x, norm, out)
         }
         fn add_rms_norm(
             &self,
             r: &mut Vec<f32>,
             x: &Vec<f32>,
-            w: &Vec<f32>,
-            dim: usize,
-            eps: f32,
+            norm: strix::backend::RmsNorm<'_, Vec<f32>>,
             out: &mut Vec<f32>,
         ) {
-            self.$inner.add_rms_norm(r, x, w, dim, eps, out)
+            self.$inner.add_rms_norm(r, x, norm, out)
         }
         fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
             self.$inner.swiglu(g, u, len, out)
@@ -205,62 +196,49 @@ macro_rules! delegate_activation_ops_to_cpu {
             s: &strix::backend::DeltaNetShape,
             qkv: &mut Vec<f32>,
             w: &Vec<f32>,
-            st: &mut [&mut Vec<f32>],
+            states: &mut [strix::backend::DeltaNetState<'_, Vec<f32>>],
         ) {
-            self.$inner.causal_conv1d_silu_rows(s, qkv, w, st)
+            self.$inner.causal_conv1d_silu_rows(s, qkv, w, states)
         }
         fn gated_delta_rule_rows(
             &self,
             s: &strix::backend::DeltaNetShape,
-            qkv: &Vec<f32>,
-            a: &Vec<f32>,
-            b: &Vec<f32>,
-            a_log: &Vec<f32>,
-            dt_bias: &Vec<f32>,
-            states: &mut [&mut Vec<f32>],
+            input: strix::backend::DeltaRuleInput<'_, Vec<f32>>,
+            states: &mut [strix::backend::DeltaNetState<'_, Vec<f32>>],
             out: &mut Vec<f32>,
         ) {
-            self.$inner.gated_delta_rule_rows(s, qkv, a, b, a_log, dt_bias, states, out)
+            self.$inner.gated_delta_rule_rows(s, input, states, out)
         }
         fn gated_delta_rule(
             &self,
             s: &strix::backend::DeltaNetShape,
             mode: strix::backend::DeltaRuleMode,
-            qkv: &Vec<f32>,
-            a: &Vec<f32>,
-            b: &Vec<f32>,
-            a_log: &Vec<f32>,
-            dt_bias: &Vec<f32>,
+            input: strix::backend::DeltaRuleInput<'_, Vec<f32>>,
             tokens: usize,
             state: &mut Vec<f32>,
             out: &mut Vec<f32>,
         ) {
-            self.$inner.gated_delta_rule(s, mode, qkv, a, b, a_log, dt_bias, tokens, state, out)
+            self.$inner.gated_delta_rule(s, mode, input, tokens, state, out)
         }
         fn gated_rms_norm(
             &self,
             x: &mut Vec<f32>,
             z: &Vec<f32>,
-            w: &Vec<f32>,
+            norm: strix::backend::RmsNorm<'_, Vec<f32>>,
             rows: usize,
-            dim: usize,
-            eps: f32,
         ) {
-            self.$inner.gated_rms_norm(x, z, w, rows, dim, eps)
+            self.$inner.gated_rms_norm(x, z, norm, rows)
         }
         fn attention_prologue(
             &self,
-            s: &strix::backend::AttentionShape,
+            layer: strix::backend::AttentionLayer<'_, Vec<f32>>,
             qg: &Vec<f32>,
             k: &mut Vec<f32>,
-            qn: &Vec<f32>,
-            kn: &Vec<f32>,
-            inv_freq: &Vec<f32>,
             positions: &[usize],
             q: &mut Vec<f32>,
             gate: &mut Vec<f32>,
         ) {
-            self.$inner.attention_prologue(s, qg, k, qn, kn, inv_freq, positions, q, gate)
+            self.$inner.attention_prologue(layer, qg, k, positions, q, gate)
         }
         fn cache_zeros(&self, len: usize) -> Vec<f32> {
             self.$inner.cache_zeros(len)
@@ -295,15 +273,34 @@ pub fn gpu_options() -> strix::backend::cuda::CudaOptions {
     strix::backend::cuda::CudaOptions::from_vars(|k| std::env::var(k).ok()).expect("STRIX_* CUDA variables")
 }
 
+/// [`gpu_options`] with KV caches of element type `kv`.
+pub fn gpu_options_kv(kv: KvCacheType) -> strix::backend::cuda::CudaOptions {
+    strix::backend::cuda::CudaOptions { kv_cache: kv, ..gpu_options() }
+}
+
 /// CUDA device 0 with [`gpu_options`], for a test that already knows there is one.
 #[allow(dead_code)] // not every test binary builds models on the GPU
 pub fn gpu_backend() -> CudaBackend {
     CudaBackend::with_options(0, &gpu_options()).expect("CUDA device 0")
 }
 
+/// [`gpu_backend`] whose KV caches are of element type `kv`.
+pub fn gpu_backend_kv(kv: KvCacheType) -> CudaBackend {
+    CudaBackend::with_options(0, &gpu_options_kv(kv)).expect("CUDA device 0")
+}
+
 /// CUDA device 0, or `None` after printing why the test is skipped.
 pub fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::with_options(0, &gpu_options()) {
+    gpu_with(&gpu_options())
+}
+
+/// [`gpu`] whose KV caches are of element type `kv`.
+pub fn gpu_kv(kv: KvCacheType) -> Option<CudaBackend> {
+    gpu_with(&gpu_options_kv(kv))
+}
+
+fn gpu_with(options: &strix::backend::cuda::CudaOptions) -> Option<CudaBackend> {
+    match CudaBackend::with_options(0, options) {
         Ok(b) => Some(b),
         Err(e) => {
             println!("skipped: {e}");

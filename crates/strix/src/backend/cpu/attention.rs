@@ -6,7 +6,21 @@ use rayon::prelude::*;
 use super::deltanet::mm;
 use super::simd::{axpy, dot, scale};
 use super::{rms_scale, sigmoid};
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionLayer, AttentionShape};
+
+/// The queries of a run and their output gates, `[tokens, heads * head_dim]` each.
+#[derive(Clone, Copy)]
+pub struct Query<'a> {
+    pub q: &'a [f32],
+    pub gate: &'a [f32],
+}
+
+/// A sequence's cached keys and values, `[rows, kv_dim]` each.
+#[derive(Clone, Copy)]
+pub struct Rows<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+}
 
 /// `x ← x / rms(x) * (1 + w)` over one head.
 fn head_norm(x: &mut [f32], w: &[f32], eps: f32) {
@@ -32,18 +46,15 @@ fn rope_table(pos: usize, inv_freq: &[f32]) -> (Vec<f32>, Vec<f32>) {
     inv_freq.iter().map(|&f| ((p * f).cos(), (p * f).sin())).unzip()
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn prologue(
-    shape: &AttentionShape,
+    layer: AttentionLayer<'_, Vec<f32>>,
     q_and_gate: &[f32],
     k: &mut [f32],
-    q_norm: &[f32],
-    k_norm: &[f32],
-    inv_freq: &[f32],
     positions: &[usize],
     q: &mut [f32],
     gate: &mut [f32],
 ) {
+    let AttentionLayer { ref shape, q_norm, k_norm, inv_freq } = layer;
     let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     let tokens = positions.len();
     assert_eq!(inv_freq.len(), shape.rotary_dim / 2);
@@ -93,21 +104,18 @@ fn normalise_and_gate(o: &mut [f32], sum: f32, gate: &[f32]) {
 const QUERY_TILE: usize = 32;
 
 /// Causal attention of `tokens` queries at positions `pos0..` over cache rows `..pos0 + tokens`.
-#[allow(clippy::too_many_arguments)]
 pub fn causal(
     shape: &AttentionShape,
-    q: &[f32],
-    gate: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    query: Query,
+    cache: Rows,
     pos0: usize,
     tokens: usize,
     out: &mut [f32],
 ) {
     if tokens == 1 {
-        one_query(shape, q, gate, k_cache, v_cache, pos0, out);
+        one_query(shape, query, cache, pos0, out);
     } else {
-        prompt(shape, q, gate, k_cache, v_cache, pos0, tokens, out);
+        prompt(shape, query, cache, pos0, tokens, out);
     }
 }
 
@@ -115,15 +123,8 @@ pub fn causal(
 /// value row is read from memory once for all of them, then dotted (or added) into each head
 /// from L1. Per head the operations and their order are those of a head alone: a decode
 /// batch's rows (`attention_rows`) are bitwise this.
-fn one_query(
-    shape: &AttentionShape,
-    q: &[f32],
-    gate: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    pos: usize,
-    out: &mut [f32],
-) {
+fn one_query(shape: &AttentionShape, query: Query, cache: Rows, pos: usize, out: &mut [f32]) {
+    let (Query { q, gate }, Rows { k: k_cache, v: v_cache }) = (query, cache);
     let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     let kv = nkv * hd;
     let group = nh / nkv;
@@ -160,17 +161,8 @@ fn one_query(
 /// the tile's last query sees as one matrix product (`Q Kᵀ`), the softmax of each row over
 /// its visible keys (the rest weighted zero), and the output as a second product (`P V`),
 /// through the `gemm` crate. The sums run in gemm's order rather than one key at a time.
-#[allow(clippy::too_many_arguments)]
-fn prompt(
-    shape: &AttentionShape,
-    q: &[f32],
-    gate: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    pos0: usize,
-    tokens: usize,
-    out: &mut [f32],
-) {
+fn prompt(shape: &AttentionShape, query: Query, cache: Rows, pos0: usize, tokens: usize, out: &mut [f32]) {
+    let (Query { q, gate }, Rows { k: k_cache, v: v_cache }) = (query, cache);
     let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     let kv = nkv * hd;
     let group = nh / nkv;
@@ -208,17 +200,15 @@ mod tests {
 
     /// Attention as first written, one (query, head) at a time with a dot product per key:
     /// the reference for both paths.
-    #[allow(clippy::too_many_arguments)]
     fn reference(
         shape: &AttentionShape,
-        q: &[f32],
-        gate: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
+        query: Query,
+        cache: Rows,
         pos0: usize,
         tokens: usize,
         out: &mut [f32],
     ) {
+        let (Query { q, gate }, Rows { k: k_cache, v: v_cache }) = (query, cache);
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let kv = nkv * hd;
         let group = nh / nkv;
@@ -268,9 +258,10 @@ mod tests {
                 let k = random(total * nkv * hd, seed + 2);
                 let v = random(total * nkv * hd, seed + 3);
                 let mut want = vec![f32::NAN; tokens * nh * hd];
-                reference(&shape, &q, &gate, &k, &v, pos0, tokens, &mut want);
+                let (query, cache) = (Query { q: &q, gate: &gate }, Rows { k: &k, v: &v });
+                reference(&shape, query, cache, pos0, tokens, &mut want);
                 let mut got = vec![f32::NAN; tokens * nh * hd];
-                causal(&shape, &q, &gate, &k, &v, pos0, tokens, &mut got);
+                causal(&shape, query, cache, pos0, tokens, &mut got);
                 let what = format!("heads {nh}/{nkv} dim {hd} pos0 {pos0} tokens {tokens}");
                 if tokens == 1 {
                     assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}");

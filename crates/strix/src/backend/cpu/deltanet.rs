@@ -230,6 +230,18 @@ fn conv_block<'a>(
     }
 }
 
+/// The delta rule's inputs as the backend's ops get them, for some tokens: the convolved `qkv`
+/// rows (`[tokens, conv_dim]`), the raw `a` and `b` rows (`[tokens, num_v_heads]`) and the
+/// layer's `a_log` and `dt_bias` (`[num_v_heads]`).
+#[derive(Clone, Copy)]
+pub struct RawInputs<'a> {
+    pub qkv: &'a [f32],
+    pub a: &'a [f32],
+    pub b: &'a [f32],
+    pub a_log: &'a [f32],
+    pub dt_bias: &'a [f32],
+}
+
 /// The per-token, per-head quantities of the delta rule, laid out head-major so each head's
 /// work reads contiguous memory: q (normalised and scaled), k (normalised), v, β and g.
 pub struct DeltaRuleInputs {
@@ -273,15 +285,8 @@ fn softplus(x: f32) -> f32 {
 }
 
 impl DeltaRuleInputs {
-    pub fn prepare(
-        shape: &DeltaNetShape,
-        qkv: &[f32],
-        a: &[f32],
-        b: &[f32],
-        a_log: &[f32],
-        dt_bias: &[f32],
-        tokens: usize,
-    ) -> DeltaRuleInputs {
+    pub fn prepare(shape: &DeltaNetShape, raw: RawInputs, tokens: usize) -> DeltaRuleInputs {
+        let RawInputs { qkv, a, b, a_log, dt_bias } = raw;
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         let conv_dim = shape.conv_dim();
         let key_dim = shape.key_dim();
@@ -424,17 +429,8 @@ fn delta_step(isa: Isa, s: &mut [f32], x: &TokenInputs, scratch: (&mut [f32], &m
 /// parallel pass over the value heads: each head normalises its own q and k and reads its
 /// v, β and g where they lie, and writes its slice of `out` directly. The same operations in
 /// the same order as the two calls (bitwise), with one dispatch to the pool instead of three.
-#[allow(clippy::too_many_arguments)]
-pub fn recurrent_one_token(
-    shape: &DeltaNetShape,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) {
+pub fn recurrent_one_token(shape: &DeltaNetShape, raw: RawInputs, state: &mut [f32], out: &mut [f32]) {
+    let RawInputs { qkv, a, b, a_log, dt_bias } = raw;
     let (nv, dk, dv) = (shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
     let key_dim = shape.key_dim();
     let q_scale = 1.0 / (dk as f32).sqrt();
@@ -463,7 +459,6 @@ pub fn recurrent_one_token(
 /// `m × n` row-major `dst` with row stride `ldd`; `lhs` element `(i, p)` is at
 /// `i · lrs + p · lcs`, `rhs` element `(p, j)` at `p · rrs + j · rcs`. Single-threaded: the
 /// heads already run in parallel.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn mm(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
@@ -640,7 +635,8 @@ mod tests {
                 let a_log = rng.vec(nv, 1.0);
                 let dt_bias = rng.vec(nv, 1.0);
                 let init = rng.vec(sh.state_len(), 0.5);
-                let inputs = DeltaRuleInputs::prepare(&sh, &qkv, &a, &b, &a_log, &dt_bias, tokens);
+                let raw = RawInputs { qkv: &qkv, a: &a, b: &b, a_log: &a_log, dt_bias: &dt_bias };
+                let inputs = DeltaRuleInputs::prepare(&sh, raw, tokens);
                 let (mut s1, mut s2) = (init.clone(), init.clone());
                 let mut o1 = vec![f32::NAN; tokens * sh.value_dim()];
                 let mut o2 = vec![f32::NAN; tokens * sh.value_dim()];
@@ -776,12 +772,13 @@ mod tests {
             let a_log = rng.vec(nv, 1.0);
             let dt_bias = rng.vec(nv, 1.0);
             let init = rng.vec(sh.state_len(), 0.5);
-            let inputs = DeltaRuleInputs::prepare(&sh, &qkv, &a, &b, &a_log, &dt_bias, 1);
+            let raw = RawInputs { qkv: &qkv, a: &a, b: &b, a_log: &a_log, dt_bias: &dt_bias };
+            let inputs = DeltaRuleInputs::prepare(&sh, raw, 1);
             let (mut s1, mut s2) = (init.clone(), init.clone());
             let mut o1 = vec![f32::NAN; sh.value_dim()];
             let mut o2 = vec![f32::NAN; sh.value_dim()];
             recurrent(&sh, &inputs, &mut s1, &mut o1);
-            recurrent_one_token(&sh, &qkv, &a, &b, &a_log, &dt_bias, &mut s2, &mut o2);
+            recurrent_one_token(&sh, raw, &mut s2, &mut o2);
             assert!(
                 o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "heads {nk}/{nv} tiled {tiled}"

@@ -18,7 +18,10 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, MoeExperts};
+use crate::backend::{
+    AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetShape, DeltaNetState, DeltaRuleInput,
+    DeltaRuleMode, KvCache, MoeExperts, RmsNorm,
+};
 use crate::error::Result;
 use crate::sampling::NonFiniteLogits;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -312,12 +315,11 @@ impl Backend for CpuBackend {
         tokens: usize,
         router_logits: &Vec<f32>,
         experts: &MoeExperts<CpuBackend>,
-        top_k: usize,
         out: &mut Vec<f32>,
         decode_batch: bool,
     ) {
         let _t = self.timed("moe_experts");
-        moe::moe_experts(self, x, tokens, router_logits, experts, top_k, out, decode_batch);
+        moe::moe_experts(self, x, tokens, router_logits, experts, out, decode_batch);
     }
 
     fn add_sigmoid_gated(&self, out: &mut Vec<f32>, x: &Vec<f32>, gate: &Vec<f32>, rows: usize, dim: usize) {
@@ -335,12 +337,13 @@ impl Backend for CpuBackend {
     }
 
     // Nothing to record on the CPU: every op runs where the routing is decided.
-    fn moe_on_device(&self, _experts: &MoeExperts<CpuBackend>, _top_k: usize) -> bool {
+    fn moe_on_device(&self, _experts: &MoeExperts<CpuBackend>) -> bool {
         true
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(&self, x: &Vec<f32>, norm: RmsNorm<'_, Vec<f32>>, out: &mut Vec<f32>) {
         let _t = self.timed("rms_norm");
+        let RmsNorm { weight, dim, eps } = norm;
         let rows = x.len().min(out.len()) / dim;
         out[..rows * dim]
             .par_chunks_mut(dim * rows_per_task(dim))
@@ -359,12 +362,11 @@ impl Backend for CpuBackend {
         &self,
         residual: &mut Vec<f32>,
         x: &Vec<f32>,
-        weight: &Vec<f32>,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, Vec<f32>>,
         out: &mut Vec<f32>,
     ) {
         let _t = self.timed("add_rms_norm");
+        let RmsNorm { weight, dim, eps } = norm;
         let rows = residual.len().min(x.len()).min(out.len()) / dim;
         let n = dim * rows_per_task(dim);
         residual[..rows * dim]
@@ -416,40 +418,34 @@ impl Backend for CpuBackend {
         shape: &DeltaNetShape,
         qkv: &mut Vec<f32>,
         weight: &Vec<f32>,
-        states: &mut [&mut Vec<f32>],
+        states: &mut [DeltaNetState<'_, Vec<f32>>],
     ) {
         let _t = self.timed("causal_conv1d_silu_rows");
         let dim = shape.conv_dim();
         qkv[..states.len() * dim].par_chunks_mut(dim).zip(states.par_iter_mut()).for_each(|(row, state)| {
-            deltanet::causal_conv1d_silu(shape, row, 1, weight, state);
+            deltanet::causal_conv1d_silu(shape, row, 1, weight, state.conv);
         });
     }
 
     fn gated_delta_rule_rows(
         &self,
         shape: &DeltaNetShape,
-        qkv: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        a_log: &Vec<f32>,
-        dt_bias: &Vec<f32>,
-        states: &mut [&mut Vec<f32>],
+        input: DeltaRuleInput<'_, Vec<f32>>,
+        states: &mut [DeltaNetState<'_, Vec<f32>>],
         out: &mut Vec<f32>,
     ) {
         let _t = self.timed("gated_delta_rule_rows");
         let (cd, vd, nv) = (shape.conv_dim(), shape.value_dim(), shape.num_v_heads);
         out[..states.len() * vd].par_chunks_mut(vd).zip(states.par_iter_mut()).enumerate().for_each(
             |(i, (out, state))| {
-                deltanet::recurrent_one_token(
-                    shape,
-                    &qkv[i * cd..(i + 1) * cd],
-                    &a[i * nv..(i + 1) * nv],
-                    &b[i * nv..(i + 1) * nv],
-                    a_log,
-                    dt_bias,
-                    state,
-                    out,
-                );
+                let row = deltanet::RawInputs {
+                    qkv: &input.qkv[i * cd..(i + 1) * cd],
+                    a: &input.a[i * nv..(i + 1) * nv],
+                    b: &input.b[i * nv..(i + 1) * nv],
+                    a_log: input.a_log,
+                    dt_bias: input.dt_bias,
+                };
+                deltanet::recurrent_one_token(shape, row, state.recurrent, out);
             },
         );
     }
@@ -458,11 +454,7 @@ impl Backend for CpuBackend {
         &self,
         shape: &DeltaNetShape,
         mode: DeltaRuleMode,
-        qkv: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        a_log: &Vec<f32>,
-        dt_bias: &Vec<f32>,
+        input: DeltaRuleInput<'_, Vec<f32>>,
         tokens: usize,
         state: &mut Vec<f32>,
         out: &mut Vec<f32>,
@@ -471,7 +463,9 @@ impl Backend for CpuBackend {
             DeltaRuleMode::Recurrent => "gated_delta_rule (recurrent)",
             DeltaRuleMode::Chunked => "gated_delta_rule (chunked)",
         });
-        let inputs = deltanet::DeltaRuleInputs::prepare(shape, qkv, a, b, a_log, dt_bias, tokens);
+        let DeltaRuleInput { qkv, a, b, a_log, dt_bias } = input;
+        let raw = deltanet::RawInputs { qkv, a, b, a_log, dt_bias };
+        let inputs = deltanet::DeltaRuleInputs::prepare(shape, raw, tokens);
         let out = &mut out[..tokens * shape.value_dim()];
         match mode {
             DeltaRuleMode::Recurrent => deltanet::recurrent(shape, &inputs, state, out),
@@ -479,16 +473,9 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn gated_rms_norm(
-        &self,
-        x: &mut Vec<f32>,
-        z: &Vec<f32>,
-        weight: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) {
+    fn gated_rms_norm(&self, x: &mut Vec<f32>, z: &Vec<f32>, norm: RmsNorm<'_, Vec<f32>>, rows: usize) {
         let _t = self.timed("gated_rms_norm");
+        let RmsNorm { weight, dim, eps } = norm;
         let n = dim * rows_per_task(dim);
         x[..rows * dim].par_chunks_mut(n).zip(z[..rows * dim].par_chunks(n)).for_each(|(x, z)| {
             for (x, z) in x.chunks_mut(dim).zip(z.chunks(dim)) {
@@ -500,65 +487,54 @@ impl Backend for CpuBackend {
 
     fn attention_prologue(
         &self,
-        shape: &AttentionShape,
+        layer: AttentionLayer<'_, Vec<f32>>,
         q_and_gate: &Vec<f32>,
         k: &mut Vec<f32>,
-        q_norm: &Vec<f32>,
-        k_norm: &Vec<f32>,
-        inv_freq: &Vec<f32>,
         positions: &[usize],
         q: &mut Vec<f32>,
         gate: &mut Vec<f32>,
     ) {
         let _t = self.timed("attention_prologue");
-        attention::prologue(shape, q_and_gate, k, q_norm, k_norm, inv_freq, positions, q, gate);
+        attention::prologue(layer, q_and_gate, k, positions, q, gate);
     }
 
     fn attention(
         &self,
         shape: &AttentionShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        gate: &Vec<f32>,
-        k_cache: &mut Vec<f32>,
-        v_cache: &mut Vec<f32>,
+        input: AttentionInput<'_, Vec<f32>>,
+        cache: KvCache<'_, Vec<f32>>,
         pos0: usize,
         tokens: usize,
         out: &mut Vec<f32>,
     ) {
         let _t = self.timed("attention");
         let kv = shape.kv_dim();
-        k_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&k[..tokens * kv]);
-        v_cache[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&v[..tokens * kv]);
-        attention::causal(shape, q, gate, k_cache, v_cache, pos0, tokens, out);
+        cache.k[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&input.k[..tokens * kv]);
+        cache.v[pos0 * kv..(pos0 + tokens) * kv].copy_from_slice(&input.v[..tokens * kv]);
+        let query = attention::Query { q: input.q, gate: input.gate };
+        attention::causal(shape, query, attention::Rows { k: cache.k, v: cache.v }, pos0, tokens, out);
     }
 
     fn attention_rows(
         &self,
         shape: &AttentionShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        gate: &Vec<f32>,
-        k_caches: &mut [&mut Vec<f32>],
-        v_caches: &mut [&mut Vec<f32>],
+        input: AttentionInput<'_, Vec<f32>>,
+        caches: &mut [KvCache<'_, Vec<f32>>],
         positions: &[usize],
         out: &mut Vec<f32>,
     ) {
         let _t = self.timed("attention_rows");
         let kv = shape.kv_dim();
         let qd = shape.num_heads * shape.head_dim;
-        out[..positions.len() * qd]
-            .par_chunks_mut(qd)
-            .zip(k_caches.par_iter_mut().zip(v_caches.par_iter_mut()))
-            .enumerate()
-            .for_each(|(i, (out, (kc, vc)))| {
+        out[..positions.len() * qd].par_chunks_mut(qd).zip(caches.par_iter_mut()).enumerate().for_each(
+            |(i, (out, cache))| {
                 let pos = positions[i];
-                kc[pos * kv..(pos + 1) * kv].copy_from_slice(&k[i * kv..(i + 1) * kv]);
-                vc[pos * kv..(pos + 1) * kv].copy_from_slice(&v[i * kv..(i + 1) * kv]);
+                cache.k[pos * kv..(pos + 1) * kv].copy_from_slice(&input.k[i * kv..(i + 1) * kv]);
+                cache.v[pos * kv..(pos + 1) * kv].copy_from_slice(&input.v[i * kv..(i + 1) * kv]);
                 let rows = i * qd..(i + 1) * qd;
-                attention::causal(shape, &q[rows.clone()], &gate[rows], kc, vc, pos, 1, out);
-            });
+                let query = attention::Query { q: &input.q[rows.clone()], gate: &input.gate[rows] };
+                attention::causal(shape, query, attention::Rows { k: cache.k, v: cache.v }, pos, 1, out);
+            },
+        );
     }
 }

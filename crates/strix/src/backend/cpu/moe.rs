@@ -7,26 +7,24 @@
 use rayon::prelude::*;
 
 use super::{CpuBackend, CpuWeight};
-use crate::backend::{Backend, MoeExperts, Routing};
+use crate::backend::{Backend, MlpActivations, MlpWeights, MoeExperts, Routing};
 
 /// [`Backend::moe_experts`]: `out[t] = Σ weight · expert(x[t])` over the experts the router
 /// picked for token `t`. In a decode batch each expert multiplies its rows with the one-token
 /// kernels ([`Backend::matmul_rows`]), and a token's sum runs in the same order whatever else
 /// is in the batch, so each row is bitwise what it gives alone.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     b: &CpuBackend,
     x: &[f32],
     tokens: usize,
     router_logits: &[f32],
     experts: &MoeExperts<CpuBackend>,
-    top_k: usize,
     out: &mut [f32],
     decode_batch: bool,
 ) {
     let n = experts.len();
     let (inter, hidden) = b.weight_shape(&experts.gate[0]);
-    let routing = Routing::new(router_logits, tokens, n, top_k);
+    let routing = Routing::new(router_logits, tokens, n, experts.top_k);
     let groups: Vec<(usize, Vec<(usize, f32)>)> =
         routing.by_expert(n).into_iter().enumerate().filter(|(_, members)| !members.is_empty()).collect();
 
@@ -40,21 +38,13 @@ pub fn moe_experts(
                 rows.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
             }
             let mut y = vec![0f32; m * hidden];
-            expert_mlp(
-                b,
-                &rows,
-                m,
-                inter,
-                (&experts.gate[*e], &experts.up[*e], &experts.down[*e]),
-                &mut y,
-                decode_batch,
-            );
+            expert_mlp(b, &rows, m, inter, experts.expert(*e), &mut y, decode_batch);
             y
         })
         .collect();
 
     // Where each token's contributions are, in ascending expert id (groups are in that order).
-    let mut contributions: Vec<Vec<(f32, usize, usize)>> = vec![Vec::with_capacity(top_k); tokens];
+    let mut contributions: Vec<Vec<(f32, usize, usize)>> = vec![Vec::with_capacity(experts.top_k); tokens];
     for (g, (_, members)) in groups.iter().enumerate() {
         for (j, &(t, w)) in members.iter().enumerate() {
             contributions[t].push((w, g, j));
@@ -76,7 +66,7 @@ fn expert_mlp(
     rows: &[f32],
     m: usize,
     inter: usize,
-    weights: (&CpuWeight, &CpuWeight, &CpuWeight),
+    weights: MlpWeights<'_, CpuWeight>,
     y: &mut [f32],
     decode_batch: bool,
 ) {
@@ -84,7 +74,8 @@ fn expert_mlp(
     let rows = rows.to_vec();
     let (mut gate, mut up, mut act) = (vec![0f32; m * inter], vec![0f32; m * inter], vec![0f32; m * inter]);
     let mut out = vec![0f32; y.len()];
-    b.mlp(&rows, m, weights, (&mut gate, &mut up, &mut act), &mut out, decode_batch);
+    let acts = MlpActivations { gate: &mut gate, up: &mut up, act: &mut act };
+    b.mlp(&rows, m, weights, acts, &mut out, decode_batch);
     y.copy_from_slice(&out);
 }
 
@@ -190,6 +181,7 @@ mod tests {
             gate: raw.iter().map(|w| as_weight(&w.0, inter, hidden)).collect(),
             up: raw.iter().map(|w| as_weight(&w.1, inter, hidden)).collect(),
             down: raw.iter().map(|w| as_weight(&w.2, hidden, inter)).collect(),
+            top_k: k,
         };
         for tokens in [1, 7, 70] {
             let x = random(tokens * hidden, tokens as u64);
@@ -198,7 +190,7 @@ mod tests {
             let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
             for decode_batch in [false, true] {
                 let mut out = vec![f32::NAN; tokens * hidden];
-                moe_experts(&b, &x, tokens, &logits, &experts, k, &mut out, decode_batch);
+                moe_experts(&b, &x, tokens, &logits, &experts, &mut out, decode_batch);
                 let err = out.iter().zip(&want).fold(0f64, |m, (&a, &w)| m.max((a as f64 - w).abs())) / scale;
                 // f32 sums of ~40 products against f64: tolerance 1e-5 of the largest output.
                 assert!(err < 1e-5, "tokens {tokens}, batch {decode_batch}: {err:e}");
@@ -209,7 +201,6 @@ mod tests {
                     tokens,
                     &logits.to_vec(),
                     &experts,
-                    k,
                     &mut host,
                     decode_batch,
                 );
@@ -217,7 +208,7 @@ mod tests {
             }
             // A decode batch's rows are each bitwise the token alone.
             let mut batch = vec![0f32; tokens * hidden];
-            moe_experts(&b, &x, tokens, &logits, &experts, k, &mut batch, true);
+            moe_experts(&b, &x, tokens, &logits, &experts, &mut batch, true);
             for t in [0, tokens - 1] {
                 let mut one = vec![0f32; hidden];
                 moe_experts(
@@ -226,7 +217,6 @@ mod tests {
                     1,
                     &logits[t * e..(t + 1) * e],
                     &experts,
-                    k,
                     &mut one,
                     true,
                 );

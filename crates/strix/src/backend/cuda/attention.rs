@@ -10,7 +10,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
 use super::xquant::XQuant;
-use crate::backend::{AttentionShape, KvCacheType};
+use crate::backend::{AttentionInput, AttentionLayer, AttentionShape, KvCache, KvCacheType};
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = include_str!("attention.cu");
@@ -23,24 +23,22 @@ const ATT_WARPS: usize = 8;
 const SPLIT_KEYS: usize = 64;
 pub(super) const MAX_SPLITS: usize = 32;
 
-/// Key ranges of a query row that sees `visible` keys (`att_splits` of the kernels).
+/// One sequence's attention over `tokens` tokens at positions `pos0..` (the trait's
+/// `attention`, the f32 kernels here and the tensor-core ones of `flash_attention.rs`).
+#[derive(Clone, Copy)]
+pub(super) struct AttentionRun<'a> {
+    pub shape: &'a AttentionShape,
+    pub input: AttentionInput<'a, CudaBuf>,
+    pub pos0: usize,
+    pub tokens: usize,
+}
+
 /// Panics (naming the op, `what`) unless the one-sequence attention's buffers hold what
 /// `tokens` tokens at `pos0` need: `k`, `v` `[tokens, kv_dim]`, the caches `pos0 + tokens`
 /// rows, `q`, `gate` and `out` `[tokens, heads * head_dim]`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn check_buffers(
-    what: &str,
-    shape: &AttentionShape,
-    q: &CudaBuf,
-    k: &CudaBuf,
-    v: &CudaBuf,
-    gate: &CudaBuf,
-    k_cache: &CudaCache,
-    v_cache: &CudaCache,
-    pos0: usize,
-    tokens: usize,
-    out: &CudaBuf,
-) {
+pub(super) fn check_buffers(what: &str, run: AttentionRun, cache: &KvCache<'_, CudaCache>, out: &CudaBuf) {
+    let AttentionRun { shape, input: AttentionInput { q, k, v, gate }, pos0, tokens } = run;
+    let (k_cache, v_cache) = (&*cache.k, &*cache.v);
     let kv = shape.kv_dim();
     let q_dim = shape.num_heads * shape.head_dim;
     assert!(k.len() >= tokens * kv && v.len() >= tokens * kv, "{what}: k/v too short");
@@ -55,6 +53,7 @@ pub(super) fn check_buffers(
     assert!(out.len() >= tokens * q_dim, "{what}: out too short");
 }
 
+/// Key ranges of a query row that sees `visible` keys (`att_splits` of the kernels).
 pub(super) fn splits(visible: usize) -> usize {
     visible.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS)
 }
@@ -234,19 +233,10 @@ impl Kernels {
         (ATT_WARPS * g * shape.head_dim * 4) as u32
     }
 
-    /// Writes `tokens` rows of `k` and `v` into the caches from row `pos0`, in their type.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store(
-        &self,
-        dev: &Device,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        k_cache: &mut CudaCache,
-        v_cache: &mut CudaCache,
-        pos0: usize,
-        tokens: usize,
-        kv: usize,
-    ) {
+    /// Writes the run's `tokens` rows of `k` and `v` into the cache from row `pos0`, in its type.
+    pub(super) fn store(&self, dev: &Device, run: AttentionRun, cache: &mut KvCache<'_, CudaCache>) {
+        let AttentionRun { shape, input: AttentionInput { k, v, .. }, pos0, tokens } = run;
+        let (k_cache, v_cache, kv) = (&mut *cache.k, &mut *cache.v, shape.kv_dim());
         assert_eq!(k_cache.dtype, v_cache.dtype, "attention: K and V caches of different types");
         let n = tokens * kv;
         match k_cache.dtype {
@@ -265,20 +255,19 @@ impl Kernels {
         }
     }
 
+    // The trait op's arguments and the device.
     #[allow(clippy::too_many_arguments)]
     pub fn prologue(
         &self,
         dev: &Device,
-        shape: &AttentionShape,
+        layer: AttentionLayer<'_, CudaBuf>,
         q_and_gate: &CudaBuf,
         k: &mut CudaBuf,
-        q_norm: &CudaBuf,
-        k_norm: &CudaBuf,
-        inv_freq: &CudaBuf,
         positions: &[usize],
         q: &mut CudaBuf,
         gate: &mut CudaBuf,
     ) {
+        let AttentionLayer { ref shape, q_norm, k_norm, inv_freq } = layer;
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let tokens = positions.len();
         if tokens == 0 {
@@ -321,33 +310,26 @@ impl Kernels {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
+    pub(super) fn attention(
         &self,
         dev: &Device,
-        shape: &AttentionShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        gate: &CudaBuf,
-        k_cache: &mut CudaCache,
-        v_cache: &mut CudaCache,
-        pos0: usize,
-        tokens: usize,
+        run: AttentionRun,
+        mut cache: KvCache<'_, CudaCache>,
         out: &mut CudaBuf,
     ) -> usize {
+        let AttentionRun { shape, input: AttentionInput { q, gate, .. }, pos0, tokens } = run;
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
-        let kv = shape.kv_dim();
         assert!(hd <= MAX_HEAD_DIM, "attention: head_dim {hd} > {MAX_HEAD_DIM} is not supported");
         assert!(nkv > 0 && nh % nkv == 0, "attention: {nh} heads do not group onto {nkv} kv heads");
-        check_buffers("attention", shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
+        check_buffers("attention", run, &cache, out);
         assert!(tokens <= 65535, "attention: {tokens} tokens exceed one launch's grid");
         if tokens == 0 {
             return 0;
         }
         // `pos0` becomes launch arguments: only the decode-batch form can be recorded.
         assert!(!dev.is_capturing(), "attention: the one-sequence form cannot be recorded");
-        self.store(dev, k, v, k_cache, v_cache, pos0, tokens, kv);
+        self.store(dev, run, &mut cache);
+        let (k_cache, v_cache) = (&*cache.k, &*cache.v);
         let n_splits = splits(pos0 + tokens);
         let partial = dev.alloc(tokens * nh * n_splits * (hd + 2)).unwrap_or_else(|e| panic!("{e}"));
         let scale = 1.0 / (hd as f32).sqrt();
@@ -376,6 +358,7 @@ impl Kernels {
 
     /// Merges the key ranges of `rows` query rows and applies the gate. A row's visible keys
     /// come from `positions` (device `u32`s, a decode batch) or, when it is 0, `pos0 + row`.
+    // The combine kernel's own arguments, one for one.
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &self,
@@ -418,26 +401,24 @@ impl Kernels {
     /// attending over that sequence's caches, by the arithmetic of [`Kernels::attention`].
     /// With `side`, one row whose head_dim is a multiple of 32 also goes out quantized there
     /// for the packed o_proj (as `quantize_x` would, bitwise): true when it did.
+    // The trait op's arguments, the device and the producer's quantized side output.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_rows(
         &self,
         dev: &Device,
         shape: &AttentionShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        gate: &CudaBuf,
-        k_caches: &mut [&mut CudaCache],
-        v_caches: &mut [&mut CudaCache],
+        input: AttentionInput<'_, CudaBuf>,
+        caches: &mut [KvCache<'_, CudaCache>],
         positions: &[usize],
         out: &mut CudaBuf,
         side: Option<&XQuant>,
     ) -> bool {
+        let AttentionInput { q, k, v, gate } = input;
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let (kv, n) = (shape.kv_dim(), positions.len());
         assert!(hd <= MAX_HEAD_DIM, "attention_rows: head_dim {hd} > {MAX_HEAD_DIM} is not supported");
         assert!(nkv > 0 && nh % nkv == 0, "attention_rows: {nh} heads do not group onto {nkv} kv heads");
-        assert!(k_caches.len() == n && v_caches.len() == n, "attention_rows: one cache pair per row");
+        assert!(caches.len() == n, "attention_rows: one cache per row");
         assert!(k.len() >= n * kv && v.len() >= n * kv, "attention_rows: k/v too short");
         assert!(q.len() >= n * nh * hd && gate.len() >= n * nh * hd, "attention_rows: q/gate too short");
         assert!(out.len() >= n * nh * hd, "attention_rows: out too short");
@@ -445,26 +426,27 @@ impl Kernels {
         if n == 0 {
             return false;
         }
-        let dtype = k_caches[0].dtype;
+        let dtype = caches[0].k.dtype;
         let mut ptrs = Vec::with_capacity(2 * n);
-        for (i, &p) in positions.iter().enumerate() {
+        for (i, (&p, cache)) in positions.iter().zip(caches.iter()).enumerate() {
             let need = (p + 1) * kv;
             assert!(
-                k_caches[i].len() >= need && v_caches[i].len() >= need,
+                cache.k.len() >= need && cache.v.len() >= need,
                 "attention_rows: sequence {i}'s cache holds {} rows, {} needed",
-                k_caches[i].len() / kv.max(1),
+                cache.k.len() / kv.max(1),
                 p + 1
             );
-            // One launch reads one element type: a batch mixes sessions made under one setting.
+            // One launch reads one element type: every cache a backend makes for its sessions
+            // has the backend's.
             assert!(
-                k_caches[i].dtype == dtype && v_caches[i].dtype == dtype,
+                cache.k.dtype == dtype && cache.v.dtype == dtype,
                 "attention_rows: sequence {i}'s KV cache is {}, sequence 0's {dtype}: a decode batch takes \
-                 sessions of one KV cache type",
-                k_caches[i].dtype
+                 caches of one element type",
+                cache.k.dtype
             );
-            ptrs.push(k_caches[i].ptr());
+            ptrs.push(cache.k.ptr());
         }
-        ptrs.extend(v_caches.iter().map(|c| c.ptr()));
+        ptrs.extend(caches.iter().map(|c| c.v.ptr()));
         let (_pos_dev, pos_ptr) = dev.positions_on_device(positions);
         let (_ptrs_dev, k_ptrs) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let v_ptrs = k_ptrs + (n * 8) as u64;

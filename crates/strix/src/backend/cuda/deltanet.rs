@@ -9,7 +9,9 @@ use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
 use super::xquant::XQuant;
-use crate::backend::{DeltaNetShape, DeltaRuleMode};
+use crate::backend::{
+    DeltaNetLayer, DeltaNetProjections, DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode,
+};
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = include_str!("deltanet.cu");
@@ -42,6 +44,15 @@ const GDN_RECURRENT_MAX_DK: usize = 256;
 /// `CH` and `DVB` of the chunked kernel.
 const CHUNK: usize = 64;
 const CHUNK_COLS: usize = 32;
+
+/// One sequence's run of the delta rule over `tokens` tokens of the input (the trait's
+/// `gated_delta_rule`: the f32 kernels here and the tensor-core ones of `deltanet_chunked.rs`).
+#[derive(Clone, Copy)]
+pub(super) struct DeltaRuleRun<'a> {
+    pub shape: &'a DeltaNetShape,
+    pub input: DeltaRuleInput<'a, CudaBuf>,
+    pub tokens: usize,
+}
 
 /// Which conv and delta-rule kernels ran (for the path counters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,14 +180,14 @@ impl Kernels {
         ConvRan::Parallel
     }
 
-    /// One token for each of `states.len()` sequences: row `i` of `qkv` with `states[i]`.
+    /// One token for each of `states.len()` sequences: row `i` of `qkv` with `states[i].conv`.
     pub fn causal_conv1d_silu_rows(
         &self,
         dev: &Device,
         shape: &DeltaNetShape,
         qkv: &mut CudaBuf,
         weight: &CudaBuf,
-        states: &mut [&mut CudaBuf],
+        states: &mut [DeltaNetState<'_, CudaBuf>],
     ) {
         let (c, k, n) = (shape.conv_dim(), shape.conv_kernel, states.len());
         assert!((1..=CONV_MAX_KERNEL).contains(&k), "conv1d: kernel size {k} outside 1..={CONV_MAX_KERNEL}");
@@ -186,7 +197,7 @@ impl Kernels {
         if n == 0 {
             return;
         }
-        let ptrs = state_pointers(states, shape.conv_state_len(), "conv1d_rows");
+        let ptrs = state_pointers(states.iter().map(|s| &*s.conv), shape.conv_state_len(), "conv1d_rows");
         let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         dev.launch(
             "conv1d_silu_rows",
@@ -200,19 +211,15 @@ impl Kernels {
 
     /// One recurrent step for each of `states.len()` sequences (see `gated_delta_rule_rows` of
     /// the trait).
-    #[allow(clippy::too_many_arguments)]
     pub fn gated_delta_rule_rows(
         &self,
         dev: &Device,
         shape: &DeltaNetShape,
-        qkv: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
-        states: &mut [&mut CudaBuf],
+        input: DeltaRuleInput<'_, CudaBuf>,
+        states: &mut [DeltaNetState<'_, CudaBuf>],
         out: &mut CudaBuf,
     ) {
+        let DeltaRuleInput { qkv, a, b, a_log, dt_bias } = input;
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         let n = states.len();
         assert!(
@@ -231,7 +238,8 @@ impl Kernels {
         if n == 0 {
             return;
         }
-        let ptrs = state_pointers(states, shape.state_len(), "gated_delta_rule_rows");
+        let ptrs =
+            state_pointers(states.iter().map(|s| &*s.recurrent), shape.state_len(), "gated_delta_rule_rows");
         let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let q_scale = 1.0 / (dk as f32).sqrt();
         let kh_div = shape.key_head_divisor() as i32;
@@ -321,24 +329,17 @@ impl Kernels {
     /// With `side`, one token on the 32-column fast path (the 9B's batch-1 tiling) also writes
     /// its output quantized there for the packed out_proj (as `quantize_x` would, bitwise):
     /// true when it did.
-    #[allow(clippy::too_many_arguments)]
     pub fn deltanet_decode_rows(
         &self,
         dev: &Device,
-        shape: &DeltaNetShape,
-        qkv: &CudaBuf,
-        z: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        conv_weight: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
-        norm: &CudaBuf,
-        convs: &mut [&mut CudaBuf],
-        states: &mut [&mut CudaBuf],
+        layer: DeltaNetLayer<'_, CudaBuf>,
+        projections: DeltaNetProjections<'_, CudaBuf>,
+        states: &mut [DeltaNetState<'_, CudaBuf>],
         out: &mut CudaBuf,
         side: Option<&XQuant>,
     ) -> bool {
+        let DeltaNetLayer { ref shape, conv1d: conv_weight, a_log, dt_bias, norm } = layer;
+        let DeltaNetProjections { qkv, z, a, b } = projections;
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         let (k, n) = (shape.conv_kernel, states.len());
         let (f, name, cols, cluster) = self.decode_kernel(shape, n, dev.sm_count as usize);
@@ -346,7 +347,6 @@ impl Kernels {
         let (f, name) =
             if quantize.is_some() { (&self.gdn_decode_fused_c32_q, DECODE_NAME_C32_Q) } else { (f, name) };
         let (xq, xd, xs) = quantize.map_or((0, 0, 0), |q| (q.q, q.d, q.s));
-        assert_eq!(convs.len(), n, "deltanet_decode_rows: one conv state per sequence");
         assert!(qkv.len() >= n * shape.conv_dim(), "deltanet_decode_rows: qkv too short");
         assert!(z.len() >= n * shape.value_dim(), "deltanet_decode_rows: z too short");
         assert!(a.len() >= n * nv && b.len() >= n * nv, "deltanet_decode_rows: a/b too short");
@@ -358,9 +358,11 @@ impl Kernels {
         if n == 0 {
             return false;
         }
-        let conv_ptrs = state_pointers(convs, shape.conv_state_len(), "deltanet_decode_rows");
+        let conv_ptrs =
+            state_pointers(states.iter().map(|s| &*s.conv), shape.conv_state_len(), "deltanet_decode_rows");
         let (_conv_dev, conv_ptr) = dev.upload_u64(&conv_ptrs).unwrap_or_else(|e| panic!("{e}"));
-        let ptrs = state_pointers(states, shape.state_len(), "deltanet_decode_rows");
+        let ptrs =
+            state_pointers(states.iter().map(|s| &*s.recurrent), shape.state_len(), "deltanet_decode_rows");
         let (_ptrs_dev, ptrs_ptr) = dev.upload_u64(&ptrs).unwrap_or_else(|e| panic!("{e}"));
         let q_scale = 1.0 / (dk as f32).sqrt();
         dev.launch_clustered(
@@ -398,35 +400,29 @@ impl Kernels {
         quantize.is_some()
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn gated_delta_rule(
         &self,
         dev: &Device,
-        shape: &DeltaNetShape,
         mode: DeltaRuleMode,
-        qkv: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
-        tokens: usize,
+        run: DeltaRuleRun,
         state: &mut CudaBuf,
         out: &mut CudaBuf,
     ) {
+        let DeltaRuleRun { shape, input: DeltaRuleInput { qkv, a, b, a_log, dt_bias }, tokens } = run;
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         assert!(
             nk > 0 && nv % nk == 0,
             "gated_delta_rule: {nv} value heads do not group onto {nk} key heads"
         );
-        check_delta_rule_buffers("gated_delta_rule", shape, qkv, a, b, a_log, dt_bias, tokens, state, out);
+        check_delta_rule_buffers("gated_delta_rule", run, state, out);
         if tokens == 0 {
             return;
         }
         // As the CPU computes it, so both backends scale q identically.
         let q_scale = 1.0 / (dk as f32).sqrt();
         let kh_div = shape.key_head_divisor() as i32;
-        let (t, nk32, nv32, dk32, dv32) = (tokens as i32, nk as i32, nv as i32, dk as i32, dv as i32);
-        match mode {
+        // Both kernels take the same arguments; the launch shape is the algorithm's.
+        let (name, f, grid, block, smem) = match mode {
             DeltaRuleMode::Recurrent => {
                 assert!(
                     dk <= GDN_RECURRENT_MAX_DK,
@@ -437,29 +433,8 @@ impl Kernels {
                 } else {
                     (&self.gdn_recurrent_generic, "gdn_recurrent_generic")
                 };
-                dev.launch(
-                    name,
-                    f,
-                    (nv as u32, dv.div_ceil(GDN_COLS) as u32, 1),
-                    ((GDN_COLS * GDN_PARTS) as u32, 1, 1),
-                    0,
-                    kernel_args![
-                        qkv.ptr(),
-                        a.ptr(),
-                        b.ptr(),
-                        a_log.ptr(),
-                        dt_bias.ptr(),
-                        state.ptr(),
-                        out.ptr(),
-                        t,
-                        nk32,
-                        nv32,
-                        dk32,
-                        dv32,
-                        q_scale,
-                        kh_div
-                    ],
-                );
+                let grid = (nv as u32, dv.div_ceil(GDN_COLS) as u32, 1);
+                (name, f, grid, ((GDN_COLS * GDN_PARTS) as u32, 1, 1), 0)
             }
             DeltaRuleMode::Chunked => {
                 let smem = chunked_smem_floats(dk) * 4;
@@ -468,38 +443,45 @@ impl Kernels {
                     "gated_delta_rule: k_head_dim {dk} needs {smem} bytes of shared memory, the device allows {}",
                     self.chunked_smem_limit
                 );
-                dev.launch(
+                (
                     "gdn_chunked",
                     &self.gdn_chunked,
                     (nv as u32, dv.div_ceil(CHUNK_COLS) as u32, 1),
                     (256, 1, 1),
-                    smem as u32,
-                    kernel_args![
-                        qkv.ptr(),
-                        a.ptr(),
-                        b.ptr(),
-                        a_log.ptr(),
-                        dt_bias.ptr(),
-                        state.ptr(),
-                        out.ptr(),
-                        t,
-                        nk32,
-                        nv32,
-                        dk32,
-                        dv32,
-                        q_scale,
-                        kh_div
-                    ],
-                );
+                    smem,
+                )
             }
-        }
+        };
+        let (t, nk32, nv32, dk32, dv32) = (tokens as i32, nk as i32, nv as i32, dk as i32, dv as i32);
+        dev.launch(
+            name,
+            f,
+            grid,
+            block,
+            smem as u32,
+            kernel_args![
+                qkv.ptr(),
+                a.ptr(),
+                b.ptr(),
+                a_log.ptr(),
+                dt_bias.ptr(),
+                state.ptr(),
+                out.ptr(),
+                t,
+                nk32,
+                nv32,
+                dk32,
+                dv32,
+                q_scale,
+                kh_div
+            ],
+        );
     }
 }
 
 /// Device addresses of per-sequence state buffers, each checked to hold `len` floats.
-fn state_pointers(states: &mut [&mut CudaBuf], len: usize, what: &str) -> Vec<u64> {
+fn state_pointers<'a>(states: impl Iterator<Item = &'a CudaBuf>, len: usize, what: &str) -> Vec<u64> {
     states
-        .iter()
         .map(|s| {
             assert!(s.len() >= len, "{what}: a state holds {} floats, {len} needed", s.len());
             s.ptr()
@@ -510,19 +492,8 @@ fn state_pointers(states: &mut [&mut CudaBuf], len: usize, what: &str) -> Vec<u6
 /// Panics (naming the op, `what`) unless the one-sequence delta rule's buffers hold what
 /// `tokens` tokens need: `qkv` `[tokens, conv_dim]`, `a`, `b` `[tokens, v_heads]`, `a_log`,
 /// `dt_bias` `[v_heads]`, the state, `out` `[tokens, value_dim]`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn check_delta_rule_buffers(
-    what: &str,
-    shape: &DeltaNetShape,
-    qkv: &CudaBuf,
-    a: &CudaBuf,
-    b: &CudaBuf,
-    a_log: &CudaBuf,
-    dt_bias: &CudaBuf,
-    tokens: usize,
-    state: &CudaBuf,
-    out: &CudaBuf,
-) {
+pub(super) fn check_delta_rule_buffers(what: &str, run: DeltaRuleRun, state: &CudaBuf, out: &CudaBuf) {
+    let DeltaRuleRun { shape, input: DeltaRuleInput { qkv, a, b, a_log, dt_bias }, tokens } = run;
     let nv = shape.num_v_heads;
     assert!(qkv.len() >= tokens * shape.conv_dim(), "{what}: qkv too short");
     assert!(a.len() >= tokens * nv && b.len() >= tokens * nv, "{what}: a/b too short");

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
-use super::deltanet;
+use super::deltanet::{self, DeltaRuleRun};
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use crate::backend::DeltaNetShape;
+use crate::backend::{DeltaNetShape, DeltaRuleInput};
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = concat!(
@@ -76,23 +76,11 @@ impl Kernels {
 
     /// The chunked delta rule over `tokens` tokens of one sequence (the trait's
     /// `gated_delta_rule` in `Chunked` mode). The caller checked [`Kernels::supports`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn gated_delta_rule(
-        &self,
-        dev: &Device,
-        shape: &DeltaNetShape,
-        qkv: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
-        tokens: usize,
-        state: &mut CudaBuf,
-        out: &mut CudaBuf,
-    ) {
+    pub fn gated_delta_rule(&self, dev: &Device, run: DeltaRuleRun, state: &mut CudaBuf, out: &mut CudaBuf) {
+        let DeltaRuleRun { shape, input: DeltaRuleInput { qkv, a, b, a_log, dt_bias }, tokens } = run;
         let (nk, nv, dk, dv) = (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim);
         assert!(self.supports(shape, tokens), "gdn_tc: unsupported shape {shape:?} T={tokens}");
-        deltanet::check_delta_rule_buffers("gdn_tc", shape, qkv, a, b, a_log, dt_bias, tokens, state, out);
+        deltanet::check_delta_rule_buffers("gdn_tc", run, state, out);
         let chunks = tokens.div_ceil(CHUNK);
         let slots = chunks * nv;
         let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));

@@ -603,6 +603,7 @@ impl Device {
 
     /// [`Device::launch`] with the blocks grouped into thread-block clusters of `cluster`
     /// consecutive blocks along x (`grid.0` a multiple of it; at most 8, the portable size).
+    // The launch configuration as `cuLaunchKernelEx` takes it, field for field.
     #[allow(clippy::too_many_arguments)]
     pub fn launch_clustered(
         &self,

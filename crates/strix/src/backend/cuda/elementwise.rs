@@ -8,6 +8,7 @@ use cudarc::driver::CudaFunction;
 
 use super::device::{kernel_args, CudaBuf, CudaWeight, Device};
 use super::xquant::XQuant;
+use crate::backend::RmsNorm;
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = include_str!("elementwise.cu");
@@ -86,17 +87,15 @@ impl Kernels {
 
     /// With `xq`, a single row of the vectorised layout also goes into `xq` quantized: true
     /// when it did (the launch is then the last work on the device).
-    #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(
         &self,
         dev: &Device,
         x: &CudaBuf,
-        w: &CudaBuf,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, CudaBuf>,
         out: &mut CudaBuf,
         xq: Option<&XQuant>,
     ) -> bool {
+        let RmsNorm { weight: w, dim, eps } = norm;
         assert!(w.len() >= dim, "rms_norm: weight shorter than dim");
         let rows = x.len().min(out.len()) / dim;
         let vec = norm_vec(dim, &[x.ptr(), w.ptr(), out.ptr()]);
@@ -122,18 +121,16 @@ impl Kernels {
         false
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm(
         &self,
         dev: &Device,
         residual: &mut CudaBuf,
         x: &CudaBuf,
-        w: &CudaBuf,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, CudaBuf>,
         out: &mut CudaBuf,
         xq: Option<&XQuant>,
     ) -> bool {
+        let RmsNorm { weight: w, dim, eps } = norm;
         assert!(w.len() >= dim, "add_rms_norm: weight shorter than dim");
         let rows = residual.len().min(x.len()).min(out.len()) / dim;
         let vec = norm_vec(dim, &[residual.ptr(), x.ptr(), w.ptr(), out.ptr()]);
@@ -159,17 +156,15 @@ impl Kernels {
         false
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn gated_rms_norm(
         &self,
         dev: &Device,
         x: &mut CudaBuf,
         z: &CudaBuf,
-        w: &CudaBuf,
+        norm: RmsNorm<'_, CudaBuf>,
         rows: usize,
-        dim: usize,
-        eps: f32,
     ) {
+        let RmsNorm { weight: w, dim, eps } = norm;
         assert!(x.len() >= rows * dim && z.len() >= rows * dim, "gated_rms_norm: buffers too short");
         assert!(w.len() >= dim, "gated_rms_norm: weight shorter than dim");
         const WARPS: usize = 8;

@@ -17,9 +17,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
-use super::attention::{self, CudaCache};
+use super::attention::{self, AttentionRun, CudaCache};
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use crate::backend::{AttentionShape, KvCacheType};
+use crate::backend::{AttentionInput, AttentionShape, KvCache, KvCacheType};
 use crate::error::Result;
 
 pub(super) const SOURCE: &str = concat!(
@@ -99,41 +99,23 @@ impl Kernels {
     /// The `attention` op of the backend on the tensor cores: writes `k`, `v` into the caches
     /// at `pos0` and attends every token to the cache rows up to its own. Returns the number of
     /// key splits it launched. The caller checked [`Kernels::supports`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
+    pub(super) fn attention(
         &self,
         dev: &Device,
         at: &attention::Kernels,
-        shape: &AttentionShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        gate: &CudaBuf,
-        k_cache: &mut CudaCache,
-        v_cache: &mut CudaCache,
-        pos0: usize,
-        tokens: usize,
+        run: AttentionRun,
+        mut cache: KvCache<'_, CudaCache>,
         out: &mut CudaBuf,
     ) -> usize {
+        let AttentionRun { shape, input: AttentionInput { q, gate, .. }, pos0, tokens } = run;
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let kv = shape.kv_dim();
         assert!(self.supports(shape, tokens), "flash attention: unsupported shape {shape:?} T={tokens}");
-        attention::check_buffers(
-            "flash attention",
-            shape,
-            q,
-            k,
-            v,
-            gate,
-            k_cache,
-            v_cache,
-            pos0,
-            tokens,
-            out,
-        );
+        attention::check_buffers("flash attention", run, &cache, out);
         assert!(!dev.is_capturing(), "flash attention: prefill runs are not recorded");
         let func = &self.by_dim.iter().find(|(d, _)| *d == hd).expect("checked by supports").1;
-        at.store(dev, k, v, k_cache, v_cache, pos0, tokens, kv);
+        at.store(dev, run, &mut cache);
+        let (k_cache, v_cache) = (&*cache.k, &*cache.v);
         let rows = pos0 + tokens;
         let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));
         // An f32 cache's visible rows rounded to bf16 (nearest even, as a bf16 cache holds

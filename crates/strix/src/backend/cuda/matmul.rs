@@ -35,6 +35,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 use super::compile;
 use super::device::{cuda_error, kernel_args, no_panic, CudaBuf, CudaWeight, Device};
 use super::elementwise;
+use crate::backend::MlpWeights;
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -830,18 +831,15 @@ impl Kernels {
     /// The projections of one prompt input (`tokens` > 1, bf16 weights) on cuBLAS with `x`
     /// converted to bf16 once: `Some` with the path taken, `None` (nothing launched) when the
     /// policy does not take cuBLAS or a weight is not bf16, for the caller's per-weight path.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_many_prompt(
         &self,
-        dev: &Device,
-        ew: &elementwise::Kernels,
-        blas: Option<&Blas>,
-        policy: GemmPath,
+        gemms: Gemms,
         x: &CudaBuf,
         tokens: usize,
         ws: &[&CudaWeight],
         outs: &mut [&mut CudaBuf],
     ) -> Option<Ran> {
+        let Gemms { dev, ew, blas, policy } = gemms;
         let (blas, ran) = cublas_path(policy, blas)?;
         let cols = ws.first()?.cols();
         if tokens < 2 || ws.iter().any(|w| w.dtype() != DType::BF16 || w.cols() != cols || w.rows() == 0) {
@@ -868,19 +866,17 @@ impl Kernels {
     /// for the gate and up GEMMs, their SwiGLU written straight as the down GEMM's bf16 input
     /// (the f32 product is never stored). Bitwise the separate ops. `None` (nothing launched)
     /// where [`Kernels::matmul_many_prompt`] declines.
-    #[allow(clippy::too_many_arguments)]
     pub fn mlp_prompt(
         &self,
-        dev: &Device,
-        ew: &elementwise::Kernels,
-        blas: Option<&Blas>,
-        policy: GemmPath,
+        gemms: Gemms,
         x: &CudaBuf,
         tokens: usize,
-        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        weights: MlpWeights<'_, CudaWeight>,
         (gate_out, up_out): (&mut CudaBuf, &mut CudaBuf),
         out: &mut CudaBuf,
     ) -> Option<Ran> {
+        let MlpWeights { gate, up, down } = weights;
+        let Gemms { dev, ew, blas, .. } = gemms;
         let inter = gate.rows();
         if up.rows() != inter || down.cols() != inter || down.dtype() != DType::BF16 || down.rows() == 0 {
             return None;
@@ -891,26 +887,15 @@ impl Kernels {
             out.len(),
             down.rows()
         );
-        let ran =
-            self.matmul_many_prompt(dev, ew, blas, policy, x, tokens, &[gate, up], &mut [gate_out, up_out])?;
+        let ran = self.matmul_many_prompt(gemms, x, tokens, &[gate, up], &mut [gate_out, up_out])?;
         let blas = blas.expect("matmul_many_prompt ran on cuBLAS");
         let act = Bf16Input::swiglu(dev, ew, gate_out, up_out, tokens * inter, ran == Ran::CublasSplit);
         act.gemm(blas, tokens, down.ptr(), down.rows(), inter, out.ptr(), down.rows());
         Some(ran)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(
-        &self,
-        dev: &Device,
-        ew: &elementwise::Kernels,
-        blas: Option<&Blas>,
-        policy: GemmPath,
-        x: &CudaBuf,
-        tokens: usize,
-        w: &CudaWeight,
-        out: &mut CudaBuf,
-    ) -> Ran {
+    pub fn matmul(&self, gemms: Gemms, x: &CudaBuf, tokens: usize, w: &CudaWeight, out: &mut CudaBuf) -> Ran {
+        let Gemms { dev, ew, blas, policy } = gemms;
         let (rows, cols) = (w.rows(), w.cols());
         assert!(x.len() >= tokens * cols, "matmul: x holds {} floats, not [{tokens}, {cols}]", x.len());
         assert!(out.len() >= tokens * rows, "matmul: out holds {} floats, not [{tokens}, {rows}]", out.len());
@@ -941,7 +926,8 @@ impl Kernels {
         }
         match cublas_path(policy, blas) {
             Some((blas, ran)) => {
-                cublas_gemm(dev, ew, blas, x, tokens, w, out, ran == Ran::CublasSplit);
+                let input = Bf16Input::new(dev, ew, x, tokens * cols, ran == Ran::CublasSplit);
+                input.gemm(blas, tokens, w.ptr(), rows, cols, out.ptr(), rows);
                 ran
             }
             None => {
@@ -959,6 +945,16 @@ impl Kernels {
     }
 }
 
+/// How a multi-token product runs: on `dev`, its input rounded to bf16 by `ew`'s kernels for
+/// cuBLAS (`blas`, when it loaded) or multiplied by the tiled fallback, as `policy` says.
+#[derive(Clone, Copy)]
+pub(super) struct Gemms<'a> {
+    pub dev: &'a Device,
+    pub ew: &'a elementwise::Kernels,
+    pub blas: Option<&'a Blas>,
+    pub policy: GemmPath,
+}
+
 /// The cuBLAS handle a multi-token product takes under `policy`, and which cuBLAS path that is
 /// (`Ran::Cublas` or `Ran::CublasSplit`); `None` for the tiled fallback (the policy's choice,
 /// or `Auto` without cuBLAS). A cuBLAS path requested when cuBLAS did not load panics.
@@ -970,43 +966,6 @@ fn cublas_path(policy: GemmPath, blas: Option<&Blas>) -> Option<(&Blas, Ran)> {
         GemmPath::Cublas => Some((need_blas(), Ran::Cublas)),
         GemmPath::CublasSplit => Some((need_blas(), Ran::CublasSplit)),
     }
-}
-
-/// `out[tokens, rows] = bf16(x) · Wᵀ` through `cublasGemmEx` (with `split`, `bf16(x) · Wᵀ +
-/// bf16(x − bf16(x)) · Wᵀ`).
-#[allow(clippy::too_many_arguments)]
-fn cublas_gemm(
-    dev: &Device,
-    ew: &elementwise::Kernels,
-    blas: &Blas,
-    x: &CudaBuf,
-    tokens: usize,
-    w: &CudaWeight,
-    out: &mut CudaBuf,
-    split: bool,
-) {
-    cublas_gemm_at(dev, ew, blas, x, tokens, w.ptr(), w.rows(), w.cols(), out.ptr(), w.rows(), split);
-}
-
-/// [`cublas_gemm`] on a bf16 `[rows, cols]` matrix at `w`, writing `out[t * ldc + r]` (a band
-/// of columns of a wider output: the quantized path multiplies by one dequantized band of
-/// weight rows at a time).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn cublas_gemm_at(
-    dev: &Device,
-    ew: &elementwise::Kernels,
-    blas: &Blas,
-    x: &CudaBuf,
-    tokens: usize,
-    w: u64,
-    rows: usize,
-    cols: usize,
-    out: u64,
-    ldc: usize,
-    split: bool,
-) {
-    let input = Bf16Input::new(dev, ew, x, tokens * cols, split);
-    input.gemm(blas, tokens, w, rows, cols, out, ldc);
 }
 
 /// The activations of a GEMM rounded to bf16 once (with `split`, the remainder too), for every
@@ -1055,7 +1014,8 @@ impl Bf16Input {
     /// `out[t * ldc + r] = x · Wᵀ` for the bf16 `[rows, cols]` matrix at `w`. cuBLAS is
     /// column-major: there the row-major `W [rows, cols]` is a `cols × rows` matrix used
     /// transposed, `x` a `cols × tokens` one, and `out` the `rows × tokens` result with leading
-    /// dimension `ldc`.
+    /// dimension `ldc`. (A cuBLAS call's raw pointers and dimensions, passed as cuBLAS takes
+    /// them: a band of a dequantized matrix writes into a wider output.)
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm(
         &self,

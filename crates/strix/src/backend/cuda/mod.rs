@@ -13,8 +13,8 @@
 //!   ([`PrefillPath`] picks them or the f32 kernels).
 //!
 //! The KV caches ([`CudaCache`]) hold bf16 rows by default (rounded to nearest even when
-//! written; half the memory and the reads of f32) or f32 rows
-//! ([`CudaBackend::set_kv_cache_type`], `--kv-cache f32`); every attention kernel reads both.
+//! written; half the memory and the reads of f32) or f32 rows ([`CudaOptions::kv_cache`],
+//! `--kv-cache f32`), one type for the backend's life; every attention kernel reads both.
 //!
 //! Errors: [`CudaBackend::new`] and `weight` return `Result`. The trait's ops return `()`, so an
 //! op whose launch or allocation fails panics with a message that names it: that is a device
@@ -47,7 +47,11 @@ mod xquant;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use crate::backend::{AttentionShape, Backend, DeltaNetShape, DeltaRuleMode, KvCacheType, MoeExperts};
+use crate::backend::{
+    AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetLayer, DeltaNetProjections,
+    DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, KvCacheType, MlpActivations,
+    MlpWeights, MoeExperts, RmsNorm,
+};
 use crate::error::Result;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
 use crate::tensor::HostTensor;
@@ -264,8 +268,8 @@ pub struct CudaBackend {
     blas: Option<matmul::Blas>,
     gemm_path: AtomicU8,
     prefill_path: AtomicU8,
-    /// The element type of the KV caches made from now on (`KvCacheType as u8`).
-    kv_cache: AtomicU8,
+    /// The element type of every KV cache this backend makes ([`CudaOptions::kv_cache`]).
+    kv_cache: KvCacheType,
     counters: Counters,
     graphs: Mutex<graph::Recordings>,
     use_graphs: AtomicBool,
@@ -339,7 +343,7 @@ impl CudaBackend {
             blas,
             gemm_path: AtomicU8::new(0),
             prefill_path: AtomicU8::new(0),
-            kv_cache: AtomicU8::new(KvCacheType::Bf16 as u8),
+            kv_cache: options.kv_cache,
             counters,
             graphs: Mutex::default(),
             use_graphs: AtomicBool::new(use_graphs),
@@ -395,17 +399,24 @@ impl CudaBackend {
         self.prefill_path.store(path as u8, Ordering::Relaxed);
     }
 
-    /// The element type of the KV caches made from now on (bf16 unless set; existing caches
-    /// keep theirs). A decode batch takes sessions of one type.
-    pub fn set_kv_cache_type(&self, t: KvCacheType) {
-        self.kv_cache.store(t as u8, Ordering::Relaxed);
-    }
-
     /// A KV cache of [`Backend::kv_cache_type`] holding `data` (bf16: rounded to nearest even,
     /// as cache writes round), for tests and tools that start from given rows.
     pub fn cache_upload(&self, data: &[f32]) -> CudaCache {
+        self.cache_upload_as(self.kv_cache, data)
+    }
+
+    /// [`CudaBackend::cache_upload`] into a cache of element type `t`: the attention ops read
+    /// either type, so a test can hold both side by side on one backend.
+    pub fn cache_upload_as(&self, t: KvCacheType, data: &[f32]) -> CudaCache {
         self.dev.bind();
-        or_panic(CudaCache::upload(&self.dev, data, self.kv_cache_type()))
+        or_panic(CudaCache::upload(&self.dev, data, t))
+    }
+
+    /// A KV cache of `len` zero elements of type `t` ([`Backend::cache_zeros`] makes the
+    /// backend's own type).
+    pub fn cache_zeros_as(&self, t: KvCacheType, len: usize) -> CudaCache {
+        self.dev.bind();
+        or_panic(CudaCache::zeros(&self.dev, len, t))
     }
 
     /// Counts `n` tensor-core GEMV launches, and which kernel ran them.
@@ -433,6 +444,11 @@ impl CudaBackend {
 
     fn tensor_core_prefill(&self) -> bool {
         self.prefill_path.load(Ordering::Relaxed) == PrefillPath::Auto as u8
+    }
+
+    /// How this backend's multi-token products run now.
+    fn gemms(&self) -> matmul::Gemms<'_> {
+        matmul::Gemms { dev: &self.dev, ew: &self.ew, blas: self.blas.as_ref(), policy: self.gemm_path() }
     }
 
     fn gemm_path(&self) -> GemmPath {
@@ -685,16 +701,11 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache_type(&self) -> KvCacheType {
-        if self.kv_cache.load(Ordering::Relaxed) == KvCacheType::F32 as u8 {
-            KvCacheType::F32
-        } else {
-            KvCacheType::Bf16
-        }
+        self.kv_cache
     }
 
     fn cache_zeros(&self, len: usize) -> CudaCache {
-        self.dev.bind();
-        or_panic(CudaCache::zeros(&self.dev, len, self.kv_cache_type()))
+        self.cache_zeros_as(self.kv_cache, len)
     }
 
     fn cache_resize(&self, cache: &mut CudaCache, len: usize) {
@@ -829,8 +840,7 @@ impl Backend for CudaBackend {
         let pre = self.prequantized(x, tokens, w.cols(), w.dtype().is_quantized());
         self.dev.bind();
         let ran = if w.dtype().is_quantized() {
-            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
-            match self.q.matmul(&self.dev, mm, &self.ew, blas, path, x, tokens, w, out, pre) {
+            match self.q.matmul(self.gemms(), &self.mm, x, tokens, w, out, pre) {
                 quant::QRan::Gemv => return bump(&self.counters.gemv_quant),
                 quant::QRan::GemvRows => return bump(&self.counters.gemv_quant_rows),
                 quant::QRan::TensorCores => return bump(&self.counters.gemv_quant_mma),
@@ -840,28 +850,26 @@ impl Backend for CudaBackend {
                 }
             }
         } else {
-            self.mm.matmul(&self.dev, &self.ew, self.blas.as_ref(), self.gemm_path(), x, tokens, w, out)
+            self.mm.matmul(self.gemms(), x, tokens, w, out)
         };
         self.count_matmuls(ran, 1);
     }
 
-    fn rms_norm(&self, x: &CudaBuf, weight: &CudaBuf, dim: usize, eps: f32, out: &mut CudaBuf) {
+    fn rms_norm(&self, x: &CudaBuf, norm: RmsNorm<'_, CudaBuf>, out: &mut CudaBuf) {
         self.dev.bind();
-        self.produce(out, dim, true, |out, side| self.ew.rms_norm(&self.dev, x, weight, dim, eps, out, side));
+        self.produce(out, norm.dim, true, |out, side| self.ew.rms_norm(&self.dev, x, norm, out, side));
     }
 
     fn add_rms_norm(
         &self,
         residual: &mut CudaBuf,
         x: &CudaBuf,
-        weight: &CudaBuf,
-        dim: usize,
-        eps: f32,
+        norm: RmsNorm<'_, CudaBuf>,
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
-        self.produce(out, dim, true, |out, side| {
-            self.ew.add_rms_norm(&self.dev, residual, x, weight, dim, eps, out, side)
+        self.produce(out, norm.dim, true, |out, side| {
+            self.ew.add_rms_norm(&self.dev, residual, x, norm, out, side)
         });
     }
 
@@ -896,77 +904,58 @@ impl Backend for CudaBackend {
         &self,
         shape: &DeltaNetShape,
         mode: DeltaRuleMode,
-        qkv: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
+        input: DeltaRuleInput<'_, CudaBuf>,
         tokens: usize,
         state: &mut CudaBuf,
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
+        let run = deltanet::DeltaRuleRun { shape, input, tokens };
         if mode == DeltaRuleMode::Chunked {
             bump(&self.counters.gdn_chunked);
             if self.tensor_core_prefill() && self.dtc.supports(shape, tokens) {
-                self.dtc.gated_delta_rule(&self.dev, shape, qkv, a, b, a_log, dt_bias, tokens, state, out);
+                self.dtc.gated_delta_rule(&self.dev, run, state, out);
                 return bump(&self.counters.gdn_chunked_tc);
             }
             bump(&self.counters.prefill_f32);
         } else {
             bump(&self.counters.gdn_recurrent);
         }
-        self.dn.gated_delta_rule(&self.dev, shape, mode, qkv, a, b, a_log, dt_bias, tokens, state, out);
+        self.dn.gated_delta_rule(&self.dev, mode, run, state, out);
     }
 
-    fn gated_rms_norm(
-        &self,
-        x: &mut CudaBuf,
-        z: &CudaBuf,
-        weight: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) {
+    fn gated_rms_norm(&self, x: &mut CudaBuf, z: &CudaBuf, norm: RmsNorm<'_, CudaBuf>, rows: usize) {
         self.dev.bind();
-        self.ew.gated_rms_norm(&self.dev, x, z, weight, rows, dim, eps);
+        self.ew.gated_rms_norm(&self.dev, x, z, norm, rows);
     }
 
     fn attention_prologue(
         &self,
-        shape: &AttentionShape,
+        layer: AttentionLayer<'_, CudaBuf>,
         q_and_gate: &CudaBuf,
         k: &mut CudaBuf,
-        q_norm: &CudaBuf,
-        k_norm: &CudaBuf,
-        inv_freq: &CudaBuf,
         positions: &[usize],
         q: &mut CudaBuf,
         gate: &mut CudaBuf,
     ) {
         self.dev.bind();
-        self.at.prologue(&self.dev, shape, q_and_gate, k, q_norm, k_norm, inv_freq, positions, q, gate);
+        self.at.prologue(&self.dev, layer, q_and_gate, k, positions, q, gate);
     }
 
     fn attention(
         &self,
         shape: &AttentionShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        gate: &CudaBuf,
-        k_cache: &mut CudaCache,
-        v_cache: &mut CudaCache,
+        input: AttentionInput<'_, CudaBuf>,
+        cache: KvCache<'_, CudaCache>,
         pos0: usize,
         tokens: usize,
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
         bump(&self.counters.attention);
+        let run = attention::AttentionRun { shape, input, pos0, tokens };
         if self.tensor_core_prefill() && self.fa.supports(shape, tokens) {
-            let splits = self
-                .fa
-                .attention(&self.dev, &self.at, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
+            let splits = self.fa.attention(&self.dev, &self.at, run, cache, out);
             bump(&self.counters.flash_attention);
             if splits > 1 {
                 bump(&self.counters.attention_multi_split);
@@ -976,7 +965,7 @@ impl Backend for CudaBackend {
         if tokens > 1 {
             bump(&self.counters.prefill_f32);
         }
-        let splits = self.at.attention(&self.dev, shape, q, k, v, gate, k_cache, v_cache, pos0, tokens, out);
+        let splits = self.at.attention(&self.dev, run, cache, out);
         if splits > 1 {
             bump(&self.counters.attention_multi_split);
         }
@@ -996,8 +985,7 @@ impl Backend for CudaBackend {
             self.prequantized(x, tokens, cols, false);
             // A prompt's projections: the input rounded to bf16 once for all their GEMMs.
             self.dev.bind();
-            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
-            if let Some(ran) = mm.matmul_many_prompt(&self.dev, &self.ew, blas, path, x, tokens, ws, outs) {
+            if let Some(ran) = self.mm.matmul_many_prompt(self.gemms(), x, tokens, ws, outs) {
                 return self.count_matmuls(ran, ws.len() as u64);
             }
             return crate::backend::matmul_each(self, x, tokens, ws, outs, decode_batch);
@@ -1056,11 +1044,10 @@ impl Backend for CudaBackend {
         tokens: usize,
         gate: &CudaWeight,
         up: &CudaWeight,
-        gate_out: &mut CudaBuf,
-        up_out: &mut CudaBuf,
-        act: &mut CudaBuf,
+        acts: MlpActivations<'_, CudaBuf>,
         decode_batch: bool,
     ) {
+        let MlpActivations { gate: gate_out, up: up_out, act } = acts;
         // One token on the CUDA-core GEMVs: gate, up and the SwiGLU in one launch.
         if tokens == 1 && self.mm.can_glu(gate, up) {
             self.dev.bind();
@@ -1110,7 +1097,8 @@ impl Backend for CudaBackend {
             });
             return;
         }
-        crate::backend::matmul_glu_each(self, x, tokens, gate, up, gate_out, up_out, act, decode_batch);
+        let acts = MlpActivations { gate: gate_out, up: up_out, act };
+        crate::backend::matmul_glu_each(self, x, tokens, gate, up, acts, decode_batch);
     }
 
     fn moe_experts(
@@ -1119,28 +1107,18 @@ impl Backend for CudaBackend {
         tokens: usize,
         router_logits: &CudaBuf,
         experts: &MoeExperts<CudaBackend>,
-        top_k: usize,
         out: &mut CudaBuf,
         decode_batch: bool,
     ) {
         // The experts stay on the device, prompts and decode batches alike (a prompt's picks
         // grouped by expert as a batch's are), bf16 or packed; a mix is routed on the host.
-        if moe::Kernels::supports(experts, top_k) {
+        if moe::Kernels::supports(experts) {
             self.dev.bind();
-            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, experts, top_k, out);
+            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, experts, out);
             return bump(&self.counters.moe_device);
         }
         bump(&self.counters.moe_host);
-        crate::backend::moe_experts_on_host(
-            self,
-            x,
-            tokens,
-            router_logits,
-            experts,
-            top_k,
-            out,
-            decode_batch,
-        );
+        crate::backend::moe_experts_on_host(self, x, tokens, router_logits, experts, out, decode_batch);
     }
 
     fn add_sigmoid_gated(&self, out: &mut CudaBuf, x: &CudaBuf, gate: &CudaBuf, rows: usize, dim: usize) {
@@ -1148,27 +1126,25 @@ impl Backend for CudaBackend {
         self.moe.add_sigmoid_gated(&self.dev, out, x, gate, rows, dim);
     }
 
-    fn moe_on_device(&self, experts: &MoeExperts<CudaBackend>, top_k: usize) -> bool {
-        moe::Kernels::supports(experts, top_k)
+    fn moe_on_device(&self, experts: &MoeExperts<CudaBackend>) -> bool {
+        moe::Kernels::supports(experts)
     }
 
     fn mlp(
         &self,
         x: &CudaBuf,
         tokens: usize,
-        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
-        (gate_out, up_out, act): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+        weights: MlpWeights<'_, CudaWeight>,
+        acts: MlpActivations<'_, CudaBuf>,
         out: &mut CudaBuf,
         decode_batch: bool,
     ) {
+        let MlpActivations { gate, up, act } = acts;
         if !decode_batch && tokens > 1 {
             // A prompt: the SwiGLU goes straight into the down GEMM's bf16 input.
             self.dev.bind();
-            let (mm, blas, path) = (&self.mm, self.blas.as_ref(), self.gemm_path());
-            let outs = (&mut *gate_out, &mut *up_out);
-            if let Some(ran) =
-                mm.mlp_prompt(&self.dev, &self.ew, blas, path, x, tokens, (gate, up, down), outs, out)
-            {
+            let outs = (&mut *gate, &mut *up);
+            if let Some(ran) = self.mm.mlp_prompt(self.gemms(), x, tokens, weights, outs, out) {
                 return self.count_matmuls(ran, 3);
             }
         }
@@ -1176,8 +1152,8 @@ impl Backend for CudaBackend {
             self,
             x,
             tokens,
-            (gate, up, down),
-            (gate_out, up_out, act),
+            weights,
+            MlpActivations { gate, up, act },
             out,
             decode_batch,
         );
@@ -1216,7 +1192,7 @@ impl Backend for CudaBackend {
         shape: &DeltaNetShape,
         qkv: &mut CudaBuf,
         weight: &CudaBuf,
-        states: &mut [&mut CudaBuf],
+        states: &mut [DeltaNetState<'_, CudaBuf>],
     ) {
         self.dev.bind();
         self.dn.causal_conv1d_silu_rows(&self.dev, shape, qkv, weight, states);
@@ -1226,72 +1202,30 @@ impl Backend for CudaBackend {
     fn gated_delta_rule_rows(
         &self,
         shape: &DeltaNetShape,
-        qkv: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
-        states: &mut [&mut CudaBuf],
+        input: DeltaRuleInput<'_, CudaBuf>,
+        states: &mut [DeltaNetState<'_, CudaBuf>],
         out: &mut CudaBuf,
     ) {
         self.dev.bind();
-        self.dn.gated_delta_rule_rows(&self.dev, shape, qkv, a, b, a_log, dt_bias, states, out);
+        self.dn.gated_delta_rule_rows(&self.dev, shape, input, states, out);
         bump(&self.counters.batch_rows);
     }
 
     fn deltanet_decode_rows(
         &self,
-        shape: &DeltaNetShape,
-        qkv: &mut CudaBuf,
-        z: &CudaBuf,
-        a: &CudaBuf,
-        b: &CudaBuf,
-        conv_weight: &CudaBuf,
-        a_log: &CudaBuf,
-        dt_bias: &CudaBuf,
-        norm: &CudaBuf,
-        convs: &mut [&mut CudaBuf],
-        states: &mut [&mut CudaBuf],
+        layer: DeltaNetLayer<'_, CudaBuf>,
+        projections: DeltaNetProjections<'_, CudaBuf>,
+        states: &mut [DeltaNetState<'_, CudaBuf>],
         out: &mut CudaBuf,
     ) {
-        if deltanet::Kernels::decode_cluster(shape).is_none() {
-            return crate::backend::deltanet_decode_each(
-                self,
-                shape,
-                qkv,
-                z,
-                a,
-                b,
-                conv_weight,
-                a_log,
-                dt_bias,
-                norm,
-                convs,
-                states,
-                out,
-            );
+        if deltanet::Kernels::decode_cluster(&layer.shape).is_none() {
+            return crate::backend::deltanet_decode_each(self, layer, projections, states, out);
         }
         // One token's output may also go out quantized for the packed out_proj (quant.rs).
         let quantize = states.len() == 1 && self.deltanet_quant.load(Ordering::Relaxed);
         self.dev.bind();
-        self.produce(out, shape.value_dim(), quantize, |out, side| {
-            let dn = &self.dn;
-            dn.deltanet_decode_rows(
-                &self.dev,
-                shape,
-                qkv,
-                z,
-                a,
-                b,
-                conv_weight,
-                a_log,
-                dt_bias,
-                norm,
-                convs,
-                states,
-                out,
-                side,
-            )
+        self.produce(out, layer.shape.value_dim(), quantize, |out, side| {
+            self.dn.deltanet_decode_rows(&self.dev, layer, projections, states, out, side)
         });
         bump(&self.counters.batch_rows);
         bump(&self.counters.gdn_decode_fused);
@@ -1300,20 +1234,15 @@ impl Backend for CudaBackend {
     fn attention_rows(
         &self,
         shape: &AttentionShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        gate: &CudaBuf,
-        k_caches: &mut [&mut CudaCache],
-        v_caches: &mut [&mut CudaCache],
+        input: AttentionInput<'_, CudaBuf>,
+        caches: &mut [KvCache<'_, CudaCache>],
         positions: &[usize],
         out: &mut CudaBuf,
     ) {
         // One token's output may also go out quantized for the packed o_proj (quant.rs).
         self.dev.bind();
         self.produce(out, shape.num_heads * shape.head_dim, positions.len() == 1, |out, side| {
-            let at = &self.at;
-            at.attention_rows(&self.dev, shape, q, k, v, gate, k_caches, v_caches, positions, out, side)
+            self.at.attention_rows(&self.dev, shape, input, caches, positions, out, side)
         });
         bump(&self.counters.batch_rows);
     }

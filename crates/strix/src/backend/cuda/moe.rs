@@ -84,8 +84,8 @@ impl Kernels {
     /// Whether [`Kernels::experts`] takes these experts: at most [`MAX_EXPERTS`] of one shape,
     /// `top_k` in 1..=[`MAX_TOP_K`] and no more than the experts, and either all bf16 or all
     /// packed (gate and up of one format, down of any).
-    pub fn supports(experts: &MoeExperts<super::CudaBackend>, top_k: usize) -> bool {
-        let n = experts.len();
+    pub fn supports(experts: &MoeExperts<super::CudaBackend>) -> bool {
+        let (n, top_k) = (experts.len(), experts.top_k);
         let Some(first) = experts.gate.first() else { return false };
         let (inter, hidden) = (first.rows(), first.cols());
         let Some(down) = experts.down.first() else { return false };
@@ -108,7 +108,7 @@ impl Kernels {
             && shaped(&experts.down, down.dtype(), hidden, inter)
     }
 
-    /// `out[t] = Σ weight · expert(x[t])` over the `top_k` experts `router_logits[t]` picks, for
+    /// `out[t] = Σ weight · expert(x[t])` over the `experts.top_k` experts `router_logits[t]` picks, for
     /// `tokens` rows (`x`, `out`: `[tokens, hidden]`); `q` runs packed experts. The caller
     /// checked [`Kernels::supports`].
     #[allow(clippy::too_many_arguments)]
@@ -120,10 +120,10 @@ impl Kernels {
         tokens: usize,
         router_logits: &CudaBuf,
         experts: &MoeExperts<super::CudaBackend>,
-        top_k: usize,
         out: &mut CudaBuf,
     ) {
-        assert!(Self::supports(experts, top_k), "moe: unsupported experts or top_k {top_k}");
+        let top_k = experts.top_k;
+        assert!(Self::supports(experts), "moe: unsupported experts or top_k {top_k}");
         let n = experts.len();
         let (inter, hidden) = (experts.gate[0].rows(), experts.gate[0].cols());
         let picks = tokens * top_k;

@@ -8,12 +8,14 @@ use std::path::PathBuf;
 
 use super::matmul::{Kernels as MatmulKernels, TensorCoreKernel};
 use super::quant::PackedMma;
+use crate::backend::KvCacheType;
 
 /// The CUDA backend's settings. [`Default`] is what a plain build runs: graphs, programmatic
 /// dependent launch, tensor-core GEMVs on the best kernel the device has, tilings chosen by
-/// shape, producer-side quantization, and no kernel cache on disk. Every choice gives bitwise
-/// the same results except `tensor_core_gemv` (the CUDA-core and tensor-core GEMVs sum in
-/// different orders; each is batch-invariant on its own).
+/// shape, producer-side quantization, bf16 KV caches, and no kernel cache on disk. Every
+/// choice gives bitwise the same results except `tensor_core_gemv` (the CUDA-core and
+/// tensor-core GEMVs sum in different orders; each is batch-invariant on its own) and
+/// `kv_cache` (bf16 rounds the cached keys and values).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
     /// Record decode steps as CUDA graphs and replay them (`STRIX_CUDA_GRAPHS=0` turns it off,
@@ -41,6 +43,10 @@ pub struct CudaOptions {
     /// The tensor-core arithmetic of packed decode batches (`STRIX_CUDA_PACKED_MMA`: `int8`, the
     /// default, or `bf16`, which needs compute capability 9.0): see [`PackedMma`].
     pub packed_mma: PackedMma,
+    /// The element type of every KV cache the backend makes: bf16 (half the memory and the
+    /// reads) or f32 (exact; the CLI's `--kv-cache f32`). A flag of the commands, not a
+    /// `STRIX_*` variable read here.
+    pub kv_cache: KvCacheType,
     /// Where compiled kernels are kept between runs (`STRIX_KERNEL_CACHE`, else
     /// `$XDG_CACHE_HOME/strix/kernels`, else `~/.cache/strix/kernels` in
     /// [`CudaOptions::from_vars`]); `None` compiles them at every start.
@@ -58,6 +64,7 @@ impl Default for CudaOptions {
             gdn_decode_cols: None,
             producer_quant: true,
             packed_mma: PackedMma::Int8,
+            kv_cache: KvCacheType::Bf16,
             kernel_cache: None,
         }
     }
@@ -141,6 +148,7 @@ impl CudaOptions {
             gdn_decode_cols,
             producer_quant: switch("STRIX_PRODUCER_QUANT", "0")?,
             packed_mma,
+            kv_cache: KvCacheType::Bf16,
             kernel_cache,
         })
     }
@@ -203,6 +211,7 @@ mod tests {
                 gdn_decode_cols: Some(64),
                 producer_quant: false,
                 packed_mma: PackedMma::Bf16,
+                kv_cache: KvCacheType::Bf16,
                 kernel_cache: None,
             }
         );

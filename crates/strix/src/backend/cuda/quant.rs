@@ -68,8 +68,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::compile;
 use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
-use super::elementwise;
-use super::matmul::{self, Blas, GemmPath, SplitWorkspace, GS_BM};
+use super::matmul::{self, Bf16Input, GemmPath, Gemms, SplitWorkspace, GS_BM};
 use super::packed::planes;
 use super::xquant::XQuant;
 use crate::error::Result;
@@ -1006,17 +1005,15 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
-        dev: &Device,
+        gemms: Gemms,
         mm: &matmul::Kernels,
-        ew: &elementwise::Kernels,
-        blas: Option<&Blas>,
-        policy: GemmPath,
         x: &CudaBuf,
         tokens: usize,
         w: &CudaWeight,
         out: &mut CudaBuf,
         pre: Option<XQuant>,
     ) -> QRan {
+        let Gemms { dev, ew, blas, policy } = gemms;
         check(x, tokens, w, out);
         let (rows, cols) = (w.rows(), w.cols());
         if tokens == 0 || rows == 0 {
@@ -1035,7 +1032,8 @@ impl Kernels {
             (GemmPath::Fallback, _) | (GemmPath::Auto, None) => {
                 let dense = CudaWeight::scratch_bf16(dev, rows, cols).unwrap_or_else(|e| panic!("{e}"));
                 self.dequant(dev, w, 0, rows, dense.ptr());
-                QRan::Dequant(mm.matmul(dev, ew, None, GemmPath::Fallback, x, tokens, &dense, out))
+                let fallback = Gemms { blas: None, policy: GemmPath::Fallback, ..gemms };
+                QRan::Dequant(mm.matmul(fallback, x, tokens, &dense, out))
             }
             (_, blas) => {
                 let blas = blas.expect("matmul: a cuBLAS path was requested but cuBLAS did not load");
@@ -1047,7 +1045,8 @@ impl Kernels {
                     let n = band.min(rows - r0);
                     self.dequant(dev, w, r0, n, dense.ptr());
                     let at = out.ptr() + 4 * r0 as u64;
-                    matmul::cublas_gemm_at(dev, ew, blas, x, tokens, dense.ptr(), n, cols, at, rows, split);
+                    let input = Bf16Input::new(dev, ew, x, tokens * cols, split);
+                    input.gemm(blas, tokens, dense.ptr(), n, cols, at, rows);
                     r0 += n;
                 }
                 QRan::Dequant(if split { matmul::Ran::CublasSplit } else { matmul::Ran::Cublas })
