@@ -999,12 +999,13 @@ fn kernels_load_from_the_cache_the_second_time() {
     let Some(first) = gpu() else { return };
     let c = first.path_counts();
     println!("first backend: {c}");
-    // elementwise, sample, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked.
-    assert_eq!(c.modules_compiled + c.modules_cached, 8);
+    // elementwise, sample, matmul, deltanet, attention, quant, flash_attention, deltanet_chunked,
+    // moe.
+    assert_eq!(c.modules_compiled + c.modules_cached, 9);
     let second = common::gpu_backend();
     let c = second.path_counts();
     println!("second backend: {c}");
-    assert_eq!((c.modules_compiled, c.modules_cached), (0, 8));
+    assert_eq!((c.modules_compiled, c.modules_cached), (0, 9));
 }
 
 // --- whole models ---------------------------------------------------------------------------
@@ -1264,11 +1265,11 @@ fn moe_fixtures() -> Vec<std::path::PathBuf> {
     dirs
 }
 
-/// The routed experts of a decode batch on the device (`moe.rs`) against the CPU's grouped
-/// experts on the same bf16 weights, at awkward shapes (hidden and expert widths that are and
-/// are not multiples of 8, top-1 to top-4 of 3 to 9 experts), with exact router ties (they go
-/// to the lower expert id on both); every token of a batch of 64 bitwise what it gives alone;
-/// and the shared expert's sigmoid gate. F32_TOL: both sum f32 products of the same values,
+/// The routed experts on the device (`moe.rs`) against the CPU's grouped experts on the same
+/// bf16 weights, at awkward shapes (hidden and expert widths that are and are not multiples of
+/// 8, top-1 to top-4 of 3 to 9 experts), with exact router ties (they go to the lower expert id
+/// on both); every token of 3, 64 (the per-pick kernels) and 100 (the grouped ones) bitwise
+/// what it gives alone; and the shared expert's sigmoid gate. F32_TOL: both sum f32 products of the same values,
 /// in different orders.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
@@ -1299,7 +1300,7 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
             top_k: k,
         };
         assert!(g.moe_on_device(&gpu_experts), "{n} bf16 experts, top {k}: not on the device");
-        for tokens in [1usize, 3, 64] {
+        for tokens in [1usize, 3, 64, 100] {
             let x = rng.vec(tokens * hidden, 1.0);
             let mut logits = rng.vec(tokens * n, 2.0);
             // Exact ties: token 0's experts all equal; the last token's first two equal.

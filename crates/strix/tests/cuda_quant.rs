@@ -212,7 +212,7 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
     for (gate_dtype, down_dtype, hidden, inter, n, k) in cases {
         let mut deq = Vec::new();
         let mut experts =
-            strix::backend::MoeExperts::<CudaBackend> { gate: vec![], up: vec![], down: vec![] };
+            strix::backend::MoeExperts::<CudaBackend> { gate: vec![], up: vec![], down: vec![], top_k: k };
         for _ in 0..n {
             let (gt, gd) = packed(&mut rng, gate_dtype, inter, hidden);
             let (ut, ud) = packed(&mut rng, gate_dtype, inter, hidden);
@@ -222,7 +222,7 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
             experts.down.push(g.weight(&dt, hidden, inter).unwrap());
             deq.push((gd, ud, dd));
         }
-        assert!(g.moe_on_device(&experts, k), "{gate_dtype:?}/{down_dtype:?} experts not on the device");
+        assert!(g.moe_on_device(&experts), "{gate_dtype:?}/{down_dtype:?} experts not on the device");
         let what = format!(
             "packed moe {}/{} hidden {hidden} inter {inter} {n} experts top {k}",
             gate_dtype.name(),
@@ -260,7 +260,7 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
             }
             let mut out = poison(&g, tokens * hidden);
             let before = g.path_counts().moe_device;
-            g.moe_experts(&g.upload(&x), tokens, &g.upload(&logits), &experts, k, &mut out, true);
+            g.moe_experts(&g.upload(&x), tokens, &g.upload(&logits), &experts, &mut out, true);
             assert_eq!(g.path_counts().moe_device, before + 1, "{}", g.path_counts());
             let got = down(&g, &out);
             check(&format!("{what} T={tokens}"), &got, &expected, 1e-2);
@@ -268,7 +268,7 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
                 let mut alone = poison(&g, hidden);
                 let (xt, lt) =
                     (g.upload(&x[t * hidden..(t + 1) * hidden]), g.upload(&logits[t * n..(t + 1) * n]));
-                g.moe_experts(&xt, 1, &lt, &experts, k, &mut alone, true);
+                g.moe_experts(&xt, 1, &lt, &experts, &mut alone, true);
                 assert!(
                     down(&g, &alone) == got[t * hidden..(t + 1) * hidden],
                     "{what} T={tokens}: token {t} differs alone"

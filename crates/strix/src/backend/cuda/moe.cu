@@ -3,11 +3,11 @@
 // experts (quant.cu's qmoe_* the packed ones, between moe_bucket and moe_combine):
 //  - moe_route: per token, softmax of the router logits, the top k (ties to the lower id),
 //    renormalised, written in ascending expert id (the order the reference sums them in);
-//  - one token: moe_gate_up, per pick, the picked expert's gate and up rows and the SwiGLU;
-//    moe_down_sum, each pick's down rows weighted and summed in pick order;
-//  - several tokens: moe_bucket lists the picks by expert, and moe_gate_up_grouped /
+//  - a decode batch: moe_gate_up, per pick, the picked expert's gate and up rows and the
+//    SwiGLU; moe_down_sum, each pick's down rows weighted and summed in pick order;
+//  - a prompt: moe_bucket lists the picks by expert, and moe_gate_up_grouped /
 //    moe_down_grouped run each picked expert once over all its picks (its weights read once
-//    per step, not once per pick), then moe_combine sums each token's picks;
+//    per call, not once per pick), then moe_combine sums each token's picks;
 //  - add_sigmoid_gated: out += sigmoid(gate) * x per row.
 // Every output is one warp's dot product over its own pick's inputs, the chunks of a row taken
 // in increasing order from zero whatever kernel runs it, and a token's picks summed in pick

@@ -1,8 +1,8 @@
 //! Launchers for `moe.cu`: a sparse MoE block's routed experts on the device, for a decode
 //! batch or a prompt — the router's softmax and top-k, each pick's gate/up rows with the
-//! SwiGLU, and each token's down rows summed over its picks (over several tokens, or packed
-//! experts, each picked expert runs once over all its picks, bitwise as the one-token
-//! kernels) — plus the shared expert's sigmoid gate. Nothing comes back to the host, so a MoE
+//! SwiGLU, and each token's down rows summed over its picks (for a prompt, or packed experts,
+//! each picked expert runs once over all its picks, bitwise as the per-pick kernels) — plus
+//! the shared expert's sigmoid gate. Nothing comes back to the host, so a MoE
 //! decode step can be recorded as a CUDA graph. Experts all bf16 (`moe.cu`'s dot products)
 //! or all packed (`quant.cu`'s `qmoe_*` on activations quantized per 32, as the packed GEMVs
 //! take them), up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]; anything else keeps the
@@ -25,6 +25,13 @@ pub(super) const SOURCE: &str = include_str!("moe.cu");
 pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
 const WARPS: usize = 8;
+
+/// bf16 experts of up to this many tokens (a decode batch) run each pick in its own blocks;
+/// more (a prompt) list the picks by expert first and run each picked expert once over all
+/// of its picks. The same sums either way. Measured on an H200 (35B-A3B shape, BENCHMARKS-LOG
+/// session 15): the grouped kernels made decode batches of 16 and 64 slower (657 and 1,131
+/// tok/s against 1,218 and 1,492), and prompts 16× faster than routing them on the host.
+const PER_PICK_MAX_TOKENS: usize = 64;
 const ROUTE_WARPS: usize = 4;
 
 /// `MoeTable` of `prelude.cu`: one weight pointer per expert, passed by value.
@@ -156,8 +163,8 @@ impl Kernels {
         let gate_up = MoePair { a: table(&experts.gate), b: table(&experts.up) };
         let down = MoeTable { w: table(&experts.down) };
         let (gate_dtype, down_dtype) = (experts.gate[0].dtype(), experts.down[0].dtype());
-        if tokens == 1 && gate_dtype == DType::BF16 {
-            // One token's picks, each its own block: no listing by expert needed.
+        if tokens <= PER_PICK_MAX_TOKENS && gate_dtype == DType::BF16 {
+            // A decode batch's picks, each its own blocks: no listing by expert needed.
             dev.launch(
                 "moe_gate_up",
                 &self.gate_up,
@@ -177,7 +184,7 @@ impl Kernels {
             return;
         }
         // Each picked expert once over all its picks (the same arithmetic per pick as the
-        // one-token kernels), its weights read once per call.
+        // per-pick kernels), its weights read once per call.
         let (count, active, start, members) = (alloc(1), alloc(n), alloc(n + 1), alloc(picks));
         let y = alloc(picks * hidden);
         dev.launch(
