@@ -24,6 +24,8 @@ pub mod sampling;
 pub mod session;
 pub mod synthetic;
 pub mod tensor;
+#[cfg(test)]
+mod testing;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

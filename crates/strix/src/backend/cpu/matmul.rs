@@ -49,6 +49,25 @@ pub fn matmul(x: &[f32], tokens: usize, w: WeightRef<'_>, rows: usize, cols: usi
     matmul_with(isa, Path::choose(isa, tokens), x, tokens, w, rows, cols, out);
 }
 
+/// Checks a product's shapes for `what` (`x: [tokens, cols]`, `out: [tokens, rows]`) and
+/// settles the ones with nothing to multiply: true when `out` is empty, or `cols == 0` and
+/// `out` now holds the empty sums (zeros; gemm would not touch `out` for k = 0).
+pub(super) fn settled_product(
+    what: &str,
+    x: &[f32],
+    tokens: usize,
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) -> bool {
+    assert_eq!(x.len(), tokens * cols, "{what}: x is not [tokens, cols]");
+    assert_eq!(out.len(), tokens * rows, "{what}: out is not [tokens, rows]");
+    if cols == 0 {
+        out.fill(0.0);
+    }
+    out.is_empty() || cols == 0
+}
+
 /// [`matmul`] for a decode batch: every output element is computed exactly as a one-token
 /// `matmul` of its row of `x` computes it (same kernel, same accumulation order), so a
 /// sequence's results do not depend on what else is in the batch. Each weight row is still
@@ -121,15 +140,8 @@ fn matmul_with(
     cols: usize,
     out: &mut [f32],
 ) {
-    assert_eq!(x.len(), tokens * cols, "matmul: x is not [tokens, cols]");
     assert_eq!(w.elems(), rows * cols, "matmul: W is not [rows, cols]");
-    assert_eq!(out.len(), tokens * rows, "matmul: out is not [tokens, rows]");
-    if out.is_empty() {
-        return;
-    }
-    if cols == 0 {
-        // Empty sums; gemm would not touch `out` for k = 0.
-        out.fill(0.0);
+    if settled_product("matmul", x, tokens, rows, cols, out) {
         return;
     }
     let p = Problem { x, tokens, rows, cols, out: SharedMut::new(out) };
@@ -654,21 +666,7 @@ mod tests {
     }
 
     use super::*;
-
-    /// xorshift64*: seeded, dependency-free test data.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        /// Uniform in [-1, 1).
-        fn f32(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-    }
+    use crate::testing::Rng;
 
     #[derive(Clone, Copy, Debug)]
     enum Dtype {

@@ -94,13 +94,7 @@ pub fn gemm_with(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
         static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(x.len(), tokens * cols, "qmatmul: x is not [tokens, cols]");
-    assert_eq!(out.len(), tokens * rows, "qmatmul: out is not [tokens, rows]");
-    if out.is_empty() {
-        return;
-    }
-    if cols == 0 {
-        out.fill(0.0);
+    if super::matmul::settled_product("qmatmul", x, tokens, rows, cols, out) {
         return;
     }
     let bw = w.kind().block();
@@ -262,20 +256,7 @@ impl Acts {
 mod tests {
     use super::*;
     use crate::quant::{self, QuantType};
-
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        /// Uniform in [-1, 1).
-        fn f32(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-    }
+    use crate::testing::Rng;
 
     const TYPES: [QuantType; 4] = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_K, QuantType::Q6_K];
 
@@ -326,55 +307,35 @@ mod tests {
         v
     }
 
-    /// The exact product of the dequantized weights with the *quantized* activations, in
-    /// f64: the kernels may differ from it only by f32 rounding of the block sums.
-    fn reference_quantized_x(
-        ty: QuantType,
-        w: &[u8],
-        x: &[f32],
-        tokens: usize,
-        rows: usize,
-        cols: usize,
-    ) -> Vec<f64> {
+    /// The products a kernel is checked against, in f64, from the dequantized weights:
+    /// `quantized_x`, with the *quantized* activations (the kernels may differ from it only by
+    /// f32 rounding of the block sums); `f32_x`, with the f32 activations, and `bound`, the
+    /// distance activation quantization allows from it: Σ_c |w_c| · d_x(c) / 2 (each
+    /// activation is rounded to the nearest multiple of its block's scale).
+    struct References {
+        quantized_x: Vec<f64>,
+        f32_x: Vec<f64>,
+        bound: Vec<f64>,
+    }
+
+    fn references(ty: QuantType, w: &[u8], x: &[f32], tokens: usize, rows: usize, cols: usize) -> References {
         let wf = dequantized(ty, w, rows * cols);
         let block = if ty.block_size() == 256 { 256 } else { 32 };
         let acts = Acts::quantize(x, tokens, cols, block);
-        let mut out = vec![0f64; tokens * rows];
+        let n = tokens * rows;
+        let mut r = References { quantized_x: vec![0f64; n], f32_x: vec![0f64; n], bound: vec![0f64; n] };
         for t in 0..tokens {
             let a = acts.row(t);
             let xq: Vec<f64> = (0..cols).map(|c| a.qs[c] as f64 * a.d[c / block] as f64).collect();
-            for r in 0..rows {
-                out[t * rows + r] = (0..cols).map(|c| wf[r * cols + c] as f64 * xq[c]).sum();
+            for row in 0..rows {
+                let w = &wf[row * cols..(row + 1) * cols];
+                let i = t * rows + row;
+                r.quantized_x[i] = (0..cols).map(|c| w[c] as f64 * xq[c]).sum();
+                r.f32_x[i] = (0..cols).map(|c| w[c] as f64 * x[t * cols + c] as f64).sum();
+                r.bound[i] = (0..cols).map(|c| w[c].abs() as f64 * a.d[c / block] as f64 * 0.5).sum();
             }
         }
-        out
-    }
-
-    /// The product of the dequantized weights with the f32 activations, in f64, and the bound
-    /// activation quantization puts on the distance to it: Σ_c |w_c| · d_x(c) / 2 (each
-    /// activation is rounded to the nearest multiple of its block's scale).
-    fn reference_f32_x(
-        ty: QuantType,
-        w: &[u8],
-        x: &[f32],
-        tokens: usize,
-        rows: usize,
-        cols: usize,
-    ) -> (Vec<f64>, Vec<f64>) {
-        let wf = dequantized(ty, w, rows * cols);
-        let block = if ty.block_size() == 256 { 256 } else { 32 };
-        let acts = Acts::quantize(x, tokens, cols, block);
-        let mut out = vec![0f64; tokens * rows];
-        let mut bound = vec![0f64; tokens * rows];
-        for t in 0..tokens {
-            let d = acts.row(t).d;
-            for r in 0..rows {
-                let w = &wf[r * cols..(r + 1) * cols];
-                out[t * rows + r] = (0..cols).map(|c| w[c] as f64 * x[t * cols + c] as f64).sum();
-                bound[t * rows + r] = (0..cols).map(|c| w[c].abs() as f64 * d[c / block] as f64 * 0.5).sum();
-            }
-        }
-        (out, bound)
+        r
     }
 
     fn dequantized(ty: QuantType, w: &[u8], n: usize) -> Vec<f32> {
@@ -408,8 +369,8 @@ mod tests {
                     for &tokens in &[1usize, 2, 4, 5, 9] {
                         let w = random_weights(&mut rng, ty, rows, cols);
                         let x = random_x(&mut rng, tokens * cols);
-                        let exact = reference_quantized_x(ty, &w, &x, tokens, rows, cols);
-                        let (loose, bound) = reference_f32_x(ty, &w, &x, tokens, rows, cols);
+                        let References { quantized_x: exact, f32_x: loose, bound } =
+                            references(ty, &w, &x, tokens, rows, cols);
                         let max_ref = loose.iter().fold(0f64, |m, v| m.max(v.abs()));
                         for isa in isas() {
                             let mut out = vec![f32::NAN; tokens * rows];
@@ -505,7 +466,7 @@ mod tests {
                 let w = random_weights(&mut rng, ty, rows, cols);
                 for tokens in [1, 64, 71] {
                     let x = random_x(&mut rng, tokens * cols);
-                    let (want, _) = reference_f32_x(ty, &w, &x, tokens, rows, cols);
+                    let want = references(ty, &w, &x, tokens, rows, cols).f32_x;
                     let mut got = vec![f32::NAN; tokens * rows];
                     gemm_with(&x, tokens, &pack(ty, &w, rows, cols), &mut got);
                     let e = rel_err(&got, &want);

@@ -190,13 +190,7 @@ impl Packed {
     /// 8 bits; `out` is overwritten.
     pub(crate) fn matmul(&self, isa: Kern, x: &[f32], tokens: usize, out: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
-        assert_eq!(x.len(), tokens * cols, "qmatmul: x is not [tokens, cols]");
-        assert_eq!(out.len(), tokens * rows, "qmatmul: out is not [tokens, rows]");
-        if out.is_empty() {
-            return;
-        }
-        if cols == 0 {
-            out.fill(0.0);
+        if super::matmul::settled_product("qmatmul", x, tokens, rows, cols, out) {
             return;
         }
         let acts = Acts::quantize(x, tokens, cols, self.kind.act_block());

@@ -431,6 +431,7 @@ pub(crate) mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
 
     /// The guard flushes subnormal results (x86) and gives the previous mode back on drop.
     #[test]
@@ -483,21 +484,6 @@ mod tests {
             runs.push([a, b, c].map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()));
         }
         assert!(runs.iter().all(|r| r == &runs[0]), "the ISAs differ");
-    }
-
-    /// xorshift64*: enough randomness for kernels, no dependency.
-    struct Rng(u64);
-    impl Rng {
-        fn f32(&mut self) -> f32 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            let bits = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
-            bits as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-        fn vec(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.f32()).collect()
-        }
     }
 
     fn isas() -> Vec<Isa> {
