@@ -1067,18 +1067,7 @@ impl Backend for Bf16Reference {
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> strix::Result<CpuWeight> {
         self.cpu.weight(&tensor(DType::BF16, rows, cols, &t.to_f32_vec()), rows, cols)
     }
-    fn upload(&self, data: &[f32]) -> Vec<f32> {
-        self.cpu.upload(data)
-    }
-    fn zeros(&self, len: usize) -> Vec<f32> {
-        self.cpu.zeros(len)
-    }
-    fn resize(&self, buf: &mut Vec<f32>, len: usize) {
-        self.cpu.resize(buf, len)
-    }
-    fn download(&self, buf: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
-        self.cpu.download(buf, offset, len)
-    }
+    common::delegate_buffer_ops_to_cpu!(cpu);
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         self.cpu.weight_bytes(w)
     }

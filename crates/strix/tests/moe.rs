@@ -82,18 +82,7 @@ impl Backend for HostMoe {
     fn weight(&self, t: &HostTensor, rows: usize, cols: usize) -> strix::Result<CpuWeight> {
         self.0.weight(t, rows, cols)
     }
-    fn upload(&self, data: &[f32]) -> Vec<f32> {
-        self.0.upload(data)
-    }
-    fn zeros(&self, len: usize) -> Vec<f32> {
-        self.0.zeros(len)
-    }
-    fn resize(&self, buf: &mut Vec<f32>, len: usize) {
-        self.0.resize(buf, len)
-    }
-    fn download(&self, buf: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
-        self.0.download(buf, offset, len)
-    }
+    common::delegate_buffer_ops_to_cpu!(0);
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         self.0.weight_bytes(w)
     }

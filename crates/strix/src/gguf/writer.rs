@@ -83,35 +83,27 @@ impl GgufWriter {
     /// Declares a tensor whose data [`GgufWriter::write_with`] will ask for. `dims` are in
     /// GGML order (`dims[0]` is the row length) and the row length must be whole blocks.
     pub fn add_tensor_info(&mut self, name: &str, dims: &[u64], ty: QuantType) -> Result<()> {
-        let n_bytes = self.check_tensor(name, dims, ty)?;
-        self.names.insert(name.to_string());
-        self.tensors.push(PendingTensor {
-            name: name.to_string(),
-            dims: dims.to_vec(),
-            ty,
-            n_bytes,
-            data: None,
-        });
-        Ok(())
+        self.push_tensor(name, dims, ty, None)
     }
 
     /// Adds a tensor with its data (already encoded as `ty`).
     pub fn add_tensor(&mut self, name: &str, dims: &[u64], ty: QuantType, data: Vec<u8>) -> Result<()> {
+        self.push_tensor(name, dims, ty, Some(data))
+    }
+
+    /// A tensor's entry, checked (and its data, when given, checked to be its size).
+    fn push_tensor(&mut self, name: &str, dims: &[u64], ty: QuantType, data: Option<Vec<u8>>) -> Result<()> {
         let n_bytes = self.check_tensor(name, dims, ty)?;
-        if data.len() != n_bytes {
-            return Err(Error::input(format!(
-                "GGUF tensor `{name}`: {ty} dims {dims:?} take {n_bytes} bytes, got {}",
-                data.len()
-            )));
+        if let Some(data) = &data {
+            if data.len() != n_bytes {
+                return Err(Error::input(format!(
+                    "GGUF tensor `{name}`: {ty} dims {dims:?} take {n_bytes} bytes, got {}",
+                    data.len()
+                )));
+            }
         }
         self.names.insert(name.to_string());
-        self.tensors.push(PendingTensor {
-            name: name.to_string(),
-            dims: dims.to_vec(),
-            ty,
-            n_bytes,
-            data: Some(data),
-        });
+        self.tensors.push(PendingTensor { name: name.to_string(), dims: dims.to_vec(), ty, n_bytes, data });
         Ok(())
     }
 

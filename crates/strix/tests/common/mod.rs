@@ -132,6 +132,28 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
+/// The `Backend` buffer ops (upload, zeros, resize, download) of a test backend that wraps the
+/// CPU backend, passed through to `self.$inner`.
+#[allow(unused_macros)]
+macro_rules! delegate_buffer_ops_to_cpu {
+    ($inner:tt) => {
+        fn upload(&self, data: &[f32]) -> Vec<f32> {
+            self.$inner.upload(data)
+        }
+        fn zeros(&self, len: usize) -> Vec<f32> {
+            self.$inner.zeros(len)
+        }
+        fn resize(&self, buf: &mut Vec<f32>, len: usize) {
+            self.$inner.resize(buf, len)
+        }
+        fn download(&self, buf: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
+            self.$inner.download(buf, offset, len)
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use delegate_buffer_ops_to_cpu;
+
 /// The `Backend` ops on activations and states of a test backend that wraps the CPU backend
 /// (a reference with its own weights and matmuls), passed through to `self.$inner`;
 /// `($inner, without_attention)` leaves out `attention` and `attention_rows` (a reference that
