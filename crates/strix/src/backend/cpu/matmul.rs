@@ -68,6 +68,50 @@ pub(super) fn settled_product(
     out.is_empty() || cols == 0
 }
 
+/// `out[t, r0 + j] (+)= Σ_i x[t, i] · tile[j, i]` for the `tokens` × `n` window at column r0
+/// of `out` (row stride `rows`), `x` with row stride `cols` (its first `k` columns used) and
+/// `tile` `[n, k]` row-major: the gemm crate on one thread, overwriting when `accumulate` is
+/// false. The prompt GEMMs' inner product on a widened or dequantized weight tile.
+///
+/// # Safety
+/// The window must be inside `out` and owned by the caller alone; `x` must hold `tokens` rows
+/// of stride `cols` with at least `k` columns from its start, `tile` at least `n * k` values.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_tile(
+    out: SharedMut,
+    r0: usize,
+    rows: usize,
+    accumulate: bool,
+    x: &[f32],
+    cols: usize,
+    tokens: usize,
+    tile: &[f32],
+    n: usize,
+    k: usize,
+) {
+    gemm::gemm(
+        tokens,
+        n,
+        k,
+        out.at(r0),
+        1,
+        rows as isize,
+        accumulate,
+        x.as_ptr(),
+        1,
+        cols as isize,
+        tile.as_ptr(),
+        k as isize,
+        1,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
 /// [`matmul`] for a decode batch: every output element is computed exactly as a one-token
 /// `matmul` of its row of `x` computes it (same kernel, same accumulation order), so a
 /// sequence's results do not depend on what else is in the batch. Each weight row is still
@@ -324,31 +368,21 @@ impl Problem<'_> {
                         let src = (r0 + j) * cols + c0;
                         widen::<W>(isa, &w[src..src + k], dst);
                     }
-                    // SAFETY: dst is the [tokens, n] window at column r0 of `out` (row stride
-                    // `rows`), owned by this block alone; lhs is x[:, c0..c0 + k] (row stride
-                    // `cols`); rhs is tileᵀ, [k, n] with column stride k. All extents were
-                    // checked in `matmul_with`. The first tile overwrites dst, later ones add.
+                    // SAFETY: the window at column r0 of `out` belongs to this block alone;
+                    // x[:, c0..c0 + k] and the tile are in bounds (extents checked in
+                    // `matmul_with`).
                     unsafe {
-                        gemm::gemm(
+                        gemm_tile(
+                            self.out,
+                            r0,
+                            self.rows,
+                            c0 > 0,
+                            &self.x[c0..],
+                            cols,
                             self.tokens,
+                            tile,
                             n,
                             k,
-                            self.out.at(r0),
-                            1,
-                            self.rows as isize,
-                            c0 > 0,
-                            self.x.as_ptr().add(c0),
-                            1,
-                            cols as isize,
-                            tile.as_ptr(),
-                            k as isize,
-                            1,
-                            1.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
                         );
                     }
                     c0 += k;

@@ -123,32 +123,11 @@ pub fn gemm_with(x: &[f32], tokens: usize, w: &Packed, out: &mut [f32]) {
                     w.dequantize(r0 + j, b0, dst);
                 }
                 let c0 = b0 * bw;
-                // SAFETY: dst is the [tokens, n] window at column r0 of `out` (row stride
-                // `rows`), owned by this block alone; lhs is x[:, c0..c0 + k] (row stride
-                // `cols`); rhs is tileᵀ, [k, n] with column stride k. The first tile
-                // overwrites dst, later ones add.
+                // SAFETY: the window at column r0 of `out` belongs to this block alone;
+                // x[:, c0..c0 + k] and the tile are in bounds. The first tile overwrites it,
+                // later ones add.
                 unsafe {
-                    gemm::gemm(
-                        tokens,
-                        n,
-                        k,
-                        out.at(r0),
-                        1,
-                        rows as isize,
-                        b0 > 0,
-                        x.as_ptr().add(c0),
-                        1,
-                        cols as isize,
-                        tile.as_ptr(),
-                        k as isize,
-                        1,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
+                    super::matmul::gemm_tile(out, r0, rows, b0 > 0, &x[c0..], cols, tokens, tile, n, k);
                 }
                 b0 += nb;
             }
