@@ -22,25 +22,14 @@ quants=${4:-q4_k}
 work=${WORK:-/tmp/moe-compare}
 . scripts/gpu/serve_common.sh
 
-(
-  mkdir -p "$work/llama" && tar xf "$src" -C "$work/llama" --strip-components=1 &&
-    cmake -S "$work/llama" -B "$work/llama/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
-      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_APP=OFF > "$logs/llama-cmake.log" 2>&1 &&
-    cmake --build "$work/llama/build" -j "${JOBS:-12}" --target llama-bench llama-batched-bench \
-      > "$logs/llama-build.log" 2>&1
-  echo $? > "$work/llama.rc"
-) &
-llama_pid=$!
+build_llama llama-bench llama-batched-bench
 
 for q in $quants; do
   note "writing the 35B-A3B $q file"
   "$strix" quantize --preset qwen3.5-35b-a3b --tokenizer "$work/tokenizer" --quant "$q" \
     --out "$work/35b-a3b-$q.gguf" > "$logs/gguf-$q.log" 2>&1 || { note "strix quantize $q failed"; exit 1; }
 done
-wait $llama_pid
-[ "$(cat "$work/llama.rc")" = 0 ] || { note "llama.cpp build failed (llama-build.log)"; exit 1; }
-llama=$work/llama/build/bin
+wait_llama
 note "files ready: $(cd "$work" && ls -s --block-size=M ./*.gguf | tr '\n' ' ')"
 
 for q in $quants; do

@@ -47,28 +47,14 @@ work=${WORK:-/tmp/serve-compare}
 . scripts/gpu/serve_common.sh
 
 # llama.cpp, built in the background while the bf16 files are written.
-(
-  mkdir -p "$work/llama" && tar xf "$src" -C "$work/llama" --strip-components=1 &&
-    cmake -S "$work/llama" -B "$work/llama/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
-      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_APP=OFF > "$logs/llama-cmake.log" 2>&1 &&
-    cmake --build "$work/llama/build" -j "${JOBS:-12}" --target llama-server llama-quantize llama-batched-bench \
-      > "$logs/llama-build.log" 2>&1
-  echo $? > "$work/llama.rc"
-) &
-llama_pid=$!
+build_llama llama-server llama-quantize llama-batched-bench
 
 for m in $models; do
   note "bf16 file $m"
   "$strix" quantize --preset "qwen3.5-$m" --tokenizer "$work/tokenizer" --quant bf16 --out "$work/$m-bf16.gguf" \
     > "$logs/gguf-$m.log" 2>&1 || { note "strix quantize --preset $m failed"; exit 1; }
 done
-wait $llama_pid
-if [ "$(cat "$work/llama.rc")" != 0 ]; then
-  note "llama.cpp build failed (llama-build.log)"
-  exit 1
-fi
-llama=$work/llama/build/bin
+wait_llama
 for m in $models; do
   "$llama/llama-quantize" "$work/$m-bf16.gguf" "$work/$m-q4km.gguf" Q4_K_M "${JOBS:-12}" > "$logs/q4km-$m.log" 2>&1 ||
     { note "llama-quantize $m failed"; exit 1; }
