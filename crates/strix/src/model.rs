@@ -252,6 +252,9 @@ pub struct Model<B: Backend> {
     inv_freq: B::Buf,
     /// Longest run of tokens pushed through the layers at once ([`Model::set_pass_tokens`]).
     pass_tokens: usize,
+    /// Whether a decode step may be recorded: no layer's experts are routed on the host
+    /// ([`Backend::moe_on_device`]). The weights never change, so it is decided at load.
+    steps_recordable: bool,
 }
 
 /// Progress of a load: called with (done, total), in the units the loading function names.
@@ -405,12 +408,17 @@ impl<B: Backend> Model<B> {
             Some(free) => capped_pass_tokens(backend.preferred_pass_tokens(), free / 4, per_token),
             None => backend.preferred_pass_tokens(),
         };
+        let steps_recordable = layers.iter().all(|l| match &l.mlp {
+            Mlp::Dense(_) => true,
+            Mlp::Moe(m) => backend.moe_on_device(&m.experts),
+        });
         Ok(Model {
             config,
             backend,
             weights: Weights { embed_tokens, lm_head, final_norm, layers },
             inv_freq,
             pass_tokens,
+            steps_recordable,
         })
     }
 
@@ -770,10 +778,7 @@ impl<B: Backend> Model<B> {
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |h, s| (h ^ s.buffers_id()).wrapping_mul(0x0000_0100_0000_01b3));
         // A backend that routes experts on the host cannot record a MoE step: run it op by op.
-        let recordable = self.weights.layers.iter().all(|l| match &l.mlp {
-            Mlp::Dense(_) => true,
-            Mlp::Moe(m) => b.moe_on_device(&m.experts),
-        });
+        let recordable = self.steps_recordable;
         let run_step = |step: &mut dyn FnMut() -> B::Buf, read: &mut dyn FnMut(&B::Buf)| {
             if recordable {
                 b.decode_step(key, tokens, &positions, step, read)
