@@ -632,6 +632,11 @@ fn or_panic<T>(r: Result<T>) -> T {
     r.unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// A layer's experts as `moe.rs`'s kernels take them.
+fn moe_experts(experts: &MoeExperts<CudaBackend>) -> moe::Experts<'_> {
+    moe::Experts { gate: &experts.gate, up: &experts.up, down: &experts.down, top_k: experts.top_k }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Weight = CudaWeight;
@@ -1112,9 +1117,10 @@ impl Backend for CudaBackend {
     ) {
         // The experts stay on the device, prompts and decode batches alike (a prompt's picks
         // grouped by expert as a batch's are), bf16 or packed; a mix is routed on the host.
-        if moe::Kernels::supports(experts) {
+        let kernel_experts = moe_experts(experts);
+        if moe::Kernels::supports(&kernel_experts) {
             self.dev.bind();
-            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, experts, out);
+            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, &kernel_experts, out);
             return bump(&self.counters.moe_device);
         }
         bump(&self.counters.moe_host);
@@ -1127,7 +1133,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe_on_device(&self, experts: &MoeExperts<CudaBackend>) -> bool {
-        moe::Kernels::supports(experts)
+        moe::Kernels::supports(&moe_experts(experts))
     }
 
     fn mlp(

@@ -15,7 +15,6 @@ use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
 use super::quant;
-use crate::backend::MoeExperts;
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -49,17 +48,20 @@ struct MoePair {
     b: [u64; MAX_EXPERTS],
 }
 
-/// The packed formats the `qmoe_*` kernels of `quant.cu` take.
-fn packed(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K)
-}
-
 fn table(ws: &[CudaWeight]) -> [u64; MAX_EXPERTS] {
     let mut t = [0u64; MAX_EXPERTS];
     for (slot, w) in t.iter_mut().zip(ws) {
         *slot = w.ptr();
     }
     t
+}
+
+/// A layer's routed experts as the kernels take them (the backend's `MoeExperts`, borrowed).
+pub(super) struct Experts<'a> {
+    pub gate: &'a [CudaWeight],
+    pub up: &'a [CudaWeight],
+    pub down: &'a [CudaWeight],
+    pub top_k: usize,
 }
 
 pub(super) struct Kernels {
@@ -91,14 +93,19 @@ impl Kernels {
     /// Whether [`Kernels::experts`] takes these experts: at most [`MAX_EXPERTS`] of one shape,
     /// `top_k` in 1..=[`MAX_TOP_K`] and no more than the experts, and either all bf16 or all
     /// packed (gate and up of one format, down of any).
-    pub fn supports(experts: &MoeExperts<super::CudaBackend>) -> bool {
-        let (n, top_k) = (experts.len(), experts.top_k);
+    pub fn supports(experts: &Experts<'_>) -> bool {
+        let (n, top_k) = (experts.gate.len(), experts.top_k);
         let Some(first) = experts.gate.first() else { return false };
         let (inter, hidden) = (first.rows(), first.cols());
         let Some(down) = experts.down.first() else { return false };
         let kinds_fit = match (first.dtype(), down.dtype()) {
             (DType::BF16, DType::BF16) => true,
-            (g, d) => packed(g) && packed(d) && hidden.is_multiple_of(32) && inter.is_multiple_of(32),
+            (g, d) => {
+                quant::has_kernels(g)
+                    && quant::has_kernels(d)
+                    && hidden.is_multiple_of(32)
+                    && inter.is_multiple_of(32)
+            }
         };
         let shaped = |ws: &[CudaWeight], dtype: DType, rows: usize, cols: usize| {
             ws.len() == n && ws.iter().all(|w| w.dtype() == dtype && w.rows() == rows && w.cols() == cols)
@@ -110,9 +117,9 @@ impl Kernels {
             && inter <= i32::MAX as usize
             && hidden <= i32::MAX as usize
             && kinds_fit
-            && shaped(&experts.gate, first.dtype(), inter, hidden)
-            && shaped(&experts.up, first.dtype(), inter, hidden)
-            && shaped(&experts.down, down.dtype(), hidden, inter)
+            && shaped(experts.gate, first.dtype(), inter, hidden)
+            && shaped(experts.up, first.dtype(), inter, hidden)
+            && shaped(experts.down, down.dtype(), hidden, inter)
     }
 
     /// `out[t] = Σ weight · expert(x[t])` over the `experts.top_k` experts `router_logits[t]` picks, for
@@ -126,12 +133,12 @@ impl Kernels {
         x: &CudaBuf,
         tokens: usize,
         router_logits: &CudaBuf,
-        experts: &MoeExperts<super::CudaBackend>,
+        experts: &Experts<'_>,
         out: &mut CudaBuf,
     ) {
         let top_k = experts.top_k;
         assert!(Self::supports(experts), "moe: unsupported experts or top_k {top_k}");
-        let n = experts.len();
+        let n = experts.gate.len();
         let (inter, hidden) = (experts.gate[0].rows(), experts.gate[0].cols());
         let picks = tokens * top_k;
         assert!(x.len() >= tokens * hidden, "moe: x holds {} floats, not [{tokens}, {hidden}]", x.len());
@@ -160,8 +167,8 @@ impl Kernels {
             (ROUTE_WARPS * n * 4) as u32,
             kernel_args![router_logits.ptr(), t32, n32, k32, ids.ptr(), weights.ptr()],
         );
-        let gate_up = MoePair { a: table(&experts.gate), b: table(&experts.up) };
-        let down = MoeTable { w: table(&experts.down) };
+        let gate_up = MoePair { a: table(experts.gate), b: table(experts.up) };
+        let down = MoeTable { w: table(experts.down) };
         let (gate_dtype, down_dtype) = (experts.gate[0].dtype(), experts.down[0].dtype());
         if tokens <= PER_PICK_MAX_TOKENS && gate_dtype == DType::BF16 {
             // A decode batch's picks, each its own blocks: no listing by expert needed.

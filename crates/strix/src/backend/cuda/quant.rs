@@ -247,6 +247,11 @@ pub(super) enum QRan {
 const FORMATS: [(DType, &str); 4] =
     [(DType::Q8_0, "q8_0"), (DType::Q4_0, "q4_0"), (DType::Q4_K, "q4_k"), (DType::Q6_K, "q6_k")];
 
+/// Whether this module's kernels take weights packed as `dtype`.
+pub(super) fn has_kernels(dtype: DType) -> bool {
+    FORMATS.iter().any(|f| f.0 == dtype)
+}
+
 fn format_index(dtype: DType) -> usize {
     FORMATS
         .iter()
