@@ -633,7 +633,7 @@ fn or_panic<T>(r: Result<T>) -> T {
 }
 
 /// A layer's experts as `moe.rs`'s kernels take them.
-fn moe_experts(experts: &MoeExperts<CudaBackend>) -> moe::Experts<'_> {
+fn kernel_experts(experts: &MoeExperts<CudaBackend>) -> moe::Experts<'_> {
     moe::Experts { gate: &experts.gate, up: &experts.up, down: &experts.down, top_k: experts.top_k }
 }
 
@@ -1117,7 +1117,7 @@ impl Backend for CudaBackend {
     ) {
         // The experts stay on the device, prompts and decode batches alike (a prompt's picks
         // grouped by expert as a batch's are), bf16 or packed; a mix is routed on the host.
-        let kernel_experts = moe_experts(experts);
+        let kernel_experts = kernel_experts(experts);
         if moe::Kernels::supports(&kernel_experts) {
             self.dev.bind();
             self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, &kernel_experts, out);
@@ -1133,7 +1133,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe_on_device(&self, experts: &MoeExperts<CudaBackend>) -> bool {
-        moe::Kernels::supports(&moe_experts(experts))
+        moe::Kernels::supports(&kernel_experts(experts))
     }
 
     fn mlp(
