@@ -1257,12 +1257,16 @@ fn moe_fixtures() -> Vec<std::path::PathBuf> {
 /// The routed experts on the device (`moe.rs`) against the CPU's grouped experts on the same
 /// bf16 weights, at awkward shapes (hidden and expert widths that are and are not multiples of
 /// 8, top-1 to top-4 of 3 to 9 experts), with exact router ties (they go to the lower expert id
-/// on both); every token of 3, 64 (the per-pick kernels) and 100 (the grouped ones) bitwise
-/// what it gives alone; and the shared expert's sigmoid gate. F32_TOL: both sum f32 products of the same values,
-/// in different orders.
+/// on both); every token of a decode batch of 3 or 64 (the per-pick kernels) bitwise what it
+/// gives alone, and every token of a prompt of 100 or 300 (the tensor-core grouped kernels, more
+/// than 64 picks of an expert at 300) bitwise what it gives in a shorter prompt; and the shared
+/// expert's sigmoid gate. F32_TOL: both sum f32 products of the same values in different orders
+/// (the tensor cores' with x as hi + lo bf16 halves, ~16 of its mantissa bits).
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
+    // The most tokens moe.rs runs as a decode batch (its PER_PICK_MAX_TOKENS).
+    const DECODE_BATCH: usize = 64;
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng(31);
@@ -1289,7 +1293,7 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
             top_k: k,
         };
         assert!(g.moe_on_device(&gpu_experts), "{n} bf16 experts, top {k}: not on the device");
-        for tokens in [1usize, 3, 64, 100] {
+        for tokens in [1usize, 3, 64, 100, 300] {
             let x = rng.vec(tokens * hidden, 1.0);
             let mut logits = rng.vec(tokens * n, 2.0);
             // Exact ties: token 0's experts all equal; the last token's first two equal.
@@ -1310,14 +1314,26 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
                 &reference,
                 F32_TOL,
             );
-            for t in 0..tokens {
-                let mut alone = poison(&g, hidden);
-                let xt = g.upload(&x[t * hidden..(t + 1) * hidden]);
-                let lt = g.upload(&logits[t * n..(t + 1) * n]);
-                g.moe_experts(&xt, 1, &lt, &gpu_experts, &mut alone, true);
+            if tokens <= DECODE_BATCH {
+                for t in 0..tokens {
+                    let mut alone = poison(&g, hidden);
+                    let xt = g.upload(&x[t * hidden..(t + 1) * hidden]);
+                    let lt = g.upload(&logits[t * n..(t + 1) * n]);
+                    g.moe_experts(&xt, 1, &lt, &gpu_experts, &mut alone, true);
+                    assert!(
+                        down(&g, &alone) == got[t * hidden..(t + 1) * hidden],
+                        "moe {n}/{k} T={tokens}: token {t} differs from the token alone"
+                    );
+                }
+            } else {
+                // A prompt: its first tokens as a shorter prompt (still past a decode batch).
+                let fewer = tokens - 30;
+                let mut part = poison(&g, fewer * hidden);
+                let (xp, lp) = (g.upload(&x[..fewer * hidden]), g.upload(&logits[..fewer * n]));
+                g.moe_experts(&xp, fewer, &lp, &gpu_experts, &mut part, true);
                 assert!(
-                    down(&g, &alone) == got[t * hidden..(t + 1) * hidden],
-                    "moe {n}/{k} T={tokens}: token {t} differs from the token alone"
+                    down(&g, &part) == got[..fewer * hidden],
+                    "moe {n}/{k} T={tokens}: the first {fewer} tokens differ from them as a prompt of their own"
                 );
             }
         }

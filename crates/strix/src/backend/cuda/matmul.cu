@@ -232,50 +232,6 @@ GEMV_GLU(8)
 // batch size, the one-token call included, gives a token bitwise the same outputs.
 #define MMA_WARPS 8
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Eight bf16 weights of `row` from column c0 (zeros past the matrix). AL: cols % 8 == 0, so a
-// chunk is all in or all out and 16-byte aligned.
-template <bool AL>
-__device__ __forceinline__ v4u mma_load_w(const bf16_t* w, int row, int c0, int rows, int cols) {
-    if (row >= rows || c0 >= cols) return v4u{0u, 0u, 0u, 0u};
-    const bf16_t* p = w + (i64)row * cols + c0;
-    if (AL) return ld_stream(reinterpret_cast<const v4u*>(p));
-    u32 e[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) e[i] = c0 + i < cols ? (u32)p[i] : 0u;
-    return v4u{e[0] | (e[1] << 16), e[2] | (e[3] << 16), e[4] | (e[5] << 16), e[6] | (e[7] << 16)};
-}
-
-// Eight activations of token `tok` from column c0, split into hi/lo bf16x2 pairs (zeros past
-// the batch or the row).
-template <bool AL>
-__device__ __forceinline__ void mma_load_x(const float* x, int tok, int tokens, int c0, int cols, u32 (&hi)[4],
-                                           u32 (&lo)[4]) {
-    float v[8];
-    if (tok < tokens && c0 < cols) {
-        const float* p = x + (i64)tok * cols + c0;
-        if (AL) {
-            const v4f a = *reinterpret_cast<const v4f*>(p);
-            const v4f b = *reinterpret_cast<const v4f*>(p + 4);
-            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) v[i] = c0 + i < cols ? p[i] : 0.f;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) split_pair(v[2 * i], v[2 * i + 1], hi[i], lo[i]);
-}
-
 // One block: MMA_WARPS warps; S = 1 << split_log2 warps per row group, MMA_WARPS / S groups,
 // each group RT row tiles of 16 rows; NT n-tiles of 8 tokens from token 0 of `x`/`out`.
 template <int NT, int RT, int U, bool AL>

@@ -5,13 +5,15 @@
 //    renormalised, written in ascending expert id (the order the reference sums them in);
 //  - a decode batch: moe_gate_up, per pick, the picked expert's gate and up rows and the
 //    SwiGLU; moe_down_sum, each pick's down rows weighted and summed in pick order;
-//  - a prompt: moe_bucket lists the picks by expert, and moe_gate_up_grouped /
-//    moe_down_grouped run each picked expert once over all its picks (its weights read once
-//    per call, not once per pick), then moe_combine sums each token's picks;
+//  - a prompt: moe_bucket lists the picks by expert, and moe_mma_gate_up / moe_mma_down run
+//    each picked expert once over all its picks on the tensor cores (its weights read once per
+//    64 picks, not once per pick), then moe_combine sums each token's picks;
 //  - add_sigmoid_gated: out += sigmoid(gate) * x per row.
-// Every output is one warp's dot product over its own pick's inputs, the chunks of a row taken
-// in increasing order from zero whatever kernel runs it, and a token's picks summed in pick
-// order, so a token's result is bitwise the same alone or in any batch.
+// A decode batch's outputs are one warp's dot product over its own pick's inputs, the chunks of
+// a row taken in increasing order from zero, and a prompt's are one column of a fixed sequence
+// of mmas; a token's picks are summed in pick order. So a token's result is bitwise the same
+// alone or in any decode batch, and in any prompt pass (decode and prompt differ in the last
+// bits, as the dense model's decode GEMVs and prompt GEMMs do).
 //
 // The experts' weight pointers come by value (MoeTable, MoePair of prelude.cu): up to
 // MOE_MAX_EXPERTS experts, which a recorded decode step keeps with its launches.
@@ -20,8 +22,6 @@
 #define MOE_ROUTE_WARPS 4
 // 16-byte weight chunks a lane has in flight before its first FMA.
 #define MOE_UNROLL 4
-// Picks of one expert a warp carries through a row at a time (grouped kernels).
-#define MOE_GROUP 8
 
 // A router order key: NaN (a broken model) below every probability, above a taken one (-2).
 __device__ __forceinline__ float moe_key(float p) { return p != p ? -1.5f : p; }
@@ -88,16 +88,11 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
     }
 }
 
-// Σ_i w[i] * x[i] over one row of `n` bf16 weights for up to MOE_GROUP inputs at once (xs[q],
-// q < count), the row streamed once: per lane, chunks lane, lane + 32, ... of 8 weights in
-// increasing order (single weights when n % 8 != 0), MOE_UNROLL chunks loaded at a time, then
-// the warp's butterfly. An input's sum is the same sequence of operations whatever the other
-// inputs and `count` are.
-__device__ __forceinline__ void moe_row_dots(const bf16_t* w, const float* const (&xs)[MOE_GROUP], int count, int n,
-                                             int lane, float (&out)[MOE_GROUP]) {
-    float acc[MOE_GROUP];
-#pragma unroll
-    for (int q = 0; q < MOE_GROUP; q++) acc[q] = 0.f;
+// Σ_i w[i] * x[i] over one row of `n` bf16 weights, the row streamed once: per lane, chunks
+// lane, lane + 32, ... of 8 weights in increasing order (single weights when n % 8 != 0),
+// MOE_UNROLL chunks loaded at a time, then the warp's butterfly.
+__device__ __forceinline__ float moe_row_dot(const bf16_t* w, const float* x, int n, int lane) {
+    float acc = 0.f;
     if ((n & 7) == 0) {
         const v4u* w4 = reinterpret_cast<const v4u*>(w);
         const int chunks = n >> 3;
@@ -111,29 +106,13 @@ __device__ __forceinline__ void moe_row_dots(const bf16_t* w, const float* const
 #pragma unroll
             for (int u = 0; u < MOE_UNROLL; u++) {
                 const int i = base + 32 * u;
-#pragma unroll
-                for (int q = 0; q < MOE_GROUP; q++)
-                    if (i < chunks && q < count) acc[q] += dot8(v[u], xs[q] + 8 * i);
+                if (i < chunks) acc += dot8(v[u], x + 8 * i);
             }
         }
     } else {
-        for (int c = lane; c < n; c += 32) {
-            const float wv = bf16_to_f32(w[c]);
-#pragma unroll
-            for (int q = 0; q < MOE_GROUP; q++)
-                if (q < count) acc[q] = fmaf(wv, xs[q][c], acc[q]);
-        }
+        for (int c = lane; c < n; c += 32) acc = fmaf(bf16_to_f32(w[c]), x[c], acc);
     }
-#pragma unroll
-    for (int q = 0; q < MOE_GROUP; q++) out[q] = warp_sum(acc[q]);
-}
-
-// One input: the sum moe_row_dots gives it in any group.
-__device__ __forceinline__ float moe_row_dot(const bf16_t* w, const float* x, int n, int lane) {
-    const float* const xs[MOE_GROUP] = {x, x, x, x, x, x, x, x};
-    float out[MOE_GROUP];
-    moe_row_dots(w, xs, 1, n, lane, out);
-    return out[0];
+    return warp_sum(acc);
 }
 
 // grid (ceil(inter / MOE_WARPS), tokens * k), block MOE_WARPS * 32: warp w of block (rb, pick)
@@ -199,57 +178,140 @@ extern "C" __global__ void __launch_bounds__(1024)
     for (int p = threadIdx.x; p < picks; p += blockDim.x) members[atomicAdd(&next[ids[p]], 1)] = p;
 }
 
-// grid (ceil(inter / MOE_WARPS), min(picks, experts)), block MOE_WARPS * 32: block (rb, j)
-// takes the j-th active expert (none past *active_count); its warp w writes
-// act[pick][rb * MOE_WARPS + w] for every pick of that expert, as moe_gate_up does.
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_gate_up_grouped(const __grid_constant__ MoePair gate_up, const float* x, int k, int inter, int hidden,
-                        const int* active_count, const int* active, const int* start, const int* members,
-                        float* act) {
-    pdl_enter();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int j = blockIdx.y, row = blockIdx.x * MOE_WARPS + warp;
-    if (j >= *active_count || row >= inter) return;
-    const int e = active[j], end = start[j + 1];
-    const bf16_t* g = reinterpret_cast<const bf16_t*>(gate_up.a[e]) + (i64)row * hidden;
-    const bf16_t* u = reinterpret_cast<const bf16_t*>(gate_up.b[e]) + (i64)row * hidden;
-    for (int p0 = start[j]; p0 < end; p0 += MOE_GROUP) {
-        const int count = imin(MOE_GROUP, end - p0);
-        const float* xs[MOE_GROUP];
+// ---- A prompt's bf16 experts on the tensor cores ----
+// Each picked expert runs once over its picks (the listing of moe_bucket): a warp owns one
+// 16-row tile of the expert's matrix (the mma's A operand, read once per MOE_MMA_PICKS picks)
+// and the picks are the N dimension, 8 per n-tile, as the dense decode GEMV (matmul.cu) takes
+// its tokens: x enters as hi and lo bf16 halves, K is walked in steps of 32 columns in
+// increasing order, each thread's 8 consecutive columns feeding two mmas. A pick's column goes
+// through the same mmas whichever picks share its tiles, so a token's result does not depend on
+// the rest of the pass (though it differs in the last bits from the per-pick CUDA-core kernels
+// of a decode batch, as the dense prompt GEMMs differ from the decode GEMVs).
+#define MOE_MMA_NT 8
+#define MOE_MMA_PICKS (8 * MOE_MMA_NT)
+// k-steps of weights in flight per warp.
+#define MOE_MMA_U 4
+
+// acc[m][j] += W_m[row0 .. row0 + 16) · x over K = cols for the NM matrices `w` (rows x cols
+// each) sharing the inputs; this lane's column of n-tile j reads the row xr[j] (null: a zero
+// column). Only the first `ntiles` n-tiles are computed.
+template <int NM, bool AL>
+__device__ __forceinline__ void moe_mma_tile(const bf16_t* const (&w)[NM], int rows, int cols, int row0,
+                                             const float* const (&xr)[MOE_MMA_NT], int ntiles,
+                                             float (&acc)[NM][MOE_MMA_NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nsteps = (cols + 31) >> 5;
+    for (int s0 = 0; s0 < nsteps; s0 += MOE_MMA_U) {
+        v4u wv[MOE_MMA_U][NM][2];
 #pragma unroll
-        for (int q = 0; q < MOE_GROUP; q++) xs[q] = x + (i64)(members[p0 + imin(q, count - 1)] / k) * hidden;
-        float gs[MOE_GROUP], us[MOE_GROUP];
-        moe_row_dots(g, xs, count, hidden, lane, gs);
-        moe_row_dots(u, xs, count, hidden, lane, us);
+        for (int u = 0; u < MOE_MMA_U; u++)
 #pragma unroll
-        for (int q = 0; q < MOE_GROUP; q++)
-            if (q < count && lane == 0) act[(i64)members[p0 + q] * inter + row] = silu_f(gs[q]) * us[q];
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    wv[u][m][h] = s0 + u < nsteps ? mma_load_w<AL>(w[m], row0 + g + 8 * h, (s0 + u) * 32 + t * 8, rows, cols)
+                                                  : v4u{0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int u = 0; u < MOE_MMA_U; u++) {
+            if (s0 + u >= nsteps) break;
+            const int c0 = (s0 + u) * 32 + t * 8;
+#pragma unroll
+            for (int j = 0; j < MOE_MMA_NT; j++) {
+                if (j >= ntiles) break;
+                u32 hi[4], lo[4];
+                mma_load_x<AL>(xr[j], 0, xr[j] != nullptr, c0, cols, hi, lo);
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    const v4u& a = wv[u][m][0];
+                    const v4u& b = wv[u][m][1];
+                    mma_bf16(acc[m][j], a.x, b.x, a.y, b.y, hi[0], hi[1]);
+                    mma_bf16(acc[m][j], a.x, b.x, a.y, b.y, lo[0], lo[1]);
+                    mma_bf16(acc[m][j], a.z, b.z, a.w, b.w, hi[2], hi[3]);
+                    mma_bf16(acc[m][j], a.z, b.z, a.w, b.w, lo[2], lo[3]);
+                }
+            }
+        }
     }
 }
 
-// grid (ceil(hidden / MOE_WARPS), min(picks, experts)), block MOE_WARPS * 32: y[pick][c] =
-// down_e[c] · act[pick] for every pick of the j-th active expert e.
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_down_grouped(const __grid_constant__ MoeTable down, const float* act, int inter, int hidden,
-                     const int* active_count, const int* active, const int* start, const int* members, float* y) {
+// grid (ceil(inter / (16 MOE_WARPS)), min(picks, experts)), block MOE_WARPS * 32: block (rb, j)
+// takes the j-th active expert (none past *active_count), its warp w the rows
+// (rb * MOE_WARPS + w) * 16 .. + 16, and writes act[pick][row] = silu(gate · x) * (up · x) for
+// every pick of that expert (x: the pick's token's row). AL: hidden % 8 == 0.
+template <bool AL>
+__device__ __forceinline__ void moe_mma_gate_up(const MoePair& gate_up, const float* x, int k, int inter, int hidden,
+                                                const int* active_count, const int* active, const int* start,
+                                                const int* members, float* act) {
     pdl_enter();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int j = blockIdx.y, c = blockIdx.x * MOE_WARPS + warp;
-    if (j >= *active_count || c >= hidden) return;
-    const int end = start[j + 1];
-    const bf16_t* w = reinterpret_cast<const bf16_t*>(down.w[active[j]]) + (i64)c * inter;
-    for (int p0 = start[j]; p0 < end; p0 += MOE_GROUP) {
-        const int count = imin(MOE_GROUP, end - p0);
-        const float* xs[MOE_GROUP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + warp) * 16;
+    if (j >= *active_count || row0 >= inter) return;
+    const int e = active[j], end = start[j + 1];
+    const bf16_t* const w[2] = {reinterpret_cast<const bf16_t*>(gate_up.a[e]),
+                                reinterpret_cast<const bf16_t*>(gate_up.b[e])};
+    for (int p0 = start[j]; p0 < end; p0 += MOE_MMA_PICKS) {
+        const int n = imin(MOE_MMA_PICKS, end - p0);
+        const float* xr[MOE_MMA_NT];
 #pragma unroll
-        for (int q = 0; q < MOE_GROUP; q++) xs[q] = act + (i64)members[p0 + imin(q, count - 1)] * inter;
-        float ys[MOE_GROUP];
-        moe_row_dots(w, xs, count, inter, lane, ys);
+        for (int q = 0; q < MOE_MMA_NT; q++)
+            xr[q] = 8 * q + g < n ? x + (i64)(members[p0 + 8 * q + g] / k) * hidden : nullptr;
+        float acc[2][MOE_MMA_NT][4] = {};
+        moe_mma_tile<2, AL>(w, inter, hidden, row0, xr, (n + 7) >> 3, acc);
+        // C fragment: acc[.][q][0..1] rows row0 + g, picks 8q + 2t, + 1; [2..3] row0 + g + 8.
 #pragma unroll
-        for (int q = 0; q < MOE_GROUP; q++)
-            if (q < count && lane == 0) y[(i64)members[p0 + q] * hidden + c] = ys[q];
+        for (int q = 0; q < MOE_MMA_NT; q++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int row = row0 + g + 8 * (c >> 1), pick = 8 * q + 2 * t + (c & 1);
+                if (row < inter && pick < n)
+                    act[(i64)members[p0 + pick] * inter + row] = silu_f(acc[0][q][c]) * acc[1][q][c];
+            }
     }
 }
+
+// grid (ceil(hidden / (16 MOE_WARPS)), min(picks, experts)), block MOE_WARPS * 32: y[pick][c] =
+// down_e[c] · act[pick] for every pick of the j-th active expert e, rows as moe_mma_gate_up
+// takes them. AL: inter % 8 == 0.
+template <bool AL>
+__device__ __forceinline__ void moe_mma_down(const MoeTable& down, const float* act, int inter, int hidden,
+                                             const int* active_count, const int* active, const int* start,
+                                             const int* members, float* y) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + warp) * 16;
+    if (j >= *active_count || row0 >= hidden) return;
+    const int end = start[j + 1];
+    const bf16_t* const w[1] = {reinterpret_cast<const bf16_t*>(down.w[active[j]])};
+    for (int p0 = start[j]; p0 < end; p0 += MOE_MMA_PICKS) {
+        const int n = imin(MOE_MMA_PICKS, end - p0);
+        const float* xr[MOE_MMA_NT];
+#pragma unroll
+        for (int q = 0; q < MOE_MMA_NT; q++) xr[q] = 8 * q + g < n ? act + (i64)members[p0 + 8 * q + g] * inter : nullptr;
+        float acc[1][MOE_MMA_NT][4] = {};
+        moe_mma_tile<1, AL>(w, hidden, inter, row0, xr, (n + 7) >> 3, acc);
+#pragma unroll
+        for (int q = 0; q < MOE_MMA_NT; q++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int row = row0 + g + 8 * (c >> 1), pick = 8 * q + 2 * t + (c & 1);
+                if (row < hidden && pick < n) y[(i64)members[p0 + pick] * hidden + row] = acc[0][q][c];
+            }
+    }
+}
+
+#define MOE_MMA_KERNELS(AL, SUFFIX)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 1) moe_mma_gate_up##SUFFIX(                 \
+        const __grid_constant__ MoePair gate_up, const float* x, int k, int inter, int hidden,               \
+        const int* active_count, const int* active, const int* start, const int* members, float* act) {     \
+        moe_mma_gate_up<AL>(gate_up, x, k, inter, hidden, active_count, active, start, members, act);        \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 1) moe_mma_down##SUFFIX(                    \
+        const __grid_constant__ MoeTable down, const float* act, int inter, int hidden,                      \
+        const int* active_count, const int* active, const int* start, const int* members, float* y) {       \
+        moe_mma_down<AL>(down, act, inter, hidden, active_count, active, start, members, y);                 \
+    }
+MOE_MMA_KERNELS(true, _al)
+MOE_MMA_KERNELS(false, _any)
 
 // out[t][c] = Σ over the token's picks in order, from zero, of weight * y[pick][c]: the sum
 // moe_down_sum makes. Grid-stride over tokens * hidden.

@@ -1,13 +1,14 @@
 //! Launchers for `moe.cu`: a sparse MoE block's routed experts on the device, for a decode
 //! batch or a prompt — the router's softmax and top-k, each pick's gate/up rows with the
 //! SwiGLU, and each token's down rows summed over its picks (for a prompt, or packed experts,
-//! each picked expert runs once over all its picks, bitwise as the per-pick kernels) — plus
+//! each picked expert runs once over all its picks) — plus
 //! the shared expert's sigmoid gate. Nothing comes back to the host, so a MoE
 //! decode step can be recorded as a CUDA graph. Experts all bf16 (`moe.cu`'s dot products)
 //! or all packed (`quant.cu`'s `qmoe_*` on activations quantized per 32, as the packed GEMVs
 //! take them), up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]; anything else keeps the
-//! host-routed default (`backend::moe_experts_on_host`). A prompt's experts run on the CUDA
-//! cores too (a grouped GEMM on the tensor cores is still to come).
+//! host-routed default (`backend::moe_experts_on_host`). A prompt's bf16 experts run on the
+//! tensor cores (`moe_mma_*`), a decode batch's on the CUDA cores; packed experts on the CUDA
+//! cores.
 
 use std::sync::Arc;
 
@@ -18,7 +19,8 @@ use super::quant;
 use crate::error::Result;
 use crate::tensor::DType;
 
-pub(super) const SOURCE: &str = include_str!("moe.cu");
+pub(super) const SOURCE: &str =
+    concat!(include_str!("mma.cuh"), "\n#line 1 \"moe.cu\"\n", include_str!("moe.cu"));
 
 /// `MOE_MAX_EXPERTS` (prelude.cu), `MOE_MAX_K`, `MOE_WARPS` and `MOE_ROUTE_WARPS` of the kernels.
 pub const MAX_EXPERTS: usize = 512;
@@ -27,7 +29,7 @@ const WARPS: usize = 8;
 
 /// bf16 experts of up to this many tokens (a decode batch) run each pick in its own blocks;
 /// more (a prompt) list the picks by expert first and run each picked expert once over all
-/// of its picks. The same sums either way. Measured on an H200 (35B-A3B shape, BENCHMARKS-LOG
+/// of its picks, on the tensor cores. Measured on an H200 (35B-A3B shape, BENCHMARKS-LOG
 /// session 15): the grouped kernels made decode batches of 16 and 64 slower (657 and 1,131
 /// tok/s against 1,218 and 1,492), and prompts 16× faster than routing them on the host.
 const PER_PICK_MAX_TOKENS: usize = 64;
@@ -69,8 +71,9 @@ pub(super) struct Kernels {
     gate_up: CudaFunction,
     down_sum: CudaFunction,
     bucket: CudaFunction,
-    gate_up_grouped: CudaFunction,
-    down_grouped: CudaFunction,
+    /// `moe_mma_*`: [rows of a multiple of 8 columns, any rows].
+    mma_gate_up: [CudaFunction; 2],
+    mma_down: [CudaFunction; 2],
     combine: CudaFunction,
     sigmoid_gated: CudaFunction,
 }
@@ -83,8 +86,8 @@ impl Kernels {
             gate_up: f("moe_gate_up")?,
             down_sum: f("moe_down_sum")?,
             bucket: f("moe_bucket")?,
-            gate_up_grouped: f("moe_gate_up_grouped")?,
-            down_grouped: f("moe_down_grouped")?,
+            mma_gate_up: [f("moe_mma_gate_up_al")?, f("moe_mma_gate_up_any")?],
+            mma_down: [f("moe_mma_down_al")?, f("moe_mma_down_any")?],
             combine: f("moe_combine")?,
             sigmoid_gated: f("add_sigmoid_gated")?,
         })
@@ -190,8 +193,8 @@ impl Kernels {
             );
             return;
         }
-        // Each picked expert once over all its picks (the same arithmetic per pick as the
-        // per-pick kernels), its weights read once per call.
+        // Each picked expert once over all its picks, its weights read once per 64 picks (bf16,
+        // tensor cores) or once per call (packed).
         let (count, active, start, members) = (alloc(1), alloc(n), alloc(n + 1), alloc(picks));
         let y = alloc(picks * hidden);
         dev.launch(
@@ -203,15 +206,16 @@ impl Kernels {
             kernel_args![ids.ptr(), picks as i32, n32, count.ptr(), active.ptr(), start.ptr(), members.ptr()],
         );
         let most = picks.min(n) as u32;
-        let (gate_grid, down_grid) =
-            ((inter.div_ceil(WARPS) as u32, most, 1), (hidden.div_ceil(WARPS) as u32, most, 1));
         let block = ((WARPS * 32) as u32, 1, 1);
         let listing = (count.ptr(), active.ptr(), start.ptr(), members.ptr());
         if gate_dtype == DType::BF16 {
+            // A warp per 16 rows, the picks of an expert 64 at a time on the tensor cores.
+            let rows_per_block = 16 * WARPS;
+            let variant = |cols: usize| if cols.is_multiple_of(8) { 0 } else { 1 };
             dev.launch(
-                "moe_gate_up_grouped",
-                &self.gate_up_grouped,
-                gate_grid,
+                "moe_mma_gate_up",
+                &self.mma_gate_up[variant(hidden)],
+                (inter.div_ceil(rows_per_block) as u32, most, 1),
                 block,
                 0,
                 kernel_args![
@@ -228,15 +232,18 @@ impl Kernels {
                 ],
             );
             dev.launch(
-                "moe_down_grouped",
-                &self.down_grouped,
-                down_grid,
+                "moe_mma_down",
+                &self.mma_down[variant(inter)],
+                (hidden.div_ceil(rows_per_block) as u32, most, 1),
                 block,
                 0,
                 kernel_args![down, act.ptr(), i32_, h32, listing.0, listing.1, listing.2, listing.3, y.ptr()],
             );
         } else {
-            // Packed experts: activations quantized per 32 as the packed GEMVs take them.
+            // Packed experts: activations quantized per 32 as the packed GEMVs take them; a
+            // warp per row.
+            let (gate_grid, down_grid) =
+                ((inter.div_ceil(WARPS) as u32, most, 1), (hidden.div_ceil(WARPS) as u32, most, 1));
             let xq = q.quantize(dev, x, tokens, hidden);
             dev.launch(
                 "qmoe_gate_up",
