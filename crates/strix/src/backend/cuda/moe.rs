@@ -6,9 +6,9 @@
 //! decode step can be recorded as a CUDA graph. Experts all bf16 (`moe.cu`'s dot products)
 //! or all packed (`quant.cu`'s `qmoe_*` on activations quantized per 32, as the packed GEMVs
 //! take them), up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]; anything else keeps the
-//! host-routed default (`backend::moe_experts_on_host`). A prompt's bf16 experts run on the
-//! tensor cores (`moe_mma_*`), a decode batch's on the CUDA cores; packed experts on the CUDA
-//! cores.
+//! host-routed default (`backend::moe_experts_on_host`). A prompt's experts run on the tensor
+//! cores (`moe_mma_*`; packed ones dequantized to bf16 first, as the dense packed prompt GEMMs
+//! take them), a decode batch's on the CUDA cores.
 
 use std::sync::Arc;
 
@@ -29,7 +29,7 @@ const WARPS: usize = 8;
 
 /// bf16 experts of up to this many tokens (a decode batch) run each pick in its own blocks;
 /// more (a prompt) list the picks by expert first and run each picked expert once over all
-/// of its picks, on the tensor cores. Measured on an H200 (35B-A3B shape, BENCHMARKS-LOG
+/// of its picks, on the tensor cores (packed experts dequantized to bf16 first). Measured on an H200 (35B-A3B shape, BENCHMARKS-LOG
 /// session 15): the grouped kernels made decode batches of 16 and 64 slower (657 and 1,131
 /// tok/s against 1,218 and 1,492), and prompts 16× faster than routing them on the host.
 const PER_PICK_MAX_TOKENS: usize = 64;
@@ -208,8 +208,8 @@ impl Kernels {
         let most = picks.min(n) as u32;
         let block = ((WARPS * 32) as u32, 1, 1);
         let listing = (count.ptr(), active.ptr(), start.ptr(), members.ptr());
-        if gate_dtype == DType::BF16 {
-            // A warp per 16 rows, the picks of an expert 64 at a time on the tensor cores.
+        // A warp per 16 rows, the picks of an expert 64 at a time on the tensor cores.
+        let tensor_cores = |gate_up: MoePair, down: MoeTable| {
             let rows_per_block = 16 * WARPS;
             let variant = |cols: usize| if cols.is_multiple_of(8) { 0 } else { 1 };
             dev.launch(
@@ -239,9 +239,42 @@ impl Kernels {
                 0,
                 kernel_args![down, act.ptr(), i32_, h32, listing.0, listing.1, listing.2, listing.3, y.ptr()],
             );
+        };
+        if gate_dtype == DType::BF16 {
+            tensor_cores(gate_up, down);
+        } else if tokens > PER_PICK_MAX_TOKENS {
+            // A prompt's packed experts: the picked ones dequantized to bf16 (the CPU's values,
+            // rounded to nearest even, as the dense packed prompt GEMMs take them), then the
+            // tensor-core kernels. Expert e of a projection at e * rows * cols in its scratch.
+            let dequantized = |ws: &[CudaWeight], rows: usize, cols: usize| -> CudaWeight {
+                let dense = CudaWeight::scratch_bf16(dev, n * rows, cols).unwrap_or_else(|e| panic!("{e}"));
+                let src = MoeTable { w: table(ws) };
+                let blocks_per_expert = (rows * cols).div_ceil(1 << 16) as u32;
+                dev.launch(
+                    "dequant_moe_bf16",
+                    q.moe_dequant_kernel(ws[0].dtype()),
+                    (blocks_per_expert, most, 1),
+                    (256, 1, 1),
+                    0,
+                    kernel_args![src, listing.0, listing.1, dense.ptr(), rows as i32, cols as i32],
+                );
+                dense
+            };
+            let (g, u, d) = (
+                dequantized(experts.gate, inter, hidden),
+                dequantized(experts.up, inter, hidden),
+                dequantized(experts.down, hidden, inter),
+            );
+            let at = |w: &CudaWeight, rows: usize, cols: usize| -> [u64; MAX_EXPERTS] {
+                std::array::from_fn(|e| if e < n { w.ptr() + (e * rows * cols * 2) as u64 } else { 0 })
+            };
+            tensor_cores(
+                MoePair { a: at(&g, inter, hidden), b: at(&u, inter, hidden) },
+                MoeTable { w: at(&d, hidden, inter) },
+            );
         } else {
-            // Packed experts: activations quantized per 32 as the packed GEMVs take them; a
-            // warp per row.
+            // A decode batch's packed experts: activations quantized per 32 as the packed GEMVs
+            // take them; a warp per row.
             let (gate_grid, down_grid) =
                 ((inter.div_ceil(WARPS) as u32, most, 1), (hidden.div_ceil(WARPS) as u32, most, 1));
             let xq = q.quantize(dev, x, tokens, hidden);

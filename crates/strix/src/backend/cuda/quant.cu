@@ -1801,3 +1801,29 @@ DEQUANT(q8_0, Q8_0F)
 DEQUANT(q4_0, Q4_0F)
 DEQUANT(q4_k, Q4_KF)
 DEQUANT(q6_k, Q6_KF)
+
+// A MoE layer's packed experts as bf16, for moe.cu's tensor-core prompt kernels: block (x, j)
+// takes the j-th active expert e of moe_bucket's listing (none past *active_count) and writes
+// its [rows, cols] weights to dst + e * rows * cols, grid-stride over (row, unit). Expert e's
+// quants start at t.w[e], its scales after all its rows' quants (as qmoe_* read them).
+#define DEQUANT_MOE(NAME, F)                                                                                 \
+    extern "C" __global__ void dequant_moe_bf16_##NAME(const __grid_constant__ MoeTable t,                   \
+                                                       const int* active_count, const int* active,           \
+                                                       bf16_t* dst, int rows, int cols) {                    \
+        pdl_enter();                                                                                         \
+        if ((int)blockIdx.y >= *active_count) return;                                                        \
+        const int e = active[blockIdx.y];                                                                    \
+        const u8* wq = reinterpret_cast<const u8*>(t.w[e]);                                                  \
+        const u8* ws = wq + (i64)rows * F::qrow(cols);                                                       \
+        bf16_t* out = dst + (i64)e * rows * cols;                                                            \
+        const int n = F::units(cols);                                                                        \
+        const i64 total = (i64)rows * n;                                                                     \
+        for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (i64)gridDim.x * blockDim.x) { \
+            const i64 r = k / n;                                                                             \
+            decode_unit<F>(wq, ws, r, rows, cols, (int)(k - r * n), out + r * cols);                         \
+        }                                                                                                    \
+    }
+DEQUANT_MOE(q8_0, Q8_0F)
+DEQUANT_MOE(q4_0, Q4_0F)
+DEQUANT_MOE(q4_k, Q4_KF)
+DEQUANT_MOE(q6_k, Q6_KF)

@@ -289,6 +289,8 @@ pub(super) struct Kernels {
     /// `[format]` a MoE block's grouped expert kernels, gate/up with the SwiGLU and down
     /// (`qmoe_*`, driven by `moe.rs`).
     moe: Vec<[CudaFunction; 2]>,
+    /// `dequant_moe_bf16_*`: a MoE layer's picked experts as bf16 (a prompt's, for `moe.rs`).
+    moe_dequant: Vec<CudaFunction>,
     dequant: Vec<CudaFunction>,
     embed: Vec<CudaFunction>,
     /// `[format][configuration]` tensor-core GEMVs (`qmma_*`), where the device has the shared
@@ -362,6 +364,7 @@ impl Kernels {
             gemv_multi_rows: Vec::new(),
             gemv_glu: Vec::new(),
             moe: Vec::new(),
+            moe_dequant: Vec::new(),
             dequant: Vec::new(),
             embed: Vec::new(),
             qmma: None,
@@ -390,6 +393,7 @@ impl Kernels {
             k.gemv_multi_rows.push(f(&format!("qgemv_multi_rows_{name}"))?);
             k.gemv_glu.push(f(&format!("qgemv_glu_{name}"))?);
             k.moe.push([f(&format!("qmoe_gate_up_{name}"))?, f(&format!("qmoe_down_{name}"))?]);
+            k.moe_dequant.push(f(&format!("dequant_moe_bf16_{name}"))?);
             k.dequant.push(f(&format!("dequant_bf16_{name}"))?);
             k.embed.push(f(&format!("embed_{name}"))?);
         }
@@ -740,6 +744,11 @@ impl Kernels {
     /// `qmoe_gate_up_*` (`which` 0) or `qmoe_down_*` (1) for packed weights of `dtype`.
     pub(super) fn moe_kernel(&self, dtype: DType, which: usize) -> &CudaFunction {
         &self.moe[format_index(dtype)][which]
+    }
+
+    /// `dequant_moe_bf16_*` for packed experts of `dtype`.
+    pub(super) fn moe_dequant_kernel(&self, dtype: DType) -> &CudaFunction {
+        &self.moe_dequant[format_index(dtype)]
     }
 
     /// Index into [`ROWS_PER_WARP`] of the one-token GEMV for a launch of `blocks(r)` blocks
