@@ -281,14 +281,7 @@ __device__ __forceinline__ void mma_gemv_body(const bf16_t* w, const float* x, f
                     u32 hi[4], lo[4];
                     mma_load_x<AL>(x, j * 8 + g, tokens, c0, cols, hi, lo);
 #pragma unroll
-                    for (int r = 0; r < RT; r++) {
-                        const v4u& a = wv[u][r][0];
-                        const v4u& b = wv[u][r][1];
-                        mma_bf16(acc[r][j], a.x, b.x, a.y, b.y, hi[0], hi[1]);
-                        mma_bf16(acc[r][j], a.x, b.x, a.y, b.y, lo[0], lo[1]);
-                        mma_bf16(acc[r][j], a.z, b.z, a.w, b.w, hi[2], hi[3]);
-                        mma_bf16(acc[r][j], a.z, b.z, a.w, b.w, lo[2], lo[3]);
-                    }
+                    for (int r = 0; r < RT; r++) mma_step_hi_lo(acc[r][j], wv[u][r][0], wv[u][r][1], hi, lo);
                 }
             }
         }
@@ -499,14 +492,7 @@ __device__ __forceinline__ void gs_compute(const unsigned char* slot, float (&ac
             split_pair(q.x, q.y, hi[2], lo[2]);
             split_pair(q.z, q.w, hi[3], lo[3]);
 #pragma unroll
-            for (int r = 0; r < RT; r++) {
-                const v4u& u0 = a[r][0];
-                const v4u& u1 = a[r][1];
-                mma_bf16(acc[r][j], u0.x, u1.x, u0.y, u1.y, hi[0], hi[1]);
-                mma_bf16(acc[r][j], u0.x, u1.x, u0.y, u1.y, lo[0], lo[1]);
-                mma_bf16(acc[r][j], u0.z, u1.z, u0.w, u1.w, hi[2], hi[3]);
-                mma_bf16(acc[r][j], u0.z, u1.z, u0.w, u1.w, lo[2], lo[3]);
-            }
+            for (int r = 0; r < RT; r++) mma_step_hi_lo(acc[r][j], a[r][0], a[r][1], hi, lo);
         }
     }
 }

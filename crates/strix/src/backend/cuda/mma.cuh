@@ -176,6 +176,17 @@ __device__ __forceinline__ void mma_load_x(const float* x, int tok, int tokens, 
     for (int i = 0; i < 4; i++) split_pair(v[2 * i], v[2 * i + 1], hi[i], lo[i]);
 }
 
+// acc += one 32-column step of a 16-row tile against one n-tile: the step's weights as this
+// thread loaded them (rows g and g + 8, its 8 columns: mma_load_w) and its token's activations
+// as hi and lo halves (mma_load_x), the columns 0..3 then 4..7, each hi then lo.
+__device__ __forceinline__ void mma_step_hi_lo(float (&acc)[4], const v4u& a, const v4u& b, const u32 (&hi)[4],
+                                               const u32 (&lo)[4]) {
+    mma_bf16(acc, a.x, b.x, a.y, b.y, hi[0], hi[1]);
+    mma_bf16(acc, a.x, b.x, a.y, b.y, lo[0], lo[1]);
+    mma_bf16(acc, a.z, b.z, a.w, b.w, hi[2], hi[3]);
+    mma_bf16(acc, a.z, b.z, a.w, b.w, lo[2], lo[3]);
+}
+
 // The 128-byte-swizzled K-major tile layout of the warpgroup MMA's operands (rows of 64 bf16 =
 // 128 bytes, the 16-byte chunk c of row r at c ^ (r % 8), 8-row groups 1024 bytes apart; tiles start 1 KB-aligned).
 __device__ __forceinline__ int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }

@@ -221,16 +221,39 @@ __device__ __forceinline__ void moe_mma_tile(const bf16_t* const (&w)[NM], int r
                 u32 hi[4], lo[4];
                 mma_load_x<AL>(xr[j], 0, xr[j] != nullptr, c0, cols, hi, lo);
 #pragma unroll
-                for (int m = 0; m < NM; m++) {
-                    const v4u& a = wv[u][m][0];
-                    const v4u& b = wv[u][m][1];
-                    mma_bf16(acc[m][j], a.x, b.x, a.y, b.y, hi[0], hi[1]);
-                    mma_bf16(acc[m][j], a.x, b.x, a.y, b.y, lo[0], lo[1]);
-                    mma_bf16(acc[m][j], a.z, b.z, a.w, b.w, hi[2], hi[3]);
-                    mma_bf16(acc[m][j], a.z, b.z, a.w, b.w, lo[2], lo[3]);
-                }
+                for (int m = 0; m < NM; m++) mma_step_hi_lo(acc[m][j], wv[u][m][0], wv[u][m][1], hi, lo);
             }
         }
+    }
+}
+
+// The picks [begin, end) of an expert's listing through the 16-row tile at row0 of its NM
+// matrices `w` (rows x cols each), MOE_MMA_PICKS at a time: pick p's input is the row
+// in + (members[p] / div) * cols, and store(members[p], row, sums) gets each output's NM sums.
+template <int NM, bool AL, class Store>
+__device__ __forceinline__ void moe_mma_picks(const bf16_t* const (&w)[NM], int rows, int cols, int row0,
+                                              const float* in, int div, const int* members, int begin, int end,
+                                              Store store) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int p0 = begin; p0 < end; p0 += MOE_MMA_PICKS) {
+        const int n = imin(MOE_MMA_PICKS, end - p0);
+        const float* xr[MOE_MMA_NT];
+#pragma unroll
+        for (int q = 0; q < MOE_MMA_NT; q++)
+            xr[q] = 8 * q + g < n ? in + (i64)(members[p0 + 8 * q + g] / div) * cols : nullptr;
+        float acc[NM][MOE_MMA_NT][4] = {};
+        moe_mma_tile<NM, AL>(w, rows, cols, row0, xr, (n + 7) >> 3, acc);
+        // C fragment: acc[.][q][0..1] rows row0 + g, picks 8q + 2t, + 1; [2..3] row0 + g + 8.
+#pragma unroll
+        for (int q = 0; q < MOE_MMA_NT; q++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int row = row0 + g + 8 * (c >> 1), pick = 8 * q + 2 * t + (c & 1);
+                float sums[NM];
+#pragma unroll
+                for (int m = 0; m < NM; m++) sums[m] = acc[m][q][c];
+                if (row < rows && pick < n) store(members[p0 + pick], row, sums);
+            }
     }
 }
 
@@ -243,30 +266,15 @@ __device__ __forceinline__ void moe_mma_gate_up(const MoePair& gate_up, const fl
                                                 const int* active_count, const int* active, const int* start,
                                                 const int* members, float* act) {
     pdl_enter();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + warp) * 16;
+    const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * 16;
     if (j >= *active_count || row0 >= inter) return;
-    const int e = active[j], end = start[j + 1];
+    const int e = active[j];
     const bf16_t* const w[2] = {reinterpret_cast<const bf16_t*>(gate_up.a[e]),
                                 reinterpret_cast<const bf16_t*>(gate_up.b[e])};
-    for (int p0 = start[j]; p0 < end; p0 += MOE_MMA_PICKS) {
-        const int n = imin(MOE_MMA_PICKS, end - p0);
-        const float* xr[MOE_MMA_NT];
-#pragma unroll
-        for (int q = 0; q < MOE_MMA_NT; q++)
-            xr[q] = 8 * q + g < n ? x + (i64)(members[p0 + 8 * q + g] / k) * hidden : nullptr;
-        float acc[2][MOE_MMA_NT][4] = {};
-        moe_mma_tile<2, AL>(w, inter, hidden, row0, xr, (n + 7) >> 3, acc);
-        // C fragment: acc[.][q][0..1] rows row0 + g, picks 8q + 2t, + 1; [2..3] row0 + g + 8.
-#pragma unroll
-        for (int q = 0; q < MOE_MMA_NT; q++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int row = row0 + g + 8 * (c >> 1), pick = 8 * q + 2 * t + (c & 1);
-                if (row < inter && pick < n)
-                    act[(i64)members[p0 + pick] * inter + row] = silu_f(acc[0][q][c]) * acc[1][q][c];
-            }
-    }
+    moe_mma_picks<2, AL>(w, inter, hidden, row0, x, k, members, start[j], start[j + 1],
+                         [&](int pick, int row, const float(&v)[2]) {
+                             act[(i64)pick * inter + row] = silu_f(v[0]) * v[1];
+                         });
 }
 
 // grid (ceil(hidden / (16 MOE_WARPS)), min(picks, experts)), block MOE_WARPS * 32: y[pick][c] =
@@ -277,26 +285,11 @@ __device__ __forceinline__ void moe_mma_down(const MoeTable& down, const float* 
                                              const int* active_count, const int* active, const int* start,
                                              const int* members, float* y) {
     pdl_enter();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + warp) * 16;
+    const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * 16;
     if (j >= *active_count || row0 >= hidden) return;
-    const int end = start[j + 1];
     const bf16_t* const w[1] = {reinterpret_cast<const bf16_t*>(down.w[active[j]])};
-    for (int p0 = start[j]; p0 < end; p0 += MOE_MMA_PICKS) {
-        const int n = imin(MOE_MMA_PICKS, end - p0);
-        const float* xr[MOE_MMA_NT];
-#pragma unroll
-        for (int q = 0; q < MOE_MMA_NT; q++) xr[q] = 8 * q + g < n ? act + (i64)members[p0 + 8 * q + g] * inter : nullptr;
-        float acc[1][MOE_MMA_NT][4] = {};
-        moe_mma_tile<1, AL>(w, hidden, inter, row0, xr, (n + 7) >> 3, acc);
-#pragma unroll
-        for (int q = 0; q < MOE_MMA_NT; q++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int row = row0 + g + 8 * (c >> 1), pick = 8 * q + 2 * t + (c & 1);
-                if (row < hidden && pick < n) y[(i64)members[p0 + pick] * hidden + row] = acc[0][q][c];
-            }
-    }
+    moe_mma_picks<1, AL>(w, hidden, inter, row0, act, 1, members, start[j], start[j + 1],
+                         [&](int pick, int row, const float(&v)[1]) { y[(i64)pick * hidden + row] = v[0]; });
 }
 
 #define MOE_MMA_KERNELS(AL, SUFFIX)                                                                          \
