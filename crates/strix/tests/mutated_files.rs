@@ -346,6 +346,25 @@ enum GgufField {
     TensorOffset,
 }
 
+impl GgufField {
+    const ALL: [GgufField; 11] = {
+        use GgufField::*;
+        [
+            TensorCount,
+            MetadataCount,
+            KeyLength,
+            ValueType,
+            ValueLength,
+            ArrayElementType,
+            NameLength,
+            DimCount,
+            Dim,
+            TensorType,
+            TensorOffset,
+        ]
+    };
+}
+
 /// Every field of one kind in a file: (position, width in bytes).
 fn gguf_fields(b: &[u8], kind: GgufField) -> Vec<(usize, usize)> {
     let l = gguf_layout(b);
@@ -384,20 +403,7 @@ enum GgufEdit {
 }
 
 fn gguf_edit() -> impl Strategy<Value = GgufEdit> {
-    use GgufField::*;
-    let kind = prop::sample::select(vec![
-        TensorCount,
-        MetadataCount,
-        KeyLength,
-        ValueType,
-        ValueLength,
-        ArrayElementType,
-        NameLength,
-        DimCount,
-        Dim,
-        TensorType,
-        TensorOffset,
-    ]);
+    let kind = prop::sample::select(GgufField::ALL.to_vec());
     prop_oneof![
         byte_edit().prop_map(GgufEdit::Bytes),
         (kind, any::<Index>(), number()).prop_map(|(kind, which, to)| GgufEdit::Field { kind, which, to }),
