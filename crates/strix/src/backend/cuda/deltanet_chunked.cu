@@ -309,16 +309,7 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_WARPS * 32, 1) gdn_tc_scan(
             float ws[4][4];
 #pragma unroll
             for (int n = 0; n < 4; n++) ws[n][0] = ws[n][1] = ws[n][2] = ws[n][3] = 0.f;
-            for (int kk = 0; kk < mtiles; kk++) {
-                u32 af[4];
-                load_a_frag(af, Wsm, ldk, r0, kk * 16);
-#pragma unroll
-                for (int n = 0; n < 4; n++) {
-                    u32 bf[2];
-                    load_b_frag(bf, Sb, ldk, n * 8, kk * 16);
-                    mma_bf16_16816(ws[n], af, bf);
-                }
-            }
+            mma_rows16_cols32(ws, Wsm, ldk, Sb, ldk, r0, mtiles);
 #pragma unroll
             for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -333,26 +324,8 @@ extern "C" __global__ void __launch_bounds__(TC_SCAN_WARPS * 32, 1) gdn_tc_scan(
             float o[4][4];
 #pragma unroll
             for (int n = 0; n < 4; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-            for (int kk = 0; kk < mtiles; kk++) {
-                u32 af[4];
-                load_a_frag(af, Qsm, ldk, r0, kk * 16);
-#pragma unroll
-                for (int n = 0; n < 4; n++) {
-                    u32 bf[2];
-                    load_b_frag(bf, Sb, ldk, n * 8, kk * 16);
-                    mma_bf16_16816(o[n], af, bf);
-                }
-            }
-            for (int kk = 0; kk <= warp; kk++) {
-                u32 af[4];
-                load_a_frag(af, Asm, lda, r0, kk * 16);
-#pragma unroll
-                for (int n = 0; n < 4; n++) {
-                    u32 bf[2];
-                    load_b_frag(bf, Vb, lda, n * 8, kk * 16);
-                    mma_bf16_16816(o[n], af, bf);
-                }
-            }
+            mma_rows16_cols32(o, Qsm, ldk, Sb, ldk, r0, mtiles);
+            mma_rows16_cols32(o, Asm, lda, Vb, lda, r0, warp + 1);
 #pragma unroll
             for (int n = 0; n < 4; n++)
 #pragma unroll

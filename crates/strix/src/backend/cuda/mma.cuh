@@ -44,6 +44,22 @@ __device__ __forceinline__ void load_b_frag(u32* b, const bf16_t* bt, int ld, in
     b[1] = *reinterpret_cast<const u32*>(p + 8);
 }
 
+// acc[n] (rows r0 .. r0 + 15, columns 8n .. 8n + 7, n < 4) += A · B over the k-tiles
+// 0 .. ktiles - 1 in order: A row-major (row stride lda), B stored transposed (bt[col * ldb + k]).
+__device__ __forceinline__ void mma_rows16_cols32(float (&acc)[4][4], const bf16_t* a, int lda, const bf16_t* bt,
+                                                  int ldb, int r0, int ktiles) {
+    for (int kk = 0; kk < ktiles; kk++) {
+        u32 af[4];
+        load_a_frag(af, a, lda, r0, kk * 16);
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            u32 bf[2];
+            load_b_frag(bf, bt, ldb, n * 8, kk * 16);
+            mma_bf16_16816(acc[n], af, bf);
+        }
+    }
+}
+
 // Asynchronous 16-byte global -> shared copy (sm_80+), completed by cp_async_wait.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);
