@@ -329,9 +329,20 @@ const GGUF_FILES: [&str; 6] = [
     "causal-f32-tied-gdn2x.q8_0.gguf",
 ];
 
-/// A kind of GGUF header field that parsers trust.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GgufField {
+/// The kinds of GGUF header field that parsers trust, as an enum and a list of them all.
+macro_rules! gguf_fields {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// A kind of GGUF header field that parsers trust.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        enum GgufField {
+            $($(#[$doc])* $name,)*
+        }
+        impl GgufField {
+            const ALL: &'static [GgufField] = &[$(GgufField::$name,)*];
+        }
+    };
+}
+gguf_fields! {
     TensorCount,
     MetadataCount,
     KeyLength,
@@ -344,25 +355,6 @@ enum GgufField {
     Dim,
     TensorType,
     TensorOffset,
-}
-
-impl GgufField {
-    const ALL: [GgufField; 11] = {
-        use GgufField::*;
-        [
-            TensorCount,
-            MetadataCount,
-            KeyLength,
-            ValueType,
-            ValueLength,
-            ArrayElementType,
-            NameLength,
-            DimCount,
-            Dim,
-            TensorType,
-            TensorOffset,
-        ]
-    };
 }
 
 /// Every field of one kind in a file: (position, width in bytes).
