@@ -9,7 +9,9 @@
 # Usage: scripts/gpu/moe_compare.sh LLAMA_SRC_TARBALL TOKENIZER_JSON[.gz] LOGDIR [QUANTS]
 #   QUANTS  the files to write and compare, any of q4_k (llama.cpp's Q4_K_M mixture), q8_0,
 #           q4_0, bf16 (default "q4_k"; bf16 is ~70 GB: more disk than one H200 machine has)
-# Environment: JOBS (build jobs, default 12), WORK (scratch, default /tmp/moe-compare).
+# Environment: JOBS (build jobs, default 12), WORK (scratch, default /tmp/moe-compare), GATE
+# (a file: the benchmarks wait until it exists, so a caller can keep the GPU to itself while
+# the file is written and llama.cpp builds).
 # Results: LOGDIR/strix-<quant>.json / .log, llama-bench-<quant>.log,
 # batched-bench-<quant>.log, and a line each in LOGDIR/summary.txt. Keep a poll running (the
 # machine goes back ~30 s after a call ends) and bring LOGDIR back as one tarball.
@@ -31,6 +33,10 @@ for q in $quants; do
 done
 wait_llama
 note "files ready: $(cd "$work" && ls -s --block-size=M ./*.gguf | tr '\n' ' ')"
+if [ -n "${GATE:-}" ]; then
+  while [ ! -e "$GATE" ]; do sleep 2; done
+  note "gate $GATE open"
+fi
 
 for q in $quants; do
   file=$work/35b-a3b-$q.gguf
