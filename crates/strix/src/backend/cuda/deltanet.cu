@@ -223,47 +223,31 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* qkv, const float
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_dk128(
-    const float* qkv, const float* a, const float* b,
-    const float* a_log, const float* dt_bias, float* state,
-    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
-    pdl_enter();
-    gdn_recurrent_body<128, true>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
-}
-
-// A decode batch: blockIdx.z is the sequence, whose row of qkv, a, b and out is its token and
-// whose state is states[z]; one token each, the arithmetic of the kernels above.
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_dk128(
-    const float* qkv, const float* a, const float* b,
-    const float* a_log, const float* dt_bias, const unsigned long long* states,
-    float* out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
-    pdl_enter();
-    const int i = blockIdx.z;
-    const i64 conv_dim = 2 * nk * dk + nv * dv;
-    gdn_recurrent_body<128, true>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
-                                  reinterpret_cast<float*>(states[i]), out + (i64)i * nv * dv, 1, nk, nv, dk, dv,
-                                  q_scale, kh_div);
-}
-
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_generic(
-    const float* qkv, const float* a, const float* b,
-    const float* a_log, const float* dt_bias, const unsigned long long* states,
-    float* out, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
-    pdl_enter();
-    const int i = blockIdx.z;
-    const i64 conv_dim = 2 * nk * dk + nv * dv;
-    gdn_recurrent_body<256, false>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log, dt_bias,
-                                   reinterpret_cast<float*>(states[i]), out + (i64)i * nv * dv, 1, nk, nv, dk, dv,
-                                   q_scale, kh_div);
-}
-
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_generic(
-    const float* qkv, const float* a, const float* b,
-    const float* a_log, const float* dt_bias, float* state,
-    float* out, int T, int nk, int nv, int dk, int dv, float q_scale, int kh_div) {
-    pdl_enter();
-    gdn_recurrent_body<256, false>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale, kh_div);
-}
+// gdn_recurrent_SUFFIX: one sequence's T tokens. gdn_recurrent_rows_SUFFIX: a decode batch,
+// blockIdx.z the sequence, whose row of qkv, a, b and out is its token and whose state is
+// states[z]; one token each, the same arithmetic. MAXDK and EXACT: gdn_recurrent_body's.
+#define GDN_RECURRENT(SUFFIX, MAXDK, EXACT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS)                                       \
+        gdn_recurrent_##SUFFIX(const float* qkv, const float* a, const float* b, const float* a_log,         \
+                               const float* dt_bias, float* state, float* out, int T, int nk, int nv, int dk, \
+                               int dv, float q_scale, int kh_div) {                                          \
+        pdl_enter();                                                                                         \
+        gdn_recurrent_body<MAXDK, EXACT>(qkv, a, b, a_log, dt_bias, state, out, T, nk, nv, dk, dv, q_scale,   \
+                                         kh_div);                                                            \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recurrent_rows_##SUFFIX(          \
+        const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,          \
+        const unsigned long long* states, float* out, int nk, int nv, int dk, int dv, float q_scale,         \
+        int kh_div) {                                                                                        \
+        pdl_enter();                                                                                         \
+        const int i = blockIdx.z;                                                                            \
+        const i64 conv_dim = 2 * nk * dk + nv * dv;                                                          \
+        gdn_recurrent_body<MAXDK, EXACT>(qkv + i * conv_dim, a + (i64)i * nv, b + (i64)i * nv, a_log,        \
+                                         dt_bias, reinterpret_cast<float*>(states[i]),                       \
+                                         out + (i64)i * nv * dv, 1, nk, nv, dk, dv, q_scale, kh_div);        \
+    }
+GDN_RECURRENT(dk128, 128, true)
+GDN_RECURRENT(generic, 256, false)
 
 // ---------------------------------------------------------------------------------------------
 // Chunked delta rule (prefill). Chunks of CH tokens; within a chunk, with gamma the cumulative g,
