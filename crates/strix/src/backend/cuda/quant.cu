@@ -923,6 +923,26 @@ __device__ __forceinline__ void qm_row_scales(const unsigned char* ws, int warp,
 template <class F, int NT>
 struct QmCompute;
 
+// One 32-column group G of an m tile whose rows carry one f16 scale a group (Q8_0, Q4_0):
+// acc[j] += weight scale * activation scale * (a · b[j]) for every n-tile j, the integer
+// product exact (mma_s8_k32), the row's scales `sc` as qm_row_scales left them.
+template <class F, int NT>
+__device__ __forceinline__ void qm_group_f16(float (&acc)[NT][4], const u32 (&a)[4], const u32 (&b)[NT][2],
+                                             const v4u (&sc)[2], const unsigned char* slot, int t, int G) {
+    float wd[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) wd[h] = f16_to_f32((u16)(word(sc[h], G >> 1) >> (16 * (G & 1))));
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        int c[4];
+        mma_s8_k32(c, a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+        const float2 xd = qm_xd<F, NT>(slot, j, t, G);
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            acc[j][e] = __fmaf_rn(__fmul_rn(wd[e >> 1], (e & 1) ? xd.y : xd.x), magic_to_float(c[e]), acc[j][e]);
+    }
+}
+
 template <int NT>
 struct QmCompute<Q8_0M, NT> {
     static __device__ __forceinline__ void run(const unsigned char* slot, float (&acc)[2][NT][4], int warp, int lane,
@@ -939,19 +959,7 @@ struct QmCompute<Q8_0M, NT> {
             for (int mt = 0; mt < 2; mt++) {
                 u32 a[4];
                 qm_wfrag<S::CPR>(slot, 32 * warp + 16 * mt, 2 * G, 2 * G + 1, lane, a);
-                float wd[2];
-#pragma unroll
-                for (int h = 0; h < 2; h++) wd[h] = f16_to_f32((u16)(word(sc[mt][h], G >> 1) >> (16 * (G & 1))));
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    int c[4];
-                    mma_s8_k32(c, a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
-                    const float2 xd = qm_xd<Q8_0M, NT>(slot, j, t, G);
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        acc[mt][j][e] =
-                            __fmaf_rn(__fmul_rn(wd[e >> 1], (e & 1) ? xd.y : xd.x), magic_to_float(c[e]), acc[mt][j][e]);
-                }
+                qm_group_f16<Q8_0M, NT>(acc[mt], a, b, sc[mt], slot, t, G);
             }
         }
     }
@@ -977,22 +985,10 @@ struct QmCompute<Q4_0M, NT> {
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
                     const u32 w0 = raw[mt][2 * (G - G2)], w1 = raw[mt][2 * (G - G2) + 1];
-                    const u32 a0 = sub_bytes(w0 & 0x0f0f0f0fu, 0x08080808u), a1 = sub_bytes(w1 & 0x0f0f0f0fu, 0x08080808u);
-                    const u32 a2 = sub_bytes((w0 >> 4) & 0x0f0f0f0fu, 0x08080808u);
-                    const u32 a3 = sub_bytes((w1 >> 4) & 0x0f0f0f0fu, 0x08080808u);
-                    float wd[2];
-#pragma unroll
-                    for (int h = 0; h < 2; h++) wd[h] = f16_to_f32((u16)(word(sc[mt][h], G >> 1) >> (16 * (G & 1))));
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        int c[4];
-                        mma_s8_k32(c, a0, a1, a2, a3, b[j][0], b[j][1]);
-                        const float2 xd = qm_xd<Q4_0M, NT>(slot, j, t, G);
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            acc[mt][j][e] =
-                                __fmaf_rn(__fmul_rn(wd[e >> 1], (e & 1) ? xd.y : xd.x), magic_to_float(c[e]), acc[mt][j][e]);
-                    }
+                    const u32 a[4] = {sub_bytes(w0 & 0x0f0f0f0fu, 0x08080808u), sub_bytes(w1 & 0x0f0f0f0fu, 0x08080808u),
+                                      sub_bytes((w0 >> 4) & 0x0f0f0f0fu, 0x08080808u),
+                                      sub_bytes((w1 >> 4) & 0x0f0f0f0fu, 0x08080808u)};
+                    qm_group_f16<Q4_0M, NT>(acc[mt], a, b, sc[mt], slot, t, G);
                 }
             }
         }
