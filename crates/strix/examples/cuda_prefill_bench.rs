@@ -135,25 +135,13 @@ fn breakdown(c: &ModelConfig, b: &CudaBackend) -> Vec<Op> {
             b.set_prefill_path(path);
             let mut state = b.upload(&init);
             let mut core = b.zeros(t * dn.value_dim());
-            b.gated_delta_rule(
-                &dn,
-                DeltaRuleMode::Chunked,
-                DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
-                t,
-                &mut state,
-                &mut core,
-            );
+            let run = |state: &mut _, core: &mut _| {
+                let input = DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt };
+                b.gated_delta_rule(&dn, DeltaRuleMode::Chunked, input, t, state, core)
+            };
+            run(&mut state, &mut core);
             outs.push((b.download(&core, 0, t * dn.value_dim()), b.download(&state, 0, dn.state_len())));
-            let secs = timed(b, 10, || {
-                b.gated_delta_rule(
-                    &dn,
-                    DeltaRuleMode::Chunked,
-                    DeltaRuleInput { qkv: &qkv, a: &a, b: &bb, a_log: &a_log, dt_bias: &dt },
-                    t,
-                    &mut state,
-                    &mut core,
-                )
-            });
+            let secs = timed(b, 10, || run(&mut state, &mut core));
             push(format!("gated delta rule chunked [{path:?}]"), n_gdn * passes, secs);
         }
         println!(

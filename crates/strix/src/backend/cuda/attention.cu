@@ -249,18 +249,16 @@ __device__ __forceinline__ void attention_block(const float* q, const T* kc, con
                               reinterpret_cast<const T*>(v_caches[i]), partial, i, (int)positions[i] + 1,  \
                               nh, nkv, hd, scale);                                                          \
     }
-ATT_SEQ(attention_partial_seq_f32_g1, float, 1)
-ATT_SEQ(attention_partial_seq_f32_g2, float, 2)
-ATT_SEQ(attention_partial_seq_f32_g4, float, 4)
-ATT_SEQ(attention_partial_seq_bf16_g1, bf16_t, 1)
-ATT_SEQ(attention_partial_seq_bf16_g2, bf16_t, 2)
-ATT_SEQ(attention_partial_seq_bf16_g4, bf16_t, 4)
-ATT_BATCH(attention_partial_batch_f32_g1, float, 1)
-ATT_BATCH(attention_partial_batch_f32_g2, float, 2)
-ATT_BATCH(attention_partial_batch_f32_g4, float, 4)
-ATT_BATCH(attention_partial_batch_bf16_g1, bf16_t, 1)
-ATT_BATCH(attention_partial_batch_bf16_g2, bf16_t, 2)
-ATT_BATCH(attention_partial_batch_bf16_g4, bf16_t, 4)
+// Both forms for each cache type and query-head group size.
+#define ATT_ALL(KIND, T, G)                                                                                  \
+    ATT_SEQ(attention_partial_seq_##KIND##_g##G, T, G)                                                       \
+    ATT_BATCH(attention_partial_batch_##KIND##_g##G, T, G)
+ATT_ALL(f32, float, 1)
+ATT_ALL(f32, float, 2)
+ATT_ALL(f32, float, 4)
+ATT_ALL(bf16, bf16_t, 1)
+ATT_ALL(bf16, bf16_t, 2)
+ATT_ALL(bf16, bf16_t, 4)
 
 // Merges the splits of every (row, head) in split order and applies the sigmoid gate. A row
 // reads its own att_splits(visible) splits (visible = positions[r] + 1 for a decode batch,
