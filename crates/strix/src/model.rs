@@ -788,12 +788,9 @@ impl<B: Backend> Model<B> {
         };
         run_step(
             &mut || {
-                // The logits buffer first: made between the final norm and the lm_head it would
-                // be an op in between, and a backend's fused hand-over (the norm's output
-                // quantized for a packed lm_head) would not survive it.
-                let mut logits = b.scratch(n * c.vocab_size);
                 let mut scratch = Scratch::new(b, c, n);
                 self.layers(&mut Sequences::Batch(sessions), tokens, &positions, &mut scratch);
+                let mut logits = b.scratch(n * c.vocab_size);
                 b.matmul_rows(&scratch.x, n, self.lm_head(), &mut logits);
                 logits
             },

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule};
 
+use super::device::XQuant;
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use super::xquant::XQuant;
 use crate::backend::{AttentionInput, AttentionLayer, AttentionShape, KvCache, KvCacheType};
 use crate::error::Result;
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
+use super::device::XQuant;
 use super::device::{cuda_error, kernel_args, CudaBuf, Device};
-use super::xquant::XQuant;
 use crate::backend::{
     DeltaNetLayer, DeltaNetProjections, DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode,
 };

@@ -272,9 +272,16 @@ impl Device {
     }
 
     /// Makes the context current on the calling thread (the model may be driven from any
-    /// thread). Panics on a sticky error recorded by an earlier asynchronous failure.
+    /// thread) as an op starts, which counts as work ([`Device::work_seq`]). Panics on a
+    /// sticky error recorded by an earlier asynchronous failure.
     pub fn bind(&self) {
         self.bump_work();
+        self.bind_context();
+    }
+
+    /// [`Device::bind`] for what writes no buffer (an allocation): not counted as work, so a
+    /// producer's quantization stays current across it.
+    pub fn bind_context(&self) {
         if let Err(e) = self.ctx.bind_to_thread() {
             panic!("cuda: device {} is in an error state: {e}", self.ordinal);
         }
@@ -328,7 +335,7 @@ impl Device {
             None => self.alloc_raw::<f32>(len)?.0,
         };
         let ptr = data.device_ptr(&self.stream).0;
-        Ok(CudaBuf { data: Some(data), ptr, len, cache: self.cache.clone() })
+        Ok(CudaBuf { data: Some(data), ptr, len, cache: self.cache.clone(), quantized: None })
     }
 
     pub fn zeros(&self, len: usize) -> Result<CudaBuf> {
@@ -691,6 +698,17 @@ pub struct CudaBuf {
     ptr: u64,
     len: usize,
     cache: Arc<BufCache>,
+    /// The first row as the packed GEMVs take it, written beside it by the kernel that wrote
+    /// the row ([`CudaBuf::attach_quantized`]).
+    quantized: Option<Box<QuantizedRow>>,
+}
+
+/// A buffer's first `cols` values quantized by their producer, and [`Device::work_seq`] right
+/// after that kernel: while it still reads the same, nothing has rewritten them.
+struct QuantizedRow {
+    xq: XQuant,
+    cols: usize,
+    seq: u64,
 }
 
 impl Drop for CudaBuf {
@@ -718,6 +736,42 @@ impl CudaBuf {
 
     pub(super) fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// Attaches `xq`, the first `cols` values of this buffer quantized by the kernel just
+    /// queued (a producer's side output, `quant.rs`). It serves the next op only: once more
+    /// work reaches the device ([`Device::work_seq`] moves), it is stale.
+    pub(super) fn attach_quantized(&mut self, dev: &Device, xq: XQuant, cols: usize) {
+        self.quantized = Some(Box::new(QuantizedRow { xq, cols, seq: dev.work_seq() }));
+    }
+
+    /// The quantization a producer attached of this buffer's first `cols` values, if nothing
+    /// has run on the device since.
+    pub(super) fn quantized(&self, dev: &Device, cols: usize) -> Option<&XQuant> {
+        self.quantized.as_deref().filter(|q| q.cols == cols && q.seq == dev.work_seq()).map(|q| &q.xq)
+    }
+}
+
+/// The activations of a matmul quantized for the packed GEMVs: `[tokens, cols]` i8, then a
+/// scale per 32 and a sum per 16 quants (one f32 buffer, carved up), as `quantize_x` or a
+/// producer's side output writes them.
+pub(super) struct XQuant {
+    _buf: CudaBuf,
+    pub q: u64,
+    pub d: u64,
+    pub s: u64,
+}
+
+impl XQuant {
+    /// Room for `n` activations (`n % 32 == 0`).
+    pub(super) fn alloc(dev: &Device, n: usize) -> XQuant {
+        let groups = n / 32;
+        // i8 quants (n / 4 floats), f32 scales (n / 32), i32 sums (n / 16): all 16-byte aligned.
+        let buf = dev.alloc(n / 4 + groups + 2 * groups).unwrap_or_else(|e| panic!("{e}"));
+        let q = buf.ptr();
+        let d = q + n as u64;
+        let s = d + 4 * groups as u64;
+        XQuant { _buf: buf, q, d, s }
     }
 }
 

@@ -6,8 +6,8 @@
 
 use cudarc::driver::CudaFunction;
 
+use super::device::XQuant;
 use super::device::{kernel_args, CudaBuf, CudaWeight, Device};
-use super::xquant::XQuant;
 use crate::backend::RmsNorm;
 use crate::error::Result;
 

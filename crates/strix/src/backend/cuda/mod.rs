@@ -42,7 +42,6 @@ mod options;
 mod packed;
 mod quant;
 mod sample;
-mod xquant;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -63,7 +62,7 @@ pub use options::CudaOptions;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 pub use quant::{set_qgemv_rows, PackedMma};
 
-use device::{cuda_error, Device};
+use device::{cuda_error, Device, XQuant};
 
 /// Which kernels run prompts (attention of many tokens, the chunked delta rule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -529,26 +528,32 @@ impl CudaBackend {
 
     /// Runs a producer op's launch with a side buffer for its `n` outputs in `out` quantized,
     /// when producers quantize (`wanted`, and [`quant::Kernels::producer_side`]); `launch`
-    /// returns whether its kernel wrote them, and then the next op may read them instead of
-    /// running `quantize_x` (quant.rs).
+    /// returns whether its kernel wrote them, and then `out` carries them, so the next op may
+    /// read them instead of running `quantize_x` (quant.rs).
     fn produce(
         &self,
         out: &mut CudaBuf,
         n: usize,
         wanted: bool,
-        launch: impl FnOnce(&mut CudaBuf, Option<&xquant::XQuant>) -> bool,
+        launch: impl FnOnce(&mut CudaBuf, Option<&XQuant>) -> bool,
     ) {
         let side = if wanted { self.q.producer_side(&self.dev, out, n) } else { None };
         if launch(out, side.as_ref()) {
-            self.q.set_prequantized(&self.dev, out, n, side.expect("quantized into it"));
+            out.attach_quantized(&self.dev, side.expect("quantized into it"), n);
         }
     }
 
-    /// The producer's quantization of `x` for a packed GEMV of `tokens` rows of `cols`, if the
-    /// last kernel on the device wrote it (quant.rs); called first in an op, before `bind`.
-    /// `use_it` false only drops the record.
-    fn prequantized(&self, x: &CudaBuf, tokens: usize, cols: usize, use_it: bool) -> Option<xquant::XQuant> {
-        let pre = self.q.take_prequantized(&self.dev, x, tokens, cols).filter(|_| use_it);
+    /// The producer's quantization that `x` carries, for a packed GEMV (`use_it`) of one row of
+    /// `cols`, if the last kernel on the device wrote it (quant.rs); called first in an op,
+    /// before `bind` moves [`device::Device::work_seq`].
+    fn prequantized<'x>(
+        &self,
+        x: &'x CudaBuf,
+        tokens: usize,
+        cols: usize,
+        use_it: bool,
+    ) -> Option<&'x XQuant> {
+        let pre = x.quantized(&self.dev, cols).filter(|_| use_it && tokens == 1);
         if pre.is_some() {
             bump(&self.counters.gemv_quant_prequantized);
         }
@@ -676,7 +681,8 @@ impl Backend for CudaBackend {
     }
 
     fn scratch(&self, len: usize) -> CudaBuf {
-        self.dev.bind();
+        // Uninitialised memory: nothing runs on the device.
+        self.dev.bind_context();
         or_panic(self.dev.alloc(len))
     }
 
@@ -784,15 +790,9 @@ impl Backend for CudaBackend {
             }
             graph::Plan::Record => {
                 or_panic(self.dev.write_step_inputs(ids, positions));
-                self.q.clear_prequantized();
-                // A producer's side buffer still recorded at the end belongs to the recording:
-                // dropped before the capture ends.
-                let captured = graph::Recording::capture(&self.dev, &mut || {
-                    let out = step();
-                    self.q.clear_prequantized();
-                    out
-                });
-                self.q.clear_prequantized();
+                // A producer's side buffer lives in the step's scratch buffer that carries it,
+                // dropped (into the recording) before the capture ends.
+                let captured = graph::Recording::capture(&self.dev, &mut || step());
                 match captured {
                     Ok(recording) => {
                         bump(&self.counters.graph_captures);
@@ -986,8 +986,6 @@ impl Backend for CudaBackend {
     ) {
         let cols = ws.first().map_or(0, |w| w.cols());
         if !decode_batch {
-            // A prompt takes no producer's quantization: the record is only dropped.
-            self.prequantized(x, tokens, cols, false);
             // A prompt's projections: the input rounded to bf16 once for all their GEMMs.
             self.dev.bind();
             if let Some(ran) = self.mm.matmul_many_prompt(self.gemms(), x, tokens, ws, outs) {
@@ -1008,7 +1006,7 @@ impl Backend for CudaBackend {
             }
         }
         // The fused packed launch is the only taker here; nothing has run on the device since
-        // the op began (the partition above is host work), so the record is still current.
+        // the op began (the partition above is host work), so x's quantization is still current.
         let fused = quant::Kernels::can_fuse(&packed_w);
         let pre = self.prequantized(x, tokens, cols, fused);
         self.dev.bind();
@@ -1076,7 +1074,7 @@ impl Backend for CudaBackend {
                 let pre = self.prequantized(x, tokens, gate.cols(), true);
                 self.dev.bind();
                 self.q.gemv_glu(&self.dev, x, gate, up, act, pre, &side);
-                self.q.set_prequantized(&self.dev, act, n, side);
+                act.attach_quantized(&self.dev, side, n);
                 bump(&self.counters.gemv_quant_fused);
                 bump(&self.counters.gemv_glu);
                 if decode_batch {

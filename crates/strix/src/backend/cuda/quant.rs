@@ -42,17 +42,17 @@
 //!   the attention merge.
 //!   When packed weights are loaded, those kernels' one-token forms also write their output
 //!   quantized (the same int8 values, scales and sums `quantize_x` would make of it:
-//!   `quantize_group32` in prelude.cu) into a side buffer and record it here
-//!   ([`Kernels::set_prequantized`]); the next op, if it is a one-token packed GEMV of that
-//!   very buffer, reads the side buffer and skips `quantize_x` (a kernel and a launch boundary;
-//!   every packed GEMV of a 9B step). The one-token MLP runs its gate and up
-//!   projections and the SwiGLU as one kernel ([`Kernels::gemv_glu`]), so its down GEMV reads
-//!   that kernel's quantization. The record is valid only while
-//!   [`Device::work_seq`] has not moved since the producer's kernel, i.e. no op, kernel or copy
-//!   ran in between (anything that could have rewritten the buffer), and it is taken by the
-//!   first op that looks. A recorded decode step drops it before its capture ends, so its
-//!   buffer belongs to the recording. `CudaOptions::producer_quant` off (or
-//!   [`Kernels::set_producer_quant`]) keeps the separate `quantize_x` everywhere.
+//!   `quantize_group32` in prelude.cu) into a side buffer that the output buffer carries
+//!   from then on ([`CudaBuf::attach_quantized`]); the next op, if it is a one-token packed
+//!   GEMV of that very buffer, reads the side buffer ([`CudaBuf::quantized`], passed down as
+//!   `pre`) and skips `quantize_x` (a kernel and a launch boundary; every packed GEMV of a 9B
+//!   step). The one-token MLP runs its gate and up projections and the SwiGLU as one kernel
+//!   ([`Kernels::gemv_glu`]), so its down GEMV reads that kernel's quantization. The copy is
+//!   current only while [`Device::work_seq`] has not moved since the producer's kernel, i.e.
+//!   no op, kernel or copy ran in between (anything that could have rewritten the buffer;
+//!   allocating scratch does not count). It is dropped with its buffer, so a recorded decode
+//!   step's go into the recording with the step's scratch. `CudaOptions::producer_quant` off
+//!   (or [`Kernels::set_producer_quant`]) keeps the separate `quantize_x` everywhere.
 //! - **Prefill** (more than [`GEMV_MAX_TOKENS`] tokens): bands of weight rows are dequantized
 //!   to bf16 (exactly the CPU's dequantized values, rounded to nearest even) into a scratch
 //!   buffer and multiplied on cuBLAS's tensor cores, band by band into the output; with the
@@ -61,16 +61,16 @@
 //!   dequantization (a tied lm_head is the same packed weight through the GEMV).
 
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::compile;
+use super::device::XQuant;
 use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
 use super::matmul::{self, Bf16Input, GemmPath, Gemms, SplitWorkspace, GS_BM};
 use super::packed::planes;
-use super::xquant::XQuant;
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -304,8 +304,6 @@ pub(super) struct Kernels {
     /// [`PackedMma`] as `u8` (0 int8, 1 bf16): which a decode batch runs.
     packed_mma: AtomicU8,
     sm_count: usize,
-    /// The last producer's side output, until the next op takes it (module docs).
-    pre: Mutex<Option<Prequantized>>,
     /// Producers quantize (`CudaOptions::producer_quant`, default on)...
     producer_quant: AtomicBool,
     /// ...once a packed weight has been uploaded (no cost for bf16 models).
@@ -339,13 +337,21 @@ struct QmSegs {
     pslot0: [i32; MAX_SEGMENTS],
 }
 
-/// A one-row output and its quantization, written by the kernel that ran last on the device.
-struct Prequantized {
-    x: u64,
-    cols: usize,
-    /// [`Device::work_seq`] right after that kernel.
-    seq: u64,
-    xq: XQuant,
+/// Activations as a packed kernel reads them: the producer's quantization, borrowed from the
+/// buffer that carries it, or `quantize_x`'s, made for this call.
+pub(super) enum Activations<'a> {
+    Producer(&'a XQuant),
+    Made(XQuant),
+}
+
+impl std::ops::Deref for Activations<'_> {
+    type Target = XQuant;
+    fn deref(&self) -> &XQuant {
+        match self {
+            Activations::Producer(xq) => xq,
+            Activations::Made(xq) => xq,
+        }
+    }
 }
 
 impl Kernels {
@@ -372,7 +378,6 @@ impl Kernels {
             qwg: None,
             packed_mma: AtomicU8::new(0),
             sm_count: dev.sm_count as usize,
-            pre: Mutex::new(None),
             producer_quant: AtomicBool::new(true),
             packed_loaded: AtomicBool::new(false),
         };
@@ -463,14 +468,14 @@ impl Kernels {
 
     /// What the tensor-core GEMV reads besides `x`: `x` quantized to int8 for that arithmetic
     /// (`pre`, the producer's quantization, if any), nothing for the warpgroup GEMVs.
-    fn mma_input(
+    fn mma_input<'a>(
         &self,
         dev: &Device,
         x: &CudaBuf,
         tokens: usize,
         cols: usize,
-        pre: Option<XQuant>,
-    ) -> Option<XQuant> {
+        pre: Option<&'a XQuant>,
+    ) -> Option<Activations<'a>> {
         self.qwg_chosen().is_none().then(|| self.quantize_x(dev, x, tokens, cols, pre))
     }
 
@@ -669,7 +674,6 @@ impl Kernels {
     /// Whether producers write the quantized side output (the module docs); for comparisons.
     pub fn set_producer_quant(&self, on: bool) {
         self.producer_quant.store(on, Ordering::Relaxed);
-        self.clear_prequantized();
     }
 
     /// Whether producers quantize (set_producer_quant).
@@ -690,37 +694,17 @@ impl Kernels {
             .then(|| XQuant::alloc(dev, n))
     }
 
-    /// Records that the kernel just launched wrote `x[..cols]` and its quantization `xq`.
-    pub fn set_prequantized(&self, dev: &Device, x: &CudaBuf, cols: usize, xq: XQuant) {
-        let p = Prequantized { x: x.ptr(), cols, seq: dev.work_seq(), xq };
-        *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
-    }
-
-    /// Takes the producer's record, and returns its quantization when it is of `x` (`tokens`
-    /// = 1 row of `cols`) and nothing ran on the device since that kernel. An op calls this
-    /// before anything else (before `bind`, which moves [`Device::work_seq`]).
-    pub fn take_prequantized(&self, dev: &Device, x: &CudaBuf, tokens: usize, cols: usize) -> Option<XQuant> {
-        let p = self.pre.lock().unwrap_or_else(|e| e.into_inner()).take()?;
-        (tokens == 1 && p.x == x.ptr() && p.cols == cols && p.seq == dev.work_seq()).then_some(p.xq)
-    }
-
-    /// Drops the record (its side buffer goes where any dropped buffer goes: into a capture in
-    /// progress, else the free list).
-    pub fn clear_prequantized(&self) {
-        drop(self.pre.lock().unwrap_or_else(|e| e.into_inner()).take());
-    }
-
-    /// `pre` when it holds these activations, else `quantize_x` now.
-    fn quantize_x(
+    /// `pre` (the producer's quantization of `x`, one row) when there is one, else `quantize_x` now.
+    fn quantize_x<'a>(
         &self,
         dev: &Device,
         x: &CudaBuf,
         tokens: usize,
         cols: usize,
-        pre: Option<XQuant>,
-    ) -> XQuant {
+        pre: Option<&'a XQuant>,
+    ) -> Activations<'a> {
         if let Some(xq) = pre.filter(|_| tokens == 1) {
-            return xq;
+            return Activations::Producer(xq);
         }
         let n = tokens * cols;
         let groups = n / 32;
@@ -733,12 +717,15 @@ impl Kernels {
             0,
             kernel_args![x.ptr(), xq.q, xq.d, xq.s, groups as i32],
         );
-        xq
+        Activations::Made(xq)
     }
 
     /// `x: [rows, cols]` quantized per 32 for the packed kernels (`cols % 32 == 0`).
     pub(super) fn quantize(&self, dev: &Device, x: &CudaBuf, rows: usize, cols: usize) -> XQuant {
-        self.quantize_x(dev, x, rows, cols, None)
+        match self.quantize_x(dev, x, rows, cols, None) {
+            Activations::Made(xq) => xq,
+            Activations::Producer(_) => unreachable!("no producer's quantization was offered"),
+        }
     }
 
     /// `qmoe_gate_up_*` (`which` 0) or `qmoe_down_*` (1) for packed weights of `dtype`.
@@ -774,7 +761,7 @@ impl Kernels {
         tokens: usize,
         w: &CudaWeight,
         out: &mut CudaBuf,
-        pre: Option<XQuant>,
+        pre: Option<&XQuant>,
     ) {
         let (rows, cols, dtype) = (w.rows(), w.cols(), w.dtype());
         let fi = format_index(dtype);
@@ -816,8 +803,8 @@ impl Kernels {
     /// multi-segment GEMV launch (up to [`MAX_SEGMENTS`] weights each) — the tensor-core one
     /// where `tensor_cores` gives its workspace and it takes the format's weights. Every
     /// token's rows come from one arithmetic whatever the batch, so a sequence's results do not
-    /// depend on it. Returns the launches made. `pre`: the producer's quantization of `x`, if any
-    /// ([`Kernels::take_prequantized`]).
+    /// depend on it. Returns the launches made. `pre`: the producer's quantization that `x`
+    /// carries, if any ([`CudaBuf::quantized`]).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_many_rows(
         &self,
@@ -826,7 +813,7 @@ impl Kernels {
         tokens: usize,
         ws: &[&CudaWeight],
         outs: &mut [&mut CudaBuf],
-        pre: Option<XQuant>,
+        pre: Option<&XQuant>,
         tensor_cores: Option<&SplitWorkspace>,
     ) -> usize {
         assert!(Kernels::can_fuse(ws) && ws.len() == outs.len(), "matmul_many_rows: weights do not fuse");
@@ -849,7 +836,7 @@ impl Kernels {
                 }
                 let weights: Vec<&CudaWeight> = members.iter().map(|&j| ws[j]).collect();
                 let out_ptrs: Vec<u64> = members.iter().map(|&j| outs[j].ptr()).collect();
-                launches += self.mma(dev, x, xq.as_ref(), tokens, &weights, &out_ptrs, split);
+                launches += self.mma(dev, x, xq.as_deref(), tokens, &weights, &out_ptrs, split);
             }
             return launches;
         }
@@ -929,7 +916,7 @@ impl Kernels {
         gate: &CudaWeight,
         up: &CudaWeight,
         act: &mut CudaBuf,
-        pre: Option<XQuant>,
+        pre: Option<&XQuant>,
         side: &XQuant,
     ) {
         assert!(self.can_glu(gate, up), "gemv_glu: the gate/up pair does not fuse");
@@ -996,7 +983,7 @@ impl Kernels {
         tokens: usize,
         w: &CudaWeight,
         out: &mut CudaBuf,
-        pre: Option<XQuant>,
+        pre: Option<&XQuant>,
         tensor_cores: Option<&SplitWorkspace>,
     ) -> QRan {
         check(x, tokens, w, out);
@@ -1005,7 +992,7 @@ impl Kernels {
         }
         if let Some(split) = tensor_cores.filter(|_| self.mma_takes(w)) {
             let xq = self.mma_input(dev, x, tokens, w.cols(), pre);
-            self.mma(dev, x, xq.as_ref(), tokens, &[w], &[out.ptr()], split);
+            self.mma(dev, x, xq.as_deref(), tokens, &[w], &[out.ptr()], split);
             return QRan::TensorCores;
         }
         self.gemv(dev, x, tokens, w, out, pre);
@@ -1025,7 +1012,7 @@ impl Kernels {
         tokens: usize,
         w: &CudaWeight,
         out: &mut CudaBuf,
-        pre: Option<XQuant>,
+        pre: Option<&XQuant>,
     ) -> QRan {
         let Gemms { dev, ew, blas, policy } = gemms;
         check(x, tokens, w, out);
