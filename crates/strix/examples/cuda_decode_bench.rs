@@ -19,7 +19,8 @@
 //! Then a breakdown: every op of a decode step at the preset's shapes, each launched many
 //! times back to back, its time per call (the larger of the GPU's time and the host's time to
 //! queue it, as in a real step) times its calls per step; the sum against the measured step
-//! says how much of the step is host overhead and which kernels to work on.
+//! says how much of the step is host overhead and which kernels to work on (dense models
+//! only: a MoE block's kernels are not modelled).
 
 #[path = "common/bench.rs"]
 mod bench;
@@ -196,25 +197,13 @@ fn main() -> strix::Result<()> {
             tok_s,
             roofline * 100.0
         );
-        let breakdown = breakdown(&cfg, model.backend(), PROMPT + WARMUP + steps)?;
-        println!("{name}: breakdown of a decode step (each op timed alone, back to back):");
-        println!("| op | shape | calls/step | us/call | us/step | GB/s |");
-        println!("|---|---|---|---|---|---|");
-        let mut total = 0.0;
-        for op in &breakdown {
-            let gbs =
-                if op.bytes > 0 { format!("{:.0}", op.bytes as f64 / op.secs / 1e9) } else { String::new() };
-            println!(
-                "| {} | {} | {} | {:.2} | {:.1} | {gbs} |",
-                op.name,
-                op.shape,
-                op.calls,
-                op.secs * 1e6,
-                op.secs * 1e6 * op.calls as f64
-            );
-            total += op.secs * op.calls as f64;
+        // The breakdown times a dense layer's ops; a MoE block's kernels are not among them
+        // (profile its steps with STRIX_PROFILE_STEPS and ncu instead).
+        if cfg.moe.is_some() {
+            println!("{name}: no breakdown (it models dense MLPs, not MoE blocks)");
+        } else {
+            print_breakdown(name, &breakdown(&cfg, model.backend(), PROMPT + WARMUP + steps)?, step);
         }
-        println!("{name}: ops sum to {:.3} ms per step against {:.3} ms measured", total * 1e3, step * 1e3);
         rows.push(Row {
             preset: name.clone(),
             prefill_tok_s: PROMPT as f64 / prefill_s,
@@ -262,6 +251,28 @@ fn per_call(b: &CudaBackend, reps: usize, mut f: impl FnMut()) -> strix::Result<
     }
     b.synchronize()?;
     Ok(t.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// The breakdown's table, and its sum against the measured step.
+fn print_breakdown(name: &str, ops: &[Op], step: f64) {
+    println!("{name}: breakdown of a decode step (each op timed alone, back to back):");
+    println!("| op | shape | calls/step | us/call | us/step | GB/s |");
+    println!("|---|---|---|---|---|---|");
+    let mut total = 0.0;
+    for op in ops {
+        let gbs =
+            if op.bytes > 0 { format!("{:.0}", op.bytes as f64 / op.secs / 1e9) } else { String::new() };
+        println!(
+            "| {} | {} | {} | {:.2} | {:.1} | {gbs} |",
+            op.name,
+            op.shape,
+            op.calls,
+            op.secs * 1e6,
+            op.secs * 1e6 * op.calls as f64
+        );
+        total += op.secs * op.calls as f64;
+    }
+    println!("{name}: ops sum to {:.3} ms per step against {:.3} ms measured", total * 1e3, step * 1e3);
 }
 
 /// Every op of one decode step at the shapes of `c`, timed alone; `context` is the attention
