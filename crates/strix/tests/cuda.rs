@@ -34,7 +34,7 @@ mod common;
 
 use common::{argmax, cases, fixtures, gpu, gpu_kv, rel_err, small_real_heads, Case, Rng};
 use strix::backend::cpu::{CpuBackend, CpuWeight};
-use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath, TensorCoreKernel};
+use strix::backend::cuda::{CudaBackend, GemmPath, PrefillPath, TensorCoreKernel, MOE_DECODE_MAX_TOKENS};
 use strix::backend::{
     AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetLayer, DeltaNetProjections,
     DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, KvCacheType, MlpActivations,
@@ -66,6 +66,21 @@ fn check(what: &str, ours: &[f32], reference: &[f32], tol: f32) {
 
 fn poison(g: &CudaBackend, n: usize) -> <CudaBackend as Backend>::Buf {
     g.upload(&vec![f32::NAN; n])
+}
+
+/// A host-side attention input on the device (each array uploaded), for the GPU's call beside
+/// the CPU's on the same values.
+struct UploadedInput([<CudaBackend as Backend>::Buf; 4]);
+
+impl UploadedInput {
+    fn new(g: &CudaBackend, x: AttentionInput<'_, Vec<f32>>) -> UploadedInput {
+        UploadedInput([g.upload(x.q), g.upload(x.k), g.upload(x.v), g.upload(x.gate)])
+    }
+
+    fn input(&self) -> AttentionInput<'_, <CudaBackend as Backend>::Buf> {
+        let [q, k, v, gate] = &self.0;
+        AttentionInput { q, k, v, gate }
+    }
 }
 
 fn down(g: &CudaBackend, b: &<CudaBackend as Backend>::Buf) -> Vec<f32> {
@@ -427,12 +442,7 @@ fn attention_ops_match_cpu() {
             let mut og = poison(&g, tokens * nh * hd);
             g.attention(
                 &sh,
-                AttentionInput {
-                    q: &g.upload(&qc),
-                    k: &g.upload(&kcur),
-                    v: &g.upload(&v),
-                    gate: &g.upload(&gc),
-                },
+                UploadedInput::new(&g, AttentionInput { q: &qc, k: &kcur, v: &v, gate: &gc }).input(),
                 KvCache { k: &mut kg_cache, v: &mut vg_cache },
                 pos0,
                 tokens,
@@ -485,12 +495,7 @@ fn long_context_attention_matches_cpu() {
             let before = g.path_counts().attention_multi_split;
             g.attention(
                 &sh,
-                AttentionInput {
-                    q: &g.upload(&q),
-                    k: &g.upload(&k),
-                    v: &g.upload(&v),
-                    gate: &g.upload(&gate),
-                },
+                UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
                 KvCache { k: &mut kg, v: &mut vg },
                 pos0,
                 tokens,
@@ -554,12 +559,7 @@ fn flash_attention_matches_cpu() {
             let before = g.path_counts();
             g.attention(
                 &sh,
-                AttentionInput {
-                    q: &g.upload(&q),
-                    k: &g.upload(&k),
-                    v: &g.upload(&v),
-                    gate: &g.upload(&gate),
-                },
+                UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
                 KvCache { k: &mut kg, v: &mut vg },
                 pos0,
                 tokens,
@@ -605,7 +605,7 @@ fn flash_attention_matches_cpu() {
         let before = g.path_counts();
         g.attention(
             &sh,
-            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
             KvCache { k: &mut kg, v: &mut vg },
             0,
             tokens,
@@ -674,7 +674,7 @@ fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
         let mut out = poison(&g, tokens * qd);
         g.attention(
             &sh,
-            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
             KvCache { k: &mut kc, v: &mut vc },
             pos0,
             tokens,
@@ -688,12 +688,11 @@ fn bf16_cache_rows_are_the_host_rounding_and_growth_keeps_them() {
     let mut out = poison(&g, qd);
     g.attention_rows(
         &sh,
-        AttentionInput {
-            q: &g.upload(&rng.vec(qd, 1.0)),
-            k: &g.upload(&k),
-            v: &g.upload(&v),
-            gate: &g.upload(&rng.vec(qd, 1.0)),
-        },
+        UploadedInput::new(
+            &g,
+            AttentionInput { q: &rng.vec(qd, 1.0), k: &k, v: &v, gate: &rng.vec(qd, 1.0) },
+        )
+        .input(),
         &mut [KvCache { k: &mut kc, v: &mut vc }],
         &[27],
         &mut out,
@@ -743,7 +742,7 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
         let before = g.path_counts();
         g.attention_rows(
             &sh,
-            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
             &mut kv_caches(&mut kcs, &mut vcs),
             &positions,
             &mut out,
@@ -784,7 +783,7 @@ fn bf16_cache_attention_matches_cpu_over_rounded_rows() {
         let before = g.path_counts();
         g.attention(
             &sh,
-            AttentionInput { q: &g.upload(&q), k: &g.upload(&k), v: &g.upload(&v), gate: &g.upload(&gate) },
+            UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
             KvCache { k: &mut kg, v: &mut vg },
             pos0,
             tokens,
@@ -1265,8 +1264,6 @@ fn moe_fixtures() -> Vec<std::path::PathBuf> {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
 fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
-    // The most tokens moe.rs runs as a decode batch (its PER_PICK_MAX_TOKENS).
-    const DECODE_BATCH: usize = 64;
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng(31);
@@ -1314,7 +1311,7 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
                 &reference,
                 F32_TOL,
             );
-            if tokens <= DECODE_BATCH {
+            if tokens <= MOE_DECODE_MAX_TOKENS {
                 for t in 0..tokens {
                     let mut alone = poison(&g, hidden);
                     let xt = g.upload(&x[t * hidden..(t + 1) * hidden]);
@@ -1595,12 +1592,7 @@ fn batch_rows_ops_equal_single_ops_bitwise() {
             let mut out = poison(&g, n * qd);
             g.attention_rows(
                 &sh,
-                AttentionInput {
-                    q: &g.upload(&q),
-                    k: &g.upload(&k),
-                    v: &g.upload(&v),
-                    gate: &g.upload(&gate),
-                },
+                UploadedInput::new(&g, AttentionInput { q: &q, k: &k, v: &v, gate: &gate }).input(),
                 &mut kv_caches(&mut kcs, &mut vcs),
                 &positions,
                 &mut out,

@@ -26,7 +26,9 @@ mod common;
 use common::{argmax, fixtures, gpu, rel_err, small_real_heads, Dequantized, Rng};
 use rayon::prelude::*;
 use strix::backend::cpu::CpuBackend;
-use strix::backend::cuda::{CudaBackend, CudaWeight, GemmPath, PackedMma, PathCounts, QUANT_GEMV_MAX_TOKENS};
+use strix::backend::cuda::{
+    CudaBackend, CudaWeight, GemmPath, PackedMma, PathCounts, MOE_DECODE_MAX_TOKENS, QUANT_GEMV_MAX_TOKENS,
+};
 use strix::backend::{Backend, KvCacheType, MlpActivations, MlpWeights, RmsNorm};
 use strix::checkpoint::Checkpoint;
 use strix::config::{LayerKind, ModelConfig};
@@ -232,8 +234,7 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
             down_dtype.name()
         );
         for tokens in [1usize, 5, 64, 100, 300] {
-            // moe.rs's PER_PICK_MAX_TOKENS: more tokens are a prompt.
-            let prompt = tokens > 64;
+            let prompt = tokens > MOE_DECODE_MAX_TOKENS;
             let x = rng.vec(tokens * hidden, 1.0);
             let logits = rng.vec(tokens * n, 2.0);
             let routing = strix::backend::Routing::new(&logits, tokens, n, k);

@@ -58,6 +58,7 @@ use crate::tensor::HostTensor;
 pub use attention::CudaCache;
 pub use device::{device_count, CudaBuf, CudaWeight};
 pub use matmul::{GemmPath, TensorCoreKernel};
+pub use moe::PER_PICK_MAX_TOKENS as MOE_DECODE_MAX_TOKENS;
 pub use options::CudaOptions;
 pub use quant::GEMV_MAX_TOKENS as QUANT_GEMV_MAX_TOKENS;
 pub use quant::{set_qgemv_rows, PackedMma};

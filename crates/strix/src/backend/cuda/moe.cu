@@ -263,15 +263,14 @@ __device__ __forceinline__ void moe_mma_picks(const bf16_t* const (&w)[NM], int 
 // every pick of that expert (x: the pick's token's row). AL: hidden % 8 == 0.
 template <bool AL>
 __device__ __forceinline__ void moe_mma_gate_up(const MoePair& gate_up, const float* x, int k, int inter, int hidden,
-                                                const int* active_count, const int* active, const int* start,
-                                                const int* members, float* act) {
+                                                const MoeListing& l, float* act) {
     pdl_enter();
     const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * 16;
-    if (j >= *active_count || row0 >= inter) return;
-    const int e = active[j];
+    if (j >= *l.active_count || row0 >= inter) return;
+    const int e = l.active[j];
     const bf16_t* const w[2] = {reinterpret_cast<const bf16_t*>(gate_up.a[e]),
                                 reinterpret_cast<const bf16_t*>(gate_up.b[e])};
-    moe_mma_picks<2, AL>(w, inter, hidden, row0, x, k, members, start[j], start[j + 1],
+    moe_mma_picks<2, AL>(w, inter, hidden, row0, x, k, l.members, l.start[j], l.start[j + 1],
                          [&](int pick, int row, const float(&v)[2]) {
                              act[(i64)pick * inter + row] = silu_f(v[0]) * v[1];
                          });
@@ -282,26 +281,25 @@ __device__ __forceinline__ void moe_mma_gate_up(const MoePair& gate_up, const fl
 // takes them. AL: inter % 8 == 0.
 template <bool AL>
 __device__ __forceinline__ void moe_mma_down(const MoeTable& down, const float* act, int inter, int hidden,
-                                             const int* active_count, const int* active, const int* start,
-                                             const int* members, float* y) {
+                                             const MoeListing& l, float* y) {
     pdl_enter();
     const int j = blockIdx.y, row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * 16;
-    if (j >= *active_count || row0 >= hidden) return;
-    const bf16_t* const w[1] = {reinterpret_cast<const bf16_t*>(down.w[active[j]])};
-    moe_mma_picks<1, AL>(w, hidden, inter, row0, act, 1, members, start[j], start[j + 1],
+    if (j >= *l.active_count || row0 >= hidden) return;
+    const bf16_t* const w[1] = {reinterpret_cast<const bf16_t*>(down.w[l.active[j]])};
+    moe_mma_picks<1, AL>(w, hidden, inter, row0, act, 1, l.members, l.start[j], l.start[j + 1],
                          [&](int pick, int row, const float(&v)[1]) { y[(i64)pick * hidden + row] = v[0]; });
 }
 
 #define MOE_MMA_KERNELS(AL, SUFFIX)                                                                          \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 1) moe_mma_gate_up##SUFFIX(                 \
         const __grid_constant__ MoePair gate_up, const float* x, int k, int inter, int hidden,               \
-        const int* active_count, const int* active, const int* start, const int* members, float* act) {     \
-        moe_mma_gate_up<AL>(gate_up, x, k, inter, hidden, active_count, active, start, members, act);        \
+        const MoeListing l, float* act) {                                                                    \
+        moe_mma_gate_up<AL>(gate_up, x, k, inter, hidden, l, act);                                           \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 1) moe_mma_down##SUFFIX(                    \
-        const __grid_constant__ MoeTable down, const float* act, int inter, int hidden,                      \
-        const int* active_count, const int* active, const int* start, const int* members, float* y) {       \
-        moe_mma_down<AL>(down, act, inter, hidden, active_count, active, start, members, y);                 \
+        const __grid_constant__ MoeTable down, const float* act, int inter, int hidden, const MoeListing l,   \
+        float* y) {                                                                                          \
+        moe_mma_down<AL>(down, act, inter, hidden, l, y);                                                    \
     }
 MOE_MMA_KERNELS(true, _al)
 MOE_MMA_KERNELS(false, _any)

@@ -27,12 +27,14 @@ pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
 const WARPS: usize = 8;
 
-/// bf16 experts of up to this many tokens (a decode batch) run each pick in its own blocks;
-/// more (a prompt) list the picks by expert first and run each picked expert once over all
-/// of its picks, on the tensor cores (packed experts dequantized to bf16 first). Measured on an H200 (35B-A3B shape, BENCHMARKS-LOG
-/// session 15): the grouped kernels made decode batches of 16 and 64 slower (657 and 1,131
-/// tok/s against 1,218 and 1,492), and prompts 16× faster than routing them on the host.
-const PER_PICK_MAX_TOKENS: usize = 64;
+/// A decode batch is at most this many tokens: its bf16 experts run each pick in its own
+/// blocks, its packed experts the grouped CUDA-core kernels (`quant.cu`'s `qmoe_*`). More
+/// tokens are a prompt: the picks are listed by expert and each picked expert runs once over
+/// all of its picks on the tensor cores (packed experts dequantized to bf16 first). Measured
+/// on an H200 (35B-A3B shape, BENCHMARKS-LOG sessions 15 and 16): grouped kernels made bf16
+/// decode batches of 16 and 64 slower (CUDA cores: 657 and 1,131 tok/s against 1,218 and
+/// 1,492; tensor cores: 885 and 1,625 against 1,242 and 1,490, slower at 1 and 16).
+pub const PER_PICK_MAX_TOKENS: usize = 64;
 const ROUTE_WARPS: usize = 4;
 
 /// `MoeTable` of `prelude.cu`: one weight pointer per expert, passed by value.
@@ -40,6 +42,16 @@ const ROUTE_WARPS: usize = 4;
 #[derive(Clone, Copy)]
 struct MoeTable {
     w: [u64; MAX_EXPERTS],
+}
+
+/// `MoeListing` of `prelude.cu`: `moe_bucket`'s listing of the picks by expert.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeListing {
+    active_count: u64,
+    active: u64,
+    start: u64,
+    members: u64,
 }
 
 /// `MoePair` of `prelude.cu`: the gate and up pointers per expert.
@@ -207,7 +219,12 @@ impl Kernels {
         );
         let most = picks.min(n) as u32;
         let block = ((WARPS * 32) as u32, 1, 1);
-        let listing = (count.ptr(), active.ptr(), start.ptr(), members.ptr());
+        let listing = MoeListing {
+            active_count: count.ptr(),
+            active: active.ptr(),
+            start: start.ptr(),
+            members: members.ptr(),
+        };
         // A warp per 16 rows, the picks of an expert 64 at a time on the tensor cores.
         let tensor_cores = |gate_up: MoePair, down: MoeTable| {
             let rows_per_block = 16 * WARPS;
@@ -218,18 +235,7 @@ impl Kernels {
                 (inter.div_ceil(rows_per_block) as u32, most, 1),
                 block,
                 0,
-                kernel_args![
-                    gate_up,
-                    x.ptr(),
-                    k32,
-                    i32_,
-                    h32,
-                    listing.0,
-                    listing.1,
-                    listing.2,
-                    listing.3,
-                    act.ptr()
-                ],
+                kernel_args![gate_up, x.ptr(), k32, i32_, h32, listing, act.ptr()],
             );
             dev.launch(
                 "moe_mma_down",
@@ -237,7 +243,7 @@ impl Kernels {
                 (hidden.div_ceil(rows_per_block) as u32, most, 1),
                 block,
                 0,
-                kernel_args![down, act.ptr(), i32_, h32, listing.0, listing.1, listing.2, listing.3, y.ptr()],
+                kernel_args![down, act.ptr(), i32_, h32, listing, y.ptr()],
             );
         };
         if gate_dtype == DType::BF16 {
@@ -256,7 +262,7 @@ impl Kernels {
                     (blocks_per_expert, most, 1),
                     (256, 1, 1),
                     0,
-                    kernel_args![src, listing.0, listing.1, dense.ptr(), rows as i32, cols as i32],
+                    kernel_args![src, listing, dense.ptr(), rows as i32, cols as i32],
                 );
                 dense
             };
@@ -284,20 +290,7 @@ impl Kernels {
                 gate_grid,
                 block,
                 0,
-                kernel_args![
-                    gate_up,
-                    xq.q,
-                    xq.d,
-                    xq.s,
-                    k32,
-                    i32_,
-                    h32,
-                    listing.0,
-                    listing.1,
-                    listing.2,
-                    listing.3,
-                    act.ptr()
-                ],
+                kernel_args![gate_up, xq.q, xq.d, xq.s, k32, i32_, h32, listing, act.ptr()],
             );
             let aq = q.quantize(dev, &act, picks, inter);
             dev.launch(
@@ -306,19 +299,7 @@ impl Kernels {
                 down_grid,
                 block,
                 0,
-                kernel_args![
-                    down,
-                    aq.q,
-                    aq.d,
-                    aq.s,
-                    i32_,
-                    h32,
-                    listing.0,
-                    listing.1,
-                    listing.2,
-                    listing.3,
-                    y.ptr()
-                ],
+                kernel_args![down, aq.q, aq.d, aq.s, i32_, h32, listing, y.ptr()],
             );
         }
         dev.launch(

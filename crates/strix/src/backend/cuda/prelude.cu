@@ -133,3 +133,12 @@ struct MoePair {
     unsigned long long a[MOE_MAX_EXPERTS];
     unsigned long long b[MOE_MAX_EXPERTS];
 };
+// moe_bucket's listing of a batch's picks by expert, passed by value: the *active_count
+// experts picked, ascending, in active[0 ..], the picks of active[j] in members[start[j] ..
+// start[j + 1]].
+struct MoeListing {
+    const int* active_count;
+    const int* active;
+    const int* start;
+    const int* members;
+};

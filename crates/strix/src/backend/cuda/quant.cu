@@ -631,17 +631,16 @@ __device__ __forceinline__ XQ qmoe_x(const i8* q, const float* d, const int* s, 
 // silu(gate · x) * (up · x), x the pick's token (pick / k) of quantize_x's [tokens, hidden].
 template <class F>
 __device__ __forceinline__ void qmoe_gate_up_body(const MoePair& t, const i8* xq, const float* xd, const int* xs,
-                                                  int k, int inter, int hidden, const int* active_count,
-                                                  const int* active, const int* start, const int* members,
-                                                  float* act) {
+                                                  int k, int inter, int hidden, const MoeListing& l, float* act) {
     pdl_enter();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.y, row = blockIdx.x * QG_WARPS + warp;
-    if (j >= *active_count || row >= inter) return;
-    const int e = active[j], end = start[j + 1];
+    if (j >= *l.active_count || row >= inter) return;
+    const int* members = l.members;
+    const int e = l.active[j], end = l.start[j + 1];
     const u8* g = reinterpret_cast<const u8*>(t.a[e]);
     const u8* u = reinterpret_cast<const u8*>(t.b[e]);
-    for (int p0 = start[j]; p0 < end; p0 += QMOE_GROUP) {
+    for (int p0 = l.start[j]; p0 < end; p0 += QMOE_GROUP) {
         const int count = imin(QMOE_GROUP, end - p0);
         XQ x[QMOE_GROUP];
 #pragma unroll
@@ -659,15 +658,15 @@ __device__ __forceinline__ void qmoe_gate_up_body(const MoePair& t, const i8* xq
 // quantized per pick ([picks, inter]).
 template <class F>
 __device__ __forceinline__ void qmoe_down_body(const MoeTable& t, const i8* aq, const float* ad, const int* as,
-                                               int inter, int hidden, const int* active_count, const int* active,
-                                               const int* start, const int* members, float* y) {
+                                               int inter, int hidden, const MoeListing& l, float* y) {
     pdl_enter();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.y, c = blockIdx.x * QG_WARPS + warp;
-    if (j >= *active_count || c >= hidden) return;
-    const int end = start[j + 1];
-    const u8* w = reinterpret_cast<const u8*>(t.w[active[j]]);
-    for (int p0 = start[j]; p0 < end; p0 += QMOE_GROUP) {
+    if (j >= *l.active_count || c >= hidden) return;
+    const int* members = l.members;
+    const int end = l.start[j + 1];
+    const u8* w = reinterpret_cast<const u8*>(t.w[l.active[j]]);
+    for (int p0 = l.start[j]; p0 < end; p0 += QMOE_GROUP) {
         const int count = imin(QMOE_GROUP, end - p0);
         XQ x[QMOE_GROUP];
 #pragma unroll
@@ -683,15 +682,13 @@ __device__ __forceinline__ void qmoe_down_body(const MoeTable& t, const i8* aq, 
 #define QMOE(NAME, F)                                                                                        \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                              \
         qmoe_gate_up_##NAME(const __grid_constant__ MoePair t, const i8* xq, const float* xd, const int* xs, \
-                            int k, int inter, int hidden, const int* active_count, const int* active,        \
-                            const int* start, const int* members, float* act) {                              \
-        qmoe_gate_up_body<F>(t, xq, xd, xs, k, inter, hidden, active_count, active, start, members, act);    \
+                            int k, int inter, int hidden, const MoeListing l, float* act) {                   \
+        qmoe_gate_up_body<F>(t, xq, xd, xs, k, inter, hidden, l, act);                                       \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                              \
         qmoe_down_##NAME(const __grid_constant__ MoeTable t, const i8* aq, const float* ad, const int* as,   \
-                         int inter, int hidden, const int* active_count, const int* active, const int* start, \
-                         const int* members, float* y) {                                                     \
-        qmoe_down_body<F>(t, aq, ad, as, inter, hidden, active_count, active, start, members, y);            \
+                         int inter, int hidden, const MoeListing l, float* y) {                              \
+        qmoe_down_body<F>(t, aq, ad, as, inter, hidden, l, y);                                               \
     }
 QMOE(q8_0, Q8_0F)
 QMOE(q4_0, Q4_0F)
@@ -1803,12 +1800,11 @@ DEQUANT(q6_k, Q6_KF)
 // its [rows, cols] weights to dst + e * rows * cols, grid-stride over (row, unit). Expert e's
 // quants start at t.w[e], its scales after all its rows' quants (as qmoe_* read them).
 #define DEQUANT_MOE(NAME, F)                                                                                 \
-    extern "C" __global__ void dequant_moe_bf16_##NAME(const __grid_constant__ MoeTable t,                   \
-                                                       const int* active_count, const int* active,           \
+    extern "C" __global__ void dequant_moe_bf16_##NAME(const __grid_constant__ MoeTable t, const MoeListing l, \
                                                        bf16_t* dst, int rows, int cols) {                    \
         pdl_enter();                                                                                         \
-        if ((int)blockIdx.y >= *active_count) return;                                                        \
-        const int e = active[blockIdx.y];                                                                    \
+        if ((int)blockIdx.y >= *l.active_count) return;                                                      \
+        const int e = l.active[blockIdx.y];                                                                  \
         const u8* wq = reinterpret_cast<const u8*>(t.w[e]);                                                  \
         const u8* ws = wq + (i64)rows * F::qrow(cols);                                                       \
         bf16_t* out = dst + (i64)e * rows * cols;                                                            \
