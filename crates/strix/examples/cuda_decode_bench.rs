@@ -11,6 +11,8 @@
 //! the server's kernels); `--profile-prefill N` adds one N-token prefill of a fresh session
 //! (`Model::prefill`, as the server feeds a prompt before its last piece) to the range.
 //! `--quant SCHEME` (q8_0, q4_0, q4_k) quantizes the weights on load, as `strix --quant` does.
+//! A path to a model file (GGUF) in place of a preset loads that file's weights as they are
+//! (for example one `strix quantize --preset` wrote, without quantizing again).
 //! `--batches 1,16,64` measures only decode batches of those sizes (`Model::decode_batch_greedy`
 //! on sessions at context 128, as `strix bench` does), with packed weights once per tensor-core
 //! arithmetic the device has (`PackedMma`; `--kinds int8,bf16` picks), and prints
@@ -96,25 +98,33 @@ fn main() -> strix::Result<()> {
 
     let mut rows = Vec::new();
     for name in &presets {
-        let cfg = preset(name)?;
         let t0 = Instant::now();
-        let weights = SyntheticWeights::new(cfg.clone(), 1);
-        let model = match quant {
-            None => Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?,
-            Some(scheme) => {
-                let src = strix::quant::on_load::QuantizingSource::new(&weights, &cfg, scheme);
-                Model::from_source(cfg.clone(), &src, gpu::backend()?, None)?
+        let from_file = std::path::Path::new(name).is_file();
+        let model = if from_file {
+            // A model file (GGUF) as it is: its own weight types, no quantizing on load.
+            let files = strix::model::ModelFiles::open(std::path::Path::new(name))?;
+            Model::load_files(files, gpu::backend()?, None)?
+        } else {
+            let cfg = preset(name)?;
+            let weights = SyntheticWeights::new(cfg.clone(), 1);
+            match quant {
+                None => Model::from_source(cfg.clone(), &weights, gpu::backend()?, None)?,
+                Some(scheme) => {
+                    let src = strix::quant::on_load::QuantizingSource::new(&weights, &cfg, scheme);
+                    Model::from_source(cfg.clone(), &src, gpu::backend()?, None)?
+                }
             }
         };
+        let cfg = model.config.clone();
         let bytes = model.weight_bytes_per_token();
         println!(
-            "{name}: synthesised and uploaded in {:.1} s; {:.2} GB of weights read per token",
+            "{name}: weights on the device in {:.1} s; {:.2} GB of weights read per token",
             t0.elapsed().as_secs_f64(),
             bytes as f64 / 1e9
         );
 
         if !batches.is_empty() {
-            batch_sweep(name, &model, &batches, quant.is_some(), kinds.as_deref())?;
+            batch_sweep(name, &model, &batches, quant.is_some() || from_file, kinds.as_deref())?;
             continue;
         }
         let mut session = model.new_session(PROMPT + WARMUP + steps + 8);
