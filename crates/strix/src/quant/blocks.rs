@@ -1,5 +1,6 @@
-//! The GGML block formats Q8_0, Q4_0, Q4_K and Q6_K, byte for byte, with scalar
-//! reference (de)quantizers.
+//! The GGML block formats Q8_0, Q4_0, Q4_K and Q6_K, byte for byte, with GGML's reference
+//! (de)quantizers (the Q4_K and Q6_K scale searches laid out to vectorize, see "The k-quant
+//! scale searches" below).
 //!
 //! Each function works on a run of whole blocks (`x.len()` a multiple of the block size,
 //! the byte slice exactly as long as those blocks) and panics otherwise: callers check
@@ -61,6 +62,52 @@ fn f16_bytes(v: f32) -> [u8; 2] {
 fn nearest_int(fval: f32) -> i32 {
     let val = fval + 12_582_912.0;
     (val.to_bits() as i32 & 0x007f_ffff) - 0x0040_0000
+}
+
+// ------------------------------------------------------------------------------------
+// The k-quant scale searches, laid out for SIMD
+//
+// GGML fits each sub-block's scale (Q4_K: and min) by trying a list of candidate inverse
+// scales, one after another, each a pass over the sub-block's values with running float
+// sums. Those sums and comparisons decide the levels, so they must be evaluated exactly as
+// GGML does: every sum in GGML's order and association, the candidates in GGML's order.
+// One sub-block at a time, that leaves nothing to vectorize. Nor can a sub-block's
+// candidates be tried side by side: in Q4_K a winning candidate replaces the min that every
+// later candidate of its sub-block starts from. The sub-blocks, though, are independent, so
+// the searches run those of several super-blocks side by side, as lanes: each step is a loop
+// over the lanes of `[value][lane]` arrays, which the compiler vectorizes, while each lane
+// goes through GGML's scalar steps unchanged. (The lane count is a run-time number: a short
+// constant one gets the loops unrolled instead, and then vectorized poorly.)
+
+/// Super-blocks whose sub-blocks the k-quant searches take side by side.
+const SEARCH_BLOCKS: usize = 4;
+
+/// Values a search takes per pass over its lanes: the loop over them is unrolled inside the
+/// loop over lanes, so each lane's running sums stay in registers across them (a loop over
+/// lanes per value would load and store every sum for every value). More than this stops
+/// the compiler from unrolling it.
+const SEARCH_UNROLL: usize = 8;
+
+/// `if c { a } else { b }` as a select: the compiler turns `x[s] = if c { a } else { x[s] }`
+/// into a conditional store, which keeps a loop over lanes from vectorizing.
+#[inline]
+fn pick(c: bool, a: f32, b: f32) -> f32 {
+    std::hint::select_unpredictable(c, a, b)
+}
+
+/// `nearest_int(fval).clamp(lo, hi) as f32` for integers `lo <= hi`, clamped as a float:
+/// `nearest_int` returns an integer of magnitude at most 2^22, which converts exactly, so the
+/// result is the same, and SSE2 (x86-64's baseline) has float min/max but no 32-bit integer
+/// ones. For the hot loops of the k-quant searches.
+#[inline]
+fn nearest_level(fval: f32, lo: f32, hi: f32) -> f32 {
+    let q = nearest_int(fval) as f32;
+    let q = if q < lo { lo } else { q };
+    if q > hi {
+        hi
+    } else {
+        q
+    }
 }
 
 // ------------------------------------------------------------------------------------
@@ -174,87 +221,139 @@ pub fn dequantize_row_q4_k(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// GGML's `make_qkx2_quants`: fits `x ≈ scale·L − min` with `L` in `0..=nmax` by weighted
-/// least squares over `nstep + 1` candidate inverse scales, keeping the best. Returns
-/// `(scale, min)` with `min >= 0` subtracted; `l` receives the levels.
+/// Lanes of [`make_qkx2_quants`]: the sub-blocks of 32 of [`SEARCH_BLOCKS`] super-blocks.
+const Q4K_LANES: usize = SEARCH_BLOCKS * QK_K / 32;
+
+/// Values of [`make_qkx2_quants`]'s lanes: `[i][s]` is value `i` of sub-block `s`.
+type Q4kLanes = [[f32; Q4K_LANES]; 32];
+
+/// GGML's `make_qkx2_quants`, for the first `n` lanes (sub-blocks of 32) of `x`: fits
+/// `x ≈ scale·L − min` with `L` in `0..=nmax` by weighted least squares over `nstep + 1`
+/// candidate inverse scales, keeping the best. Returns each sub-block's `scale` and `min`
+/// (`min >= 0`, subtracted), and writes sub-block `s`'s levels to `l[32·s..32·s + 32]`.
+/// See "The k-quant scale searches" above for the layout.
 #[allow(clippy::too_many_arguments)]
 fn make_qkx2_quants(
     nmax: i32,
-    x: &[f32],
-    weights: &[f32],
+    n: usize,
+    x: &Q4kLanes,
+    weights: &Q4kLanes,
     l: &mut [u8],
-    laux: &mut [u8],
     rmin: f32,
     rdelta: f32,
     nstep: i32,
-) -> (f32, f32) {
-    let n = x.len();
-    let mut min = x[0];
-    let mut max = x[0];
-    let mut sum_w = weights[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..n {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        let w = weights[i];
-        sum_w += w;
-        sum_x += w * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max == min {
-        l[..n].fill(0);
-        return (0.0, -min);
-    }
+) -> ([f32; Q4K_LANES], [f32; Q4K_LANES]) {
+    assert!(n <= Q4K_LANES && l.len() == 32 * n, "make_qkx2_quants: {n} lanes, {} levels", l.len());
+    const L: usize = Q4K_LANES;
     let nmaxf = nmax as f32;
-    let mut iscale = nmaxf / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_error = 0f32;
-    for i in 0..n {
-        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l[i] = q as u8;
-        let diff = scale * l[i] as f32 + min - x[i];
-        best_error += weights[i] * (diff * diff);
+    let (mut min, mut max, mut sum_w, mut sum_x) = (x[0], x[0], weights[0], [0f32; L]);
+    for s in 0..n {
+        sum_x[s] = sum_w[s] * x[0][s];
     }
+    for (xi, wi) in x.iter().zip(weights).skip(1) {
+        for s in 0..n {
+            let v = xi[s];
+            min[s] = pick(v < min[s], v, min[s]);
+            max[s] = pick(v > max[s], v, max[s]);
+            sum_w[s] += wi[s];
+            sum_x[s] += wi[s] * v;
+        }
+    }
+    for m in &mut min[..n] {
+        *m = pick(*m > 0.0, 0.0, *m);
+    }
+    // GGML returns at once where `max == min`: levels 0, scale 0, `-min`. Those lanes go
+    // through the search too (into numbers never used) and are set at the end.
+    let flat_min = min;
+
+    // The levels of the best fit so far are those of inverse scale `best_iscale` applied to
+    // `x − best_min`; they are computed once, at the end.
+    let (mut scale, mut best_iscale, mut best_min) = ([0f32; L], [0f32; L], min);
+    for s in 0..n {
+        best_iscale[s] = nmaxf / (max[s] - min[s]);
+        scale[s] = 1.0 / best_iscale[s];
+    }
+    let mut best_error = [0f32; L];
+    for (xi, wi) in x.iter().zip(weights) {
+        for s in 0..n {
+            let lf = nearest_level(best_iscale[s] * (xi[s] - min[s]), 0.0, nmaxf);
+            let diff = scale[s] * lf + min[s] - xi[s];
+            best_error[s] += wi[s] * (diff * diff);
+        }
+    }
+
+    let mut levels = [[0f32; L]; 32];
     for is in 0..=nstep {
-        iscale = (rmin + rdelta * is as f32 + nmaxf) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for i in 0..n {
-            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            laux[i] = q as u8;
-            let w = weights[i];
-            let lf = q as f32;
-            sum_l += w * lf;
-            sum_l2 += w * lf * lf;
-            sum_xl += w * lf * x[i];
+        let mut iscale = [0f32; L];
+        for s in 0..n {
+            iscale[s] = (rmin + rdelta * is as f32 + nmaxf) / (max[s] - min[s]);
         }
-        let det = sum_w * sum_l2 - sum_l * sum_l;
-        if det > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
+        // Σw·L, Σw·L², Σw·L·x over the candidate's levels.
+        let (mut sum_l, mut sum_l2, mut sum_xl) = ([0f32; L], [0f32; L], [0f32; L]);
+        let chunks = x.chunks_exact(SEARCH_UNROLL).zip(weights.chunks_exact(SEARCH_UNROLL));
+        for ((xc, wc), lc) in chunks.zip(levels.chunks_exact_mut(SEARCH_UNROLL)) {
+            for s in 0..n {
+                let (mut sl, mut sl2, mut sxl) = (sum_l[s], sum_l2[s], sum_xl[s]);
+                for k in 0..SEARCH_UNROLL {
+                    let (v, w) = (xc[k][s], wc[k][s]);
+                    let lf = nearest_level(iscale[s] * (v - min[s]), 0.0, nmaxf);
+                    lc[k][s] = lf;
+                    // GGML's `w*l*l` is `(w*l)*l` and its `w*l*x` is `(w*l)*x`.
+                    let wl = w * lf;
+                    sl += wl;
+                    sl2 += wl * lf;
+                    sxl += wl * v;
+                }
+                (sum_l[s], sum_l2[s], sum_xl[s]) = (sl, sl2, sxl);
             }
-            let mut cur_error = 0f32;
-            for i in 0..n {
-                let diff = this_scale * laux[i] as f32 + this_min - x[i];
-                cur_error += weights[i] * (diff * diff);
+        }
+        // The candidate's least-squares fit, meaningful only where `det > 0`.
+        let (mut det, mut this_scale, mut this_min) = ([0f32; L], [0f32; L], [0f32; L]);
+        for s in 0..n {
+            det[s] = sum_w[s] * sum_l2[s] - sum_l[s] * sum_l[s];
+            let fit_scale = (sum_w[s] * sum_xl[s] - sum_x[s] * sum_l[s]) / det[s];
+            let fit_min = (sum_l2[s] * sum_x[s] - sum_l[s] * sum_xl[s]) / det[s];
+            // A positive min becomes 0, with the scale fitted again without it.
+            this_scale[s] = pick(fit_min > 0.0, sum_xl[s] / sum_l2[s], fit_scale);
+            this_min[s] = pick(fit_min > 0.0, 0.0, fit_min);
+        }
+        let mut error = [0f32; L];
+        let chunks = x.chunks_exact(SEARCH_UNROLL).zip(weights.chunks_exact(SEARCH_UNROLL));
+        for ((xc, wc), lc) in chunks.zip(levels.chunks_exact(SEARCH_UNROLL)) {
+            for s in 0..n {
+                let mut e = error[s];
+                for k in 0..SEARCH_UNROLL {
+                    let diff = this_scale[s] * lc[k][s] + this_min[s] - xc[k][s];
+                    e += wc[k][s] * (diff * diff);
+                }
+                error[s] = e;
             }
-            if cur_error < best_error {
-                l[..n].copy_from_slice(&laux[..n]);
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
-            }
+        }
+        for s in 0..n {
+            // Only a strictly smaller error wins: of equal ones the earlier candidate stays.
+            let better = (det[s] > 0.0) & (error[s] < best_error[s]);
+            best_error[s] = pick(better, error[s], best_error[s]);
+            scale[s] = pick(better, this_scale[s], scale[s]);
+            best_iscale[s] = pick(better, iscale[s], best_iscale[s]);
+            best_min[s] = pick(better, min[s], best_min[s]);
+            // The min every later candidate of this sub-block starts from.
+            min[s] = pick(better, this_min[s], min[s]);
         }
     }
-    (scale, -min)
+
+    let mut min_out = [0f32; L];
+    for (s, l) in l.chunks_exact_mut(32).enumerate() {
+        if max[s] == flat_min[s] {
+            l.fill(0);
+            (scale[s], min_out[s]) = (0.0, -flat_min[s]);
+            continue;
+        }
+        for (i, l) in l.iter_mut().enumerate() {
+            *l = nearest_int(best_iscale[s] * (x[i][s] - best_min[s])).clamp(0, nmax) as u8;
+        }
+        min_out[s] = -min[s];
+    }
+    (scale, min_out)
 }
 
 /// Q4_K reference quantizer (`quantize_row_q4_K_ref`): each sub-block of 32 is fitted with
@@ -263,78 +362,85 @@ fn make_qkx2_quants(
 /// rounded scales.
 pub fn quantize_row_q4_k(x: &[f32], out: &mut [u8]) {
     check(x.len(), QK_K, out.len(), Q4_K_BYTES, "Q4_K");
-    let mut l = [0u8; QK_K];
-    let mut laux = [0u8; 32];
-    let mut weights = [0f32; 32];
-    let mut mins = [0f32; QK_K / 32];
-    let mut scales = [0f32; QK_K / 32];
-    for (x, y) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q4_K_BYTES)) {
-        let mut max_scale = 0f32;
-        let mut max_min = 0f32;
-        for j in 0..QK_K / 32 {
-            let xs = &x[32 * j..32 * j + 32];
+    let mut xt = [[0f32; Q4K_LANES]; 32];
+    let mut weights = [[0f32; Q4K_LANES]; 32];
+    let mut levels = [0u8; SEARCH_BLOCKS * QK_K];
+    for (x, out) in x.chunks(SEARCH_BLOCKS * QK_K).zip(out.chunks_mut(SEARCH_BLOCKS * Q4_K_BYTES)) {
+        // Up to SEARCH_BLOCKS super-blocks' sub-blocks, as lanes, with GGML's weights.
+        let n = x.len() / 32;
+        for (s, xs) in x.chunks_exact(32).enumerate() {
             let mut sum_x2 = 0f32;
             for &v in xs {
                 sum_x2 += v * v;
             }
             let av_x = (sum_x2 / 32.0).sqrt();
-            for (w, &v) in weights.iter_mut().zip(xs) {
-                *w = av_x + v.abs();
-            }
-            let (scale, min) =
-                make_qkx2_quants(15, xs, &weights, &mut l[32 * j..32 * j + 32], &mut laux, -1.0, 0.1, 20);
-            scales[j] = scale;
-            mins[j] = min;
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
+            for (i, &v) in xs.iter().enumerate() {
+                xt[i][s] = v;
+                weights[i][s] = av_x + v.abs();
             }
         }
+        let all_levels = &mut levels[..32 * n];
+        let (all_scales, all_mins) = make_qkx2_quants(15, n, &xt, &weights, all_levels, -1.0, 0.1, 20);
 
-        let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
-        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-        let packed = &mut y[4..4 + K_SCALE_SIZE];
-        packed.fill(0);
-        for j in 0..QK_K / 32 {
-            // GGML stores nearest_int's result in a uint8_t before clamping: wrap, then clamp.
-            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
-            if j < 4 {
-                packed[j] = ls;
-                packed[j + 4] = lm;
-            } else {
-                packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
-                packed[j - 4] |= (ls >> 4) << 6;
-                packed[j] |= (lm >> 4) << 6;
+        let blocks = x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q4_K_BYTES));
+        for (b, (x, y)) in blocks.enumerate() {
+            let scales = &all_scales[8 * b..8 * b + 8];
+            let mins = &all_mins[8 * b..8 * b + 8];
+            let l = &mut all_levels[QK_K * b..QK_K * b + QK_K];
+            let mut max_scale = 0f32;
+            let mut max_min = 0f32;
+            for j in 0..QK_K / 32 {
+                if scales[j] > max_scale {
+                    max_scale = scales[j];
+                }
+                if mins[j] > max_min {
+                    max_min = mins[j];
+                }
             }
-        }
-        let d_bytes = f16_bytes(max_scale / 63.0);
-        let dmin_bytes = f16_bytes(max_min / 63.0);
-        y[0..2].copy_from_slice(&d_bytes);
-        y[2..4].copy_from_slice(&dmin_bytes);
-        let d_all = f16::from_le_bytes(d_bytes).to_f32();
-        let dmin_all = f16::from_le_bytes(dmin_bytes).to_f32();
 
-        for j in 0..QK_K / 32 {
-            let (sc, m) = q4_k_scale_min(j, &y[4..4 + K_SCALE_SIZE]);
-            let d = d_all * sc as f32;
-            if d == 0.0 {
-                // GGML keeps the levels from the fit for a zero scale; they dequantize to
-                // −min either way.
-                continue;
+            let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+            let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+            let packed = &mut y[4..4 + K_SCALE_SIZE];
+            packed.fill(0);
+            for j in 0..QK_K / 32 {
+                // GGML stores nearest_int's result in a uint8_t before clamping: wrap, then clamp.
+                let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+                let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+                if j < 4 {
+                    packed[j] = ls;
+                    packed[j + 4] = lm;
+                } else {
+                    packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
+                    packed[j - 4] |= (ls >> 4) << 6;
+                    packed[j] |= (lm >> 4) << 6;
+                }
             }
-            let dm = dmin_all * m as f32;
-            for ii in 0..32 {
-                l[32 * j + ii] = nearest_int((x[32 * j + ii] + dm) / d).clamp(0, 15) as u8;
-            }
-        }
+            let d_bytes = f16_bytes(max_scale / 63.0);
+            let dmin_bytes = f16_bytes(max_min / 63.0);
+            y[0..2].copy_from_slice(&d_bytes);
+            y[2..4].copy_from_slice(&dmin_bytes);
+            let d_all = f16::from_le_bytes(d_bytes).to_f32();
+            let dmin_all = f16::from_le_bytes(dmin_bytes).to_f32();
 
-        let qs = &mut y[4 + K_SCALE_SIZE..];
-        for (g, q) in qs.chunks_exact_mut(32).enumerate() {
-            for (i, q) in q.iter_mut().enumerate() {
-                *q = l[64 * g + i] | (l[64 * g + i + 32] << 4);
+            for j in 0..QK_K / 32 {
+                let (sc, m) = q4_k_scale_min(j, &y[4..4 + K_SCALE_SIZE]);
+                let d = d_all * sc as f32;
+                if d == 0.0 {
+                    // GGML keeps the levels from the fit for a zero scale; they dequantize to
+                    // −min either way.
+                    continue;
+                }
+                let dm = dmin_all * m as f32;
+                for ii in 0..32 {
+                    l[32 * j + ii] = nearest_int((x[32 * j + ii] + dm) / d).clamp(0, 15) as u8;
+                }
+            }
+
+            let qs = &mut y[4 + K_SCALE_SIZE..];
+            for (g, q) in qs.chunks_exact_mut(32).enumerate() {
+                for (i, q) in q.iter_mut().enumerate() {
+                    *q = l[64 * g + i] | (l[64 * g + i + 32] << 4);
+                }
             }
         }
     }
@@ -374,57 +480,92 @@ pub fn dequantize_row_q6_k(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Lanes of [`make_qx_quants`]: the sub-blocks of 16 of [`SEARCH_BLOCKS`] super-blocks.
+const Q6K_LANES: usize = SEARCH_BLOCKS * QK_K / 16;
+
+/// Values of [`make_qx_quants`]'s lanes: `[i][s]` is value `i` of sub-block `s`.
+type Q6kLanes = [[f32; Q6K_LANES]; 16];
+
 /// GGML's `make_qx_quants` with `rmse_type = 1` and no importance weights (the only form
-/// the Q6_K reference uses): symmetric levels `l` in `−nmax..nmax`, weights `x²`, the
-/// scale refined over 18 nearby inverse scales. Writes `l + nmax` and returns the scale.
-fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8]) -> f32 {
-    let n = x.len();
-    let mut max = 0f32;
-    let mut amax = 0f32;
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
+/// the Q6_K reference uses), for the first `n` lanes (sub-blocks of 16) of `x`: symmetric
+/// levels `l` in `−nmax..nmax`, weights `x²`, the scale refined over 18 nearby inverse
+/// scales. Returns each sub-block's scale and writes sub-block `s`'s `l + nmax` to
+/// `l_out[16·s..16·s + 16]`. See "The k-quant scale searches" above for the layout.
+fn make_qx_quants(nmax: i32, n: usize, x: &Q6kLanes, l_out: &mut [i8]) -> [f32; Q6K_LANES] {
+    assert!(n <= Q6K_LANES && l_out.len() == 16 * n, "make_qx_quants: {n} lanes, {} levels", l_out.len());
+    const L: usize = Q6K_LANES;
+    let (lo, hi) = (-nmax as f32, (nmax - 1) as f32);
+    let nmaxf = nmax as f32;
+    // GGML's weights `w = x²`, and `w·x`: its `w*x*l` is `(w*x)*l`.
+    let (mut w, mut wx) = ([[0f32; L]; 16], [[0f32; L]; 16]);
+    let (mut max, mut amax) = ([0f32; L], [0f32; L]);
+    for i in 0..16 {
+        for s in 0..n {
+            let v = x[i][s];
+            let bigger = v.abs() > amax[s];
+            amax[s] = pick(bigger, v.abs(), amax[s]);
+            max[s] = pick(bigger, v, max[s]);
+            w[i][s] = v * v;
+            wx[i][s] = w[i][s] * v;
         }
     }
-    if amax < GROUP_MAX_EPS {
-        l_out[..n].fill(0);
-        return 0.0;
+
+    // Σw·x·L and Σw·L² over the levels of inverse scales `iscale`.
+    let sums = |iscale: &[f32; L]| {
+        let (mut sumlx, mut suml2) = ([0f32; L], [0f32; L]);
+        let chunks = x.chunks_exact(SEARCH_UNROLL).zip(w.chunks_exact(SEARCH_UNROLL));
+        for ((xc, wc), wxc) in chunks.zip(wx.chunks_exact(SEARCH_UNROLL)) {
+            for s in 0..n {
+                let (mut slx, mut sl2) = (sumlx[s], suml2[s]);
+                for k in 0..SEARCH_UNROLL {
+                    let lf = nearest_level(iscale[s] * xc[k][s], lo, hi);
+                    slx += wxc[k][s] * lf;
+                    sl2 += wc[k][s] * lf * lf;
+                }
+                (sumlx[s], suml2[s]) = (slx, sl2);
+            }
+        }
+        (sumlx, suml2)
+    };
+
+    // The levels of the best fit so far are those of inverse scale `best_iscale`; they are
+    // computed once, at the end.
+    let mut best_iscale = [0f32; L];
+    for s in 0..n {
+        best_iscale[s] = -nmaxf / max[s];
     }
-    let nmaxf = nmax as f32;
-    let mut iscale = -nmaxf / max;
-    let mut sumlx = 0f32;
-    let mut suml2 = 0f32;
-    for i in 0..n {
-        let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
-        l_out[i] = (l + nmax) as i8;
-        let w = x[i] * x[i];
-        let lf = l as f32;
-        sumlx += w * x[i] * lf;
-        suml2 += w * lf * lf;
+    let (sumlx, suml2) = sums(&best_iscale);
+    let (mut scale, mut best) = ([0f32; L], [0f32; L]);
+    for s in 0..n {
+        scale[s] = pick(suml2[s] != 0.0, sumlx[s] / suml2[s], 0.0);
+        best[s] = scale[s] * sumlx[s];
     }
-    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
-    let mut best = scale * sumlx;
-    for is in -9..=9 {
-        if is == 0 {
+    for is in (-9..=9).filter(|&is| is != 0) {
+        let mut iscale = [0f32; L];
+        for s in 0..n {
+            iscale[s] = -(nmaxf + 0.1 * is as f32) / max[s];
+        }
+        let (sumlx, suml2) = sums(&iscale);
+        for s in 0..n {
+            // GGML's test: a candidate must beat the best so far, so ties keep the earlier one.
+            let better = (suml2[s] > 0.0) & (sumlx[s] * sumlx[s] > best[s] * suml2[s]);
+            let this_scale = sumlx[s] / suml2[s];
+            scale[s] = pick(better, this_scale, scale[s]);
+            best[s] = pick(better, this_scale * sumlx[s], best[s]);
+            best_iscale[s] = pick(better, iscale[s], best_iscale[s]);
+        }
+    }
+
+    for (s, l) in l_out.chunks_exact_mut(16).enumerate() {
+        // GGML returns at once for these, with levels 0 and scale 0; they went through the
+        // search too (into numbers never used).
+        if amax[s] < GROUP_MAX_EPS {
+            l.fill(0);
+            scale[s] = 0.0;
             continue;
         }
-        iscale = -(nmaxf + 0.1 * is as f32) / max;
-        sumlx = 0.0;
-        suml2 = 0.0;
-        for &v in x {
-            let lf = nearest_int(iscale * v).clamp(-nmax, nmax - 1) as f32;
-            let w = v * v;
-            sumlx += w * v * lf;
-            suml2 += w * lf * lf;
-        }
-        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
-            for i in 0..n {
-                let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
-                l_out[i] = (nmax + l) as i8;
-            }
-            scale = sumlx / suml2;
-            best = scale * sumlx;
+        for (i, l) in l.iter_mut().enumerate() {
+            *l = (nmax + nearest_int(best_iscale[s] * x[i][s]).clamp(-nmax, nmax - 1)) as i8;
         }
     }
     scale
@@ -435,57 +576,70 @@ fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8]) -> f32 {
 /// magnitude (mapped to −128), and the levels recomputed against the rounded scales.
 pub fn quantize_row_q6_k(x: &[f32], out: &mut [u8]) {
     check(x.len(), QK_K, out.len(), Q6_K_BYTES, "Q6_K");
-    let mut l = [0i8; QK_K];
-    let mut scales = [0f32; QK_K / 16];
-    for (x, y) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q6_K_BYTES)) {
-        let mut max_scale = 0f32;
-        let mut max_abs_scale = 0f32;
-        for ib in 0..QK_K / 16 {
-            let scale = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
-            scales[ib] = scale;
-            if scale.abs() > max_abs_scale {
-                max_abs_scale = scale.abs();
-                max_scale = scale;
+    let mut xt = [[0f32; Q6K_LANES]; 16];
+    let mut levels = [0i8; SEARCH_BLOCKS * QK_K];
+    for (x, out) in x.chunks(SEARCH_BLOCKS * QK_K).zip(out.chunks_mut(SEARCH_BLOCKS * Q6_K_BYTES)) {
+        // Up to SEARCH_BLOCKS super-blocks' sub-blocks, as lanes.
+        let n = x.len() / 16;
+        for (s, xs) in x.chunks_exact(16).enumerate() {
+            for (i, &v) in xs.iter().enumerate() {
+                xt[i][s] = v;
             }
         }
+        let all_levels = &mut levels[..16 * n];
+        let all_scales = make_qx_quants(32, n, &xt, all_levels);
 
-        if max_abs_scale < GROUP_MAX_EPS {
-            y.fill(0);
-            continue;
-        }
+        let blocks = x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q6_K_BYTES));
+        for (b, (x, y)) in blocks.enumerate() {
+            let scales = &all_scales[16 * b..16 * b + 16];
+            let l = &mut all_levels[QK_K * b..QK_K * b + QK_K];
+            let mut max_scale = 0f32;
+            let mut max_abs_scale = 0f32;
+            for &scale in scales {
+                if scale.abs() > max_abs_scale {
+                    max_abs_scale = scale.abs();
+                    max_scale = scale;
+                }
+            }
 
-        let (ql_all, rest) = y.split_at_mut(QK_K / 2);
-        let (qh_all, rest) = rest.split_at_mut(QK_K / 4);
-        let (sc_all, d_out) = rest.split_at_mut(QK_K / 16);
-
-        let iscale = -128.0 / max_scale;
-        let d_bytes = f16_bytes(1.0 / iscale);
-        d_out.copy_from_slice(&d_bytes);
-        let d_all = f16::from_le_bytes(d_bytes).to_f32();
-        for ib in 0..QK_K / 16 {
-            sc_all[ib] = nearest_int(iscale * scales[ib]).min(127) as i8 as u8;
-        }
-
-        for j in 0..QK_K / 16 {
-            let d = d_all * sc_all[j] as i8 as f32;
-            if d == 0.0 {
+            if max_abs_scale < GROUP_MAX_EPS {
+                y.fill(0);
                 continue;
             }
-            for ii in 0..16 {
-                let q = nearest_int(x[16 * j + ii] / d).clamp(-32, 31);
-                l[16 * j + ii] = (q + 32) as i8;
-            }
-        }
 
-        for half in 0..2 {
-            let ql = &mut ql_all[64 * half..64 * half + 64];
-            let qh = &mut qh_all[32 * half..32 * half + 32];
-            let l = &l[128 * half..128 * half + 128];
-            for i in 0..32 {
-                let (l1, l2, l3, l4) = (l[i] as u8, l[i + 32] as u8, l[i + 64] as u8, l[i + 96] as u8);
-                ql[i] = (l1 & 0x0f) | ((l3 & 0x0f) << 4);
-                ql[i + 32] = (l2 & 0x0f) | ((l4 & 0x0f) << 4);
-                qh[i] = (l1 >> 4) | ((l2 >> 4) << 2) | ((l3 >> 4) << 4) | ((l4 >> 4) << 6);
+            let (ql_all, rest) = y.split_at_mut(QK_K / 2);
+            let (qh_all, rest) = rest.split_at_mut(QK_K / 4);
+            let (sc_all, d_out) = rest.split_at_mut(QK_K / 16);
+
+            let iscale = -128.0 / max_scale;
+            let d_bytes = f16_bytes(1.0 / iscale);
+            d_out.copy_from_slice(&d_bytes);
+            let d_all = f16::from_le_bytes(d_bytes).to_f32();
+            for ib in 0..QK_K / 16 {
+                sc_all[ib] = nearest_int(iscale * scales[ib]).min(127) as i8 as u8;
+            }
+
+            for j in 0..QK_K / 16 {
+                let d = d_all * sc_all[j] as i8 as f32;
+                if d == 0.0 {
+                    continue;
+                }
+                for ii in 0..16 {
+                    let q = nearest_int(x[16 * j + ii] / d).clamp(-32, 31);
+                    l[16 * j + ii] = (q + 32) as i8;
+                }
+            }
+
+            for half in 0..2 {
+                let ql = &mut ql_all[64 * half..64 * half + 64];
+                let qh = &mut qh_all[32 * half..32 * half + 32];
+                let l = &l[128 * half..128 * half + 128];
+                for i in 0..32 {
+                    let (l1, l2, l3, l4) = (l[i] as u8, l[i + 32] as u8, l[i + 64] as u8, l[i + 96] as u8);
+                    ql[i] = (l1 & 0x0f) | ((l3 & 0x0f) << 4);
+                    ql[i + 32] = (l2 & 0x0f) | ((l4 & 0x0f) << 4);
+                    qh[i] = (l1 >> 4) | ((l2 >> 4) << 2) | ((l3 >> 4) << 4) | ((l4 >> 4) << 6);
+                }
             }
         }
     }
@@ -585,6 +739,68 @@ mod tests {
         quantize_row_q4_k(&x, &mut q);
         dequantize_row_q4_k(&q, &mut y);
         assert!(y.iter().all(|&v| v == 0.0));
+    }
+
+    /// Many generated blocks against GGML's reference quantizers, as checksums of the bytes.
+    /// `scripts/ggml_kquant_checksums.c` generates the same blocks (the same LCG, the same
+    /// f32 operations in the same order) and prints the checksums GGML's
+    /// `quantize_row_q4_K_ref` / `quantize_row_q6_K_ref` give; the fixture vectors in
+    /// tests/quant.rs hold only a few blocks, too few to notice a change in the float order
+    /// or the tie-breaking of the scale searches (both were tried: only this test failed).
+    /// Shapes: uniform, peaked (u³), mostly positive, lopsided, on a grid of eighths (ties
+    /// between the searches' candidates, rounding ties), constant; magnitudes 2^-20 to 2^12,
+    /// some sub-blocks zero, some weights 16× outliers.
+    #[test]
+    fn k_quant_checksums_match_ggml() {
+        const BLOCKS: usize = 2048;
+        let mut state = 0x5eedu64;
+        let mut next_u64 = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state
+        };
+        // Uniform in [-1, 1) from a draw: 24 random bits, every step exact.
+        let uniform = |r: u64| (r >> 40) as f32 / 16777216.0 * 2.0 - 1.0;
+        let mut x = vec![0f32; BLOCKS * QK_K];
+        for (b, block) in x.chunks_exact_mut(QK_K).enumerate() {
+            let e = (next_u64() >> 59) as i32 - 20;
+            let mag = (1.5 + 0.5 * uniform(next_u64())) * f32::from_bits(((127 + e) as u32) << 23);
+            for sub_block in block.chunks_exact_mut(16) {
+                let coin = uniform(next_u64());
+                let spread = 1.0 + 0.75 * uniform(next_u64());
+                let sub = if coin < -0.875 { 0.0 } else { spread };
+                for v_out in sub_block {
+                    let u = uniform(next_u64());
+                    let mut v = match b % 6 {
+                        0 => u,
+                        1 => u * u * u,
+                        2 => u + 0.75,
+                        3 => u * u - 0.25,
+                        4 => (next_u64() >> 60) as f32 * 0.125 - 1.0,
+                        _ => 0.5,
+                    };
+                    if next_u64() >> 58 == 0 {
+                        v *= 16.0;
+                    }
+                    *v_out = v * sub * mag;
+                }
+            }
+        }
+        let fnv1a = |bytes: &[u8]| {
+            bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+        };
+        // In rows of 1 to 7 super-blocks, so that the searches also run on part-filled
+        // batches of lanes (blocks are independent: the bytes are those of one pass).
+        let (mut q4, mut q6) = (vec![0u8; BLOCKS * Q4_K_BYTES], vec![0u8; BLOCKS * Q6_K_BYTES]);
+        let (mut at, mut row) = (0, 1);
+        while at < BLOCKS {
+            let nb = row.min(BLOCKS - at);
+            let x = &x[at * QK_K..(at + nb) * QK_K];
+            quantize_row_q4_k(x, &mut q4[at * Q4_K_BYTES..(at + nb) * Q4_K_BYTES]);
+            quantize_row_q6_k(x, &mut q6[at * Q6_K_BYTES..(at + nb) * Q6_K_BYTES]);
+            (at, row) = (at + nb, row % 7 + 1);
+        }
+        let got = (format!("Q4_K {:#018x}", fnv1a(&q4)), format!("Q6_K {:#018x}", fnv1a(&q6)));
+        assert_eq!(got, ("Q4_K 0x8f66fdb26b4b4eb9".into(), "Q6_K 0xebfc66888abfe83f".into()));
     }
 
     #[test]
