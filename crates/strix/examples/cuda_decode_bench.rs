@@ -38,6 +38,7 @@ use strix::backend::{
 };
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{attention_shape, deltanet_shape, rope_inv_freq, Logits, Model};
+use strix::quant::QuantType;
 use strix::sampling::argmax;
 use strix::synthetic::{preset, SyntheticWeights};
 use strix::tensor::DType;
@@ -99,10 +100,13 @@ fn main() -> strix::Result<()> {
     let mut rows = Vec::new();
     for name in &presets {
         let t0 = Instant::now();
-        let from_file = std::path::Path::new(name).is_file();
-        let model = if from_file {
+        // Whether the weights are packed: quantized on load, or stored so in a model file.
+        let mut packed = quant.is_some();
+        let model = if std::path::Path::new(name).is_file() {
             // A model file (GGUF) as it is: its own weight types, no quantizing on load.
             let files = strix::model::ModelFiles::open(std::path::Path::new(name))?;
+            let float = |ty| matches!(ty, QuantType::F32 | QuantType::F16 | QuantType::BF16);
+            packed = files.gguf().is_some_and(|g| g.file().tensors().iter().any(|t| !float(t.ty)));
             Model::load_files(files, gpu::backend()?, None)?
         } else {
             let cfg = preset(name)?;
@@ -124,7 +128,7 @@ fn main() -> strix::Result<()> {
         );
 
         if !batches.is_empty() {
-            batch_sweep(name, &model, &batches, quant.is_some() || from_file, kinds.as_deref())?;
+            batch_sweep(name, &model, &batches, packed, kinds.as_deref())?;
             continue;
         }
         let mut session = model.new_session(PROMPT + WARMUP + steps + 8);

@@ -152,7 +152,8 @@ impl Kernels {
         out: &mut CudaBuf,
     ) {
         let top_k = experts.top_k;
-        assert!(Self::supports(experts), "moe: unsupported experts or top_k {top_k}");
+        // The caller checked (`CudaBackend::moe_experts`): not walked again for every call.
+        debug_assert!(Self::supports(experts), "moe: unsupported experts or top_k {top_k}");
         let n = experts.gate.len();
         let (inter, hidden) = (experts.gate[0].rows(), experts.gate[0].cols());
         let picks = tokens * top_k;

@@ -67,8 +67,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::compile;
-use super::device::XQuant;
-use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device};
+use super::device::{cuda_error, kernel_args, CudaBuf, CudaWeight, Device, XQuant};
 use super::matmul::{self, Bf16Input, GemmPath, Gemms, SplitWorkspace, GS_BM};
 use super::packed::planes;
 use crate::error::Result;
