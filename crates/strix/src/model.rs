@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::{
     AttentionInput, AttentionLayer, Backend, DeltaNetLayer, DeltaNetProjections, DeltaNetShape,
-    DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, MlpActivations, MlpWeights, MoeExperts, RmsNorm,
+    DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, MlpActivations, MlpWeights, MoeExperts,
+    MoeScratch, RmsNorm, SparseMoe,
 };
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, MoeConfig};
@@ -867,25 +868,23 @@ impl<B: Backend> Model<B> {
 
     /// The sparse MoE block (`Qwen3_5MoeSparseMoeBlock.forward`): the shared expert, the router,
     /// the routed experts' weighted sum, plus the shared expert's output scaled by the sigmoid
-    /// of its gate; reads `s.x`, writes `s.y`.
+    /// of its gate ([`crate::backend::sparse_moe_each`] spells it out op by op); reads `s.x`,
+    /// writes `s.y`.
     fn sparse_moe(&self, m: &MoeWeights<B>, seqs: &Sequences<'_, '_, B>, t: usize, s: &mut Scratch<B>) {
-        let b = &self.backend;
+        let moe = SparseMoe {
+            router: &m.router,
+            experts: &m.experts,
+            shared_expert: m.shared_expert.weights(),
+            shared_expert_gate: &m.shared_expert_gate,
+        };
+        let scratch = MoeScratch {
+            router_logits: &mut s.router_logits,
+            shared_gate: &mut s.shared_gate,
+            shared_out: &mut s.shared_out,
+            shared_acts: MlpActivations { gate: &mut s.mlp_gate, up: &mut s.mlp_up, act: &mut s.mlp_act },
+        };
         let decode_batch = matches!(seqs, Sequences::Batch(_));
-        // shared_expert_output = self.shared_expert(hidden_states)
-        let acts = MlpActivations { gate: &mut s.mlp_gate, up: &mut s.mlp_up, act: &mut s.mlp_act };
-        b.mlp(&s.x, t, m.shared_expert.weights(), acts, &mut s.shared_out, decode_batch);
-        // router_logits = self.gate(hidden_states); the shared expert's gate logit beside it.
-        seqs.matmul_many(
-            b,
-            &s.x,
-            t,
-            &[&m.router, &m.shared_expert_gate],
-            &mut [&mut s.router_logits, &mut s.shared_gate],
-        );
-        // expert_output = self.experts(hidden_states, selected_experts, routing_weights)
-        b.moe_experts(&s.x, t, &s.router_logits, &m.experts, &mut s.y, decode_batch);
-        // expert_output + sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
-        b.add_sigmoid_gated(&mut s.y, &s.shared_out, &s.shared_gate, t, self.config.hidden_size);
+        self.backend.sparse_moe(&s.x, t, moe, scratch, &mut s.y, decode_batch);
     }
 
     /// Gated DeltaNet mixer of layer `l`: projections, causal conv, delta rule, gated norm,

@@ -29,7 +29,7 @@ use strix::backend::cpu::CpuBackend;
 use strix::backend::cuda::{
     CudaBackend, CudaWeight, GemmPath, PackedMma, PathCounts, MOE_DECODE_MAX_TOKENS, QUANT_GEMV_MAX_TOKENS,
 };
-use strix::backend::{Backend, KvCacheType, MlpActivations, MlpWeights, RmsNorm};
+use strix::backend::{Backend, KvCacheType, MlpActivations, MlpWeights, MoeScratch, RmsNorm, SparseMoe};
 use strix::checkpoint::Checkpoint;
 use strix::config::{LayerKind, ModelConfig};
 use strix::model::{Logits, Model, TensorSource};
@@ -302,6 +302,113 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
                 );
             }
         }
+    }
+}
+
+/// A MoE block (`Backend::sparse_moe`) in decode batches tuned for one sequence (the CUDA-core
+/// GEMVs) runs its shared expert as one more pick of the routed experts' kernels: against the
+/// same block op by op on the device (`sparse_moe_each`: the shared expert's own MLP, the
+/// router and gate GEMVs, `add_sigmoid_gated`) on the same weights, bf16 and packed (gate/up
+/// and down in the same or different formats), widths that are and are not multiples of 8.
+/// Both route the same logits (the same GEMV computes them), so only the shared expert's
+/// rounding differs: within 1e-4 for bf16 (f32 sums in other orders), 1e-2 packed (the
+/// activations quantized per 32 by other kernels, as `packed_moe_experts_*` explains). Every
+/// token of a fused batch of 5 is bitwise what it gives alone. Tuned for batches (the
+/// tensor-core GEMVs), and in a prompt, the block runs op by op: bitwise `sparse_moe_each`.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored there (scripts/gpu/run.sh does)"]
+fn moe_block_runs_the_shared_expert_as_a_pick_when_tuned_for_one_sequence() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(43);
+    let cases = [
+        (DType::BF16, DType::BF16, 72usize, 40usize, 6usize, 2usize, EXACT_TOL),
+        (DType::BF16, DType::BF16, 256, 512, 9, 4, EXACT_TOL),
+        (DType::Q8_0, DType::Q8_0, 96, 64, 6, 2, 1e-2),
+        (DType::Q4_K, DType::Q6_K, 256, 512, 6, 3, 1e-2),
+        (DType::Q4_K, DType::Q4_K, 512, 256, 5, 1, 1e-2),
+    ];
+    for (gate_dtype, down_dtype, hidden, inter, n, k, tol) in cases {
+        let mut weight = |dtype: DType, rows: usize, cols: usize| {
+            g.weight(&packed(&mut rng, dtype, rows, cols).0, rows, cols).unwrap()
+        };
+        let mut experts =
+            strix::backend::MoeExperts::<CudaBackend> { gate: vec![], up: vec![], down: vec![], top_k: k };
+        for _ in 0..n {
+            experts.gate.push(weight(gate_dtype, inter, hidden));
+            experts.up.push(weight(gate_dtype, inter, hidden));
+            experts.down.push(weight(down_dtype, hidden, inter));
+        }
+        let (shared_gate, shared_up, shared_down) = (
+            weight(gate_dtype, inter, hidden),
+            weight(gate_dtype, inter, hidden),
+            weight(down_dtype, hidden, inter),
+        );
+        let (router, gate_row) = (weight(DType::BF16, n, hidden), weight(DType::BF16, 1, hidden));
+        let moe = || SparseMoe {
+            router: &router,
+            experts: &experts,
+            shared_expert: MlpWeights { gate: &shared_gate, up: &shared_up, down: &shared_down },
+            shared_expert_gate: &gate_row,
+        };
+        let what = format!(
+            "moe block {}/{} hidden {hidden} inter {inter} {n} experts top {k}",
+            gate_dtype.name(),
+            down_dtype.name()
+        );
+        let tokens = 5;
+        let xs = rng.vec(tokens * hidden, 1.0);
+        // The block on tokens `t0..t1` of `xs`, by the backend's `sparse_moe` (`own_op`) or op by
+        // op, in fresh scratch (a fused run leaves the shared expert's unwritten); `fused`: whether
+        // the shared expert must run as a pick.
+        let run = |own_op: bool, decode_batch: bool, t0: usize, t1: usize, fused: bool| -> Vec<f32> {
+            let t = t1 - t0;
+            let mut bufs: Vec<_> =
+                [n, 1, hidden, inter, inter, inter].iter().map(|&w| poison(&g, t * w)).collect();
+            let [logits, gate, shared_out, a, b, c] = &mut bufs[..] else { unreachable!() };
+            let scratch = MoeScratch {
+                router_logits: logits,
+                shared_gate: gate,
+                shared_out,
+                shared_acts: MlpActivations { gate: a, up: b, act: c },
+            };
+            let x = g.upload(&xs[t0 * hidden..t1 * hidden]);
+            let mut out = poison(&g, t * hidden);
+            let before = g.path_counts().moe_shared_fused;
+            match own_op {
+                true => g.sparse_moe(&x, t, moe(), scratch, &mut out, decode_batch),
+                false => strix::backend::sparse_moe_each(&g, &x, t, moe(), scratch, &mut out, decode_batch),
+            }
+            assert_eq!(
+                g.path_counts().moe_shared_fused,
+                before + u64::from(fused),
+                "{what}: {}",
+                g.path_counts()
+            );
+            down(&g, &out)
+        };
+        g.set_tensor_core_gemv(false);
+        check(
+            &format!("{what}: shared expert as a pick"),
+            &run(true, true, 0, 1, true),
+            &run(false, true, 0, 1, false),
+            tol,
+        );
+        let batch = run(true, true, 0, tokens, true);
+        for t in 0..tokens {
+            assert!(
+                run(true, true, t, t + 1, true) == batch[t * hidden..(t + 1) * hidden],
+                "{what}: token {t} of a fused batch differs alone"
+            );
+        }
+        assert!(
+            run(true, false, 0, 3, false) == run(false, false, 0, 3, false),
+            "{what}: a prompt differs from the ops"
+        );
+        g.set_tensor_core_gemv(true);
+        assert!(
+            run(true, true, 0, tokens, false) == run(false, true, 0, tokens, false),
+            "{what}: tuned for batches, the block differs from the ops one by one"
+        );
     }
 }
 

@@ -204,6 +204,26 @@ pub struct MoeExperts<B: Backend + ?Sized> {
     pub top_k: usize,
 }
 
+/// A sparse MoE block's weights (`Qwen3_5MoeSparseMoeBlock`), as [`Backend::sparse_moe`] takes
+/// them: the router (`mlp.gate`, `[num_experts, hidden]`), the routed experts, the shared
+/// expert (a SwiGLU MLP) and its gate (`[1, hidden]`: one logit per token).
+pub struct SparseMoe<'w, B: Backend + ?Sized> {
+    pub router: &'w B::Weight,
+    pub experts: &'w MoeExperts<B>,
+    pub shared_expert: MlpWeights<'w, B::Weight>,
+    pub shared_expert_gate: &'w B::Weight,
+}
+
+/// [`Backend::sparse_moe`]'s scratch, `[tokens, width]` each: the router's logits, the shared
+/// expert's gate logit, its output, and its MLP's activations. A backend that fuses may leave
+/// them unwritten.
+pub struct MoeScratch<'s, Buf> {
+    pub router_logits: &'s mut Buf,
+    pub shared_gate: &'s mut Buf,
+    pub shared_out: &'s mut Buf,
+    pub shared_acts: MlpActivations<'s, Buf>,
+}
+
 impl<B: Backend + ?Sized> MoeExperts<B> {
     pub fn len(&self) -> usize {
         self.gate.len()
@@ -496,6 +516,22 @@ pub trait Backend: Send + Sync {
     ) {
         add_sigmoid_gated_on_host(self, out, x, gate, rows, dim);
     }
+    /// The sparse MoE block (`Qwen3_5MoeSparseMoeBlock.forward`) on `x: [tokens, hidden]`:
+    /// the shared expert, the router, the routed experts' weighted sum, plus the shared
+    /// expert's output scaled by the sigmoid of its gate, into `out: [tokens, hidden]`. The
+    /// default ([`sparse_moe_each`]) runs it as those ops; a backend may fuse them, where
+    /// `decode_batch` is set keeping each row bitwise what it gives alone.
+    fn sparse_moe(
+        &self,
+        x: &Self::Buf,
+        tokens: usize,
+        moe: SparseMoe<'_, Self>,
+        scratch: MoeScratch<'_, Self::Buf>,
+        out: &mut Self::Buf,
+        decode_batch: bool,
+    ) {
+        sparse_moe_each(self, x, tokens, moe, scratch, out, decode_batch);
+    }
     /// Whether [`Backend::moe_experts`] with these experts (and their `top_k`), and
     /// [`Backend::add_sigmoid_gated`], run a decode batch without reading anything back to the
     /// host, so that a decode step of a MoE model may be recorded ([`Backend::decode_step`]).
@@ -737,6 +773,35 @@ pub fn moe_experts_on_host<B: Backend + ?Sized>(
         }
     }
     *out = b.upload(&acc);
+}
+
+/// [`Backend::sparse_moe`] op by op, as the reference writes it: the default, and a backend's
+/// fallback where it does not fuse.
+pub fn sparse_moe_each<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    tokens: usize,
+    moe: SparseMoe<'_, B>,
+    scratch: MoeScratch<'_, B::Buf>,
+    out: &mut B::Buf,
+    decode_batch: bool,
+) {
+    let MoeScratch { router_logits, shared_gate, shared_out, shared_acts } = scratch;
+    // shared_expert_output = self.shared_expert(hidden_states)
+    b.mlp(x, tokens, moe.shared_expert, shared_acts, shared_out, decode_batch);
+    // router_logits = self.gate(hidden_states); the shared expert's gate logit beside it.
+    b.matmul_many(
+        x,
+        tokens,
+        &[moe.router, moe.shared_expert_gate],
+        &mut [&mut *router_logits, &mut *shared_gate],
+        decode_batch,
+    );
+    // expert_output = self.experts(hidden_states, selected_experts, routing_weights)
+    b.moe_experts(x, tokens, router_logits, moe.experts, out, decode_batch);
+    // expert_output + sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
+    let hidden = b.weight_shape(moe.shared_expert.down).0;
+    b.add_sigmoid_gated(out, shared_out, shared_gate, tokens, hidden);
 }
 
 /// [`Backend::add_sigmoid_gated`] on the host: the default.

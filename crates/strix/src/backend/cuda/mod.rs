@@ -49,7 +49,7 @@ use std::sync::Mutex;
 use crate::backend::{
     AttentionInput, AttentionLayer, AttentionShape, Backend, DeltaNetLayer, DeltaNetProjections,
     DeltaNetShape, DeltaNetState, DeltaRuleInput, DeltaRuleMode, KvCache, KvCacheType, MlpActivations,
-    MlpWeights, MoeExperts, RmsNorm,
+    MlpWeights, MoeExperts, MoeScratch, RmsNorm, SparseMoe,
 };
 use crate::error::Result;
 use crate::sampling::{Draw, NonFiniteLogits, PreparedSample};
@@ -147,6 +147,10 @@ path_counters! {
     /// MoE blocks whose routed experts ran on the device (`moe.rs`: the router, the picked
     /// experts and their sum; no read-back).
     moe_device,
+    /// Of those, decode batches tuned for one sequence (`set_tensor_core_gemv(false)`) that ran
+    /// the shared expert as one more pick of the routed experts' kernels (`moe.rs`'s
+    /// `SharedExpert`) instead of as an MLP of its own.
+    moe_shared_fused,
     /// MoE blocks whose routed experts were routed on the host (experts the device kernels
     /// do not take: a mix of bf16 and packed, more than 512, top-k above 16).
     moe_host,
@@ -204,7 +208,7 @@ impl std::fmt::Display for PathCounts {
         write!(
             f,
             "gemv {} fused {} (with swiglu {}) tensor-core {} (streamed {}) | gemm cublas {} split {} fallback {} | conv sequential {} parallel {} | \
-             gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | moe device {} host {} | attention {} (multi-split {}, flash {}) | \
+             gdn recurrent {} chunked {} (tensor cores {}) fused decode {} | moe device {} (shared fused {}) host {} | attention {} (multi-split {}, flash {}) | \
              prefill on f32 kernels {} | batch rows {} | \
              decode steps: graph replays {} captures {} eager {} failed captures {} | modules compiled {} cached {} | \
              packed gemv {} rows {} tensor-core {} fused {} prequantized {} dequant-gemm {} embed {} | sampled on device {} (sorted {}) host {}",
@@ -223,6 +227,7 @@ impl std::fmt::Display for PathCounts {
             self.gdn_chunked_tc,
             self.gdn_decode_fused,
             self.moe_device,
+            self.moe_shared_fused,
             self.moe_host,
             self.attention,
             self.attention_multi_split,
@@ -1119,11 +1124,56 @@ impl Backend for CudaBackend {
         let kernel_experts = kernel_experts(experts);
         if moe::Kernels::supports(&kernel_experts) {
             self.dev.bind();
-            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, &kernel_experts, out);
+            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, &kernel_experts, None, out);
             return bump(&self.counters.moe_device);
         }
         bump(&self.counters.moe_host);
         crate::backend::moe_experts_on_host(self, x, tokens, router_logits, experts, out, decode_batch);
+    }
+
+    fn sparse_moe(
+        &self,
+        x: &CudaBuf,
+        tokens: usize,
+        moe: SparseMoe<'_, CudaBackend>,
+        scratch: MoeScratch<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        decode_batch: bool,
+    ) {
+        // Tuned for one sequence (the CUDA-core GEMVs: `strix run`, `chat`), a decode step is
+        // made of launches (~750 a step on the 35B-A3B shape): the shared expert runs as one
+        // more pick in the routed experts' kernels, which saves its MLP's launches and the
+        // gate's. Every decode batch of that tuning does so, so a row stays bitwise what it
+        // gives alone. Tuned for batches (the tensor-core GEMVs read the shared expert once for
+        // all rows), and for prompts, the ops run one by one.
+        let experts = kernel_experts(moe.experts);
+        let shared = moe.shared_expert;
+        if decode_batch
+            && !self.mm.uses_mma()
+            && tokens <= moe::PER_PICK_MAX_TOKENS
+            && moe::Kernels::supports(&experts)
+            && moe::Kernels::supports_shared(&experts, shared.gate, shared.up, shared.down)
+        {
+            let MoeScratch { router_logits, shared_gate, .. } = scratch;
+            self.matmul_many(
+                x,
+                tokens,
+                &[moe.router, moe.shared_expert_gate],
+                &mut [&mut *router_logits, &mut *shared_gate],
+                decode_batch,
+            );
+            let shared = moe::SharedExpert {
+                gate: shared.gate,
+                up: shared.up,
+                down: shared.down,
+                gate_logits: shared_gate,
+            };
+            self.dev.bind();
+            self.moe.experts(&self.dev, &self.q, x, tokens, router_logits, &experts, Some(shared), out);
+            bump(&self.counters.moe_device);
+            return bump(&self.counters.moe_shared_fused);
+        }
+        crate::backend::sparse_moe_each(self, x, tokens, moe, scratch, out, decode_batch);
     }
 
     fn add_sigmoid_gated(&self, out: &mut CudaBuf, x: &CudaBuf, gate: &CudaBuf, rows: usize, dim: usize) {

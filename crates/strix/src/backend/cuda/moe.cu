@@ -2,7 +2,10 @@
 // Qwen3_5MoeExperts) and the shared expert's sigmoid gate; the expert kernels here take bf16
 // experts (quant.cu's qmoe_* the packed ones, between moe_bucket and moe_combine):
 //  - moe_route: per token, softmax of the router logits, the top k (ties to the lower id),
-//    renormalised, written in ascending expert id (the order the reference sums them in);
+//    renormalised, written in ascending expert id (the order the reference sums them in); with
+//    the shared expert's gate logits, one more pick per token after those: expert `experts`
+//    (the shared expert's slot in the tables), weight sigmoid(logit), so the shared expert
+//    runs in the same launches and is added last, as the reference adds it;
 //  - a decode batch: moe_gate_up, per pick, the picked expert's gate and up rows and the
 //    SwiGLU; moe_down_sum, each pick's down rows weighted and summed in pick order;
 //  - a prompt: moe_bucket lists the picks by expert, and moe_mma_gate_up / moe_mma_down run
@@ -23,68 +26,86 @@
 // 16-byte weight chunks a lane has in flight before its first FMA.
 #define MOE_UNROLL 4
 
-// A router order key: NaN (a broken model) below every probability, above a taken one (-2).
-__device__ __forceinline__ float moe_key(float p) { return p != p ? -1.5f : p; }
+// Router probabilities a lane holds: experts lane, lane + 32, ... up to MOE_MAX_EXPERTS.
+#define MOE_ROUTE_PER_LANE (MOE_MAX_EXPERTS / 32)
 
-// grid ceil(tokens / MOE_ROUTE_WARPS), block MOE_ROUTE_WARPS * 32 (a warp per token), dynamic
-// shared memory MOE_ROUTE_WARPS * experts floats. ids / weights: [tokens, k].
+// A router order key as an unsigned integer that orders as the floats do: NaN (a broken model)
+// below every probability, above a taken one (-2); every key above 0u.
+__device__ __forceinline__ unsigned moe_key(float p) {
+    const unsigned u = __float_as_uint(p != p ? -1.5f : p);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// grid ceil(tokens / MOE_ROUTE_WARPS), block MOE_ROUTE_WARPS * 32: a warp per token, its
+// probabilities in registers. ids / weights: [tokens, k], or [tokens, k + 1] when
+// shared_logits ([tokens], the shared expert's gate logits) is not null. Each of the k rounds
+// is one warp max of the keys and one warp min of the ids holding it (the lower id wins a tie);
+// pick r stays in lane r, and the lanes place their picks by rank at the end.
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
-    moe_route(const float* logits, int tokens, int experts, int k, int* ids, float* weights) {
-    extern __shared__ float moe_probs[];
+    moe_route(const float* logits, int tokens, int experts, int k, const float* shared_logits, int* ids,
+              float* weights) {
     pdl_enter();
+    const unsigned all = 0xffffffffu;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int t = blockIdx.x * MOE_ROUTE_WARPS + warp;
     if (t >= tokens) return;
-    float* p = moe_probs + warp * experts;
     const float* row = logits + (i64)t * experts;
+    float p[MOE_ROUTE_PER_LANE];
     float m = NEG_INF;
-    for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int j = 0; j < MOE_ROUTE_PER_LANE; j++) {
+        const int e = lane + 32 * j;
+        p[j] = e < experts ? row[e] : NEG_INF;
+        m = fmaxf(m, p[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(all, m, o));
     float s = 0.f;
-    for (int e = lane; e < experts; e += 32) {
-        const float v = expf(row[e] - m);
-        p[e] = v;
-        s += v;
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_PER_LANE; j++) {
+        if (lane + 32 * j < experts) {
+            p[j] = expf(p[j] - m);
+            s += p[j];
+        }
     }
     s = warp_sum(s);
-    for (int e = lane; e < experts; e += 32) p[e] = p[e] / s;
-    __syncwarp();
-    int chosen[MOE_MAX_K];
-    float prob[MOE_MAX_K];
-    for (int r = 0; r < k; r++) {
-        float best = -3.f;
-        int at = experts;
-        for (int e = lane; e < experts; e += 32) {
-            const float v = moe_key(p[e]);
-            if (v > best) best = v, at = e;  // ascending e: a tie keeps the lower id
-        }
+    unsigned key[MOE_ROUTE_PER_LANE];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oa = __shfl_xor_sync(0xffffffffu, at, o);
-            if (ob > best || (ob == best && oa < at)) best = ob, at = oa;
-        }
-        chosen[r] = at;
-        prob[r] = p[at];
-        __syncwarp();
-        if (lane == 0) p[at] = -2.f;
-        __syncwarp();
+    for (int j = 0; j < MOE_ROUTE_PER_LANE; j++) {
+        p[j] = p[j] / s;
+        key[j] = lane + 32 * j < experts ? moe_key(p[j]) : 0u;
     }
-    if (lane != 0) return;
-    // The total in the order picked (largest first), then the picks by ascending id.
-    float total = 0.f;
-    for (int r = 0; r < k; r++) total += prob[r];
-    for (int r = 1; r < k; r++) {
-        const int e = chosen[r];
-        const float v = prob[r];
-        int j = r - 1;
-        for (; j >= 0 && chosen[j] > e; j--) chosen[j + 1] = chosen[j], prob[j + 1] = prob[j];
-        chosen[j + 1] = e, prob[j + 1] = v;
-    }
+    const unsigned taken = moe_key(-2.f);
+    // The total in the order picked (largest first); lane r keeps pick r.
+    float total = 0.f, mine_p = 0.f;
+    int mine = 0;
     for (int r = 0; r < k; r++) {
-        ids[(i64)t * k + r] = chosen[r];
-        weights[(i64)t * k + r] = prob[r] / total;
+        unsigned best = 0u;
+        int at = experts;
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTE_PER_LANE; j++)
+            if (key[j] > best) best = key[j], at = lane + 32 * j;  // ascending id: a tie keeps the lower
+        const unsigned top = __reduce_max_sync(all, best);
+        const int id = __reduce_min_sync(all, best == top ? at : 0x7fffffff);
+        float held = 0.f;
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTE_PER_LANE; j++)
+            if (lane + 32 * j == id) held = p[j], key[j] = taken;
+        const float prob = __shfl_sync(all, held, id & 31);
+        total += prob;
+        if (lane == r) mine = id, mine_p = prob;
+    }
+    // The picks by ascending id: pick r's place is the number of picks with a lower id.
+    int rank = 0;
+    for (int r = 0; r < k; r++) rank += __shfl_sync(all, mine, r) < mine;
+    const int stride = k + (shared_logits != nullptr);
+    if (lane < k) {
+        ids[(i64)t * stride + rank] = mine;
+        weights[(i64)t * stride + rank] = mine_p / total;
+    }
+    if (shared_logits != nullptr && lane == 0) {
+        ids[(i64)t * stride + k] = experts;
+        weights[(i64)t * stride + k] = sigmoid_f(shared_logits[t]);
     }
 }
 

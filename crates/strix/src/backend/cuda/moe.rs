@@ -2,7 +2,10 @@
 //! batch or a prompt — the router's softmax and top-k, each pick's gate/up rows with the
 //! SwiGLU, and each token's down rows summed over its picks (for a prompt, or packed experts,
 //! each picked expert runs once over all its picks) — plus
-//! the shared expert's sigmoid gate. Nothing comes back to the host, so a MoE
+//! the shared expert's sigmoid gate. The shared expert itself may run as one more pick of every
+//! token ([`SharedExpert`]: weight sigmoid(gate logit), added last), which saves its own
+//! launches where a step is made of launches (decode tuned for one sequence). Nothing comes
+//! back to the host, so a MoE
 //! decode step can be recorded as a CUDA graph. Experts all bf16 (`moe.cu`'s dot products)
 //! or all packed (`quant.cu`'s `qmoe_*` on activations quantized per 32, as the packed GEMVs
 //! take them), up to [`MAX_EXPERTS`], top-k up to [`MAX_TOP_K`]; anything else keeps the
@@ -62,9 +65,10 @@ struct MoePair {
     b: [u64; MAX_EXPERTS],
 }
 
-fn table(ws: &[CudaWeight]) -> [u64; MAX_EXPERTS] {
+/// The weight pointers of `ws`, then of `last` (the shared expert's slot) where given.
+fn table(ws: &[CudaWeight], last: Option<&CudaWeight>) -> [u64; MAX_EXPERTS] {
     let mut t = [0u64; MAX_EXPERTS];
-    for (slot, w) in t.iter_mut().zip(ws) {
+    for (slot, w) in t.iter_mut().zip(ws.iter().chain(last)) {
         *slot = w.ptr();
     }
     t
@@ -76,6 +80,18 @@ pub(super) struct Experts<'a> {
     pub up: &'a [CudaWeight],
     pub down: &'a [CudaWeight],
     pub top_k: usize,
+}
+
+/// The shared expert run as one more pick of every token: its weights take the slot after the
+/// routed experts in the kernels' tables, and `moe_route` gives that pick the weight
+/// sigmoid(`gate_logits[t]`) and puts it last, so the kernels' sum in pick order is the
+/// reference's `expert_output + sigmoid(gate) * shared_expert_output`.
+pub(super) struct SharedExpert<'a> {
+    pub gate: &'a CudaWeight,
+    pub up: &'a CudaWeight,
+    pub down: &'a CudaWeight,
+    /// `[tokens]`: `x · shared_expert_gateᵀ`.
+    pub gate_logits: &'a CudaBuf,
 }
 
 pub(super) struct Kernels {
@@ -137,9 +153,27 @@ impl Kernels {
             && shaped(experts.down, down.dtype(), hidden, inter)
     }
 
+    /// Whether [`Kernels::experts`] can run this shared expert among `experts` (which it
+    /// [`Kernels::supports`]): a free slot in the tables, and the routed experts' formats and
+    /// shapes (its width the routed experts' width, as in the published MoE shapes).
+    pub fn supports_shared(
+        experts: &Experts<'_>,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+    ) -> bool {
+        let (g, d) = (&experts.gate[0], &experts.down[0]);
+        let like = |w: &CudaWeight, model: &CudaWeight| {
+            w.dtype() == model.dtype() && w.rows() == model.rows() && w.cols() == model.cols()
+        };
+        experts.gate.len() < MAX_EXPERTS && like(gate, g) && like(up, g) && like(down, d)
+    }
+
     /// `out[t] = Σ weight · expert(x[t])` over the `experts.top_k` experts `router_logits[t]` picks, for
-    /// `tokens` rows (`x`, `out`: `[tokens, hidden]`); `q` runs packed experts. The caller
-    /// checked [`Kernels::supports`].
+    /// `tokens` rows (`x`, `out`: `[tokens, hidden]`), then `+ sigmoid(gate logit) ·
+    /// shared(x[t])` with a `shared` expert; `q` runs packed experts. The caller checked
+    /// [`Kernels::supports`] (and [`Kernels::supports_shared`]); a shared expert runs only in
+    /// decode-sized calls (at most [`PER_PICK_MAX_TOKENS`] tokens).
     #[allow(clippy::too_many_arguments)]
     pub fn experts(
         &self,
@@ -149,14 +183,18 @@ impl Kernels {
         tokens: usize,
         router_logits: &CudaBuf,
         experts: &Experts<'_>,
+        shared: Option<SharedExpert<'_>>,
         out: &mut CudaBuf,
     ) {
         let top_k = experts.top_k;
         // The caller checked (`CudaBackend::moe_experts`): not walked again for every call.
         debug_assert!(Self::supports(experts), "moe: unsupported experts or top_k {top_k}");
+        debug_assert!(shared.as_ref().is_none_or(|s| Self::supports_shared(experts, s.gate, s.up, s.down)));
         let n = experts.gate.len();
         let (inter, hidden) = (experts.gate[0].rows(), experts.gate[0].cols());
-        let picks = tokens * top_k;
+        // The shared expert is pick `top_k` of each token and expert `n` of the tables.
+        let (slots, per_token) = if shared.is_some() { (n + 1, top_k + 1) } else { (n, top_k) };
+        let picks = tokens * per_token;
         assert!(x.len() >= tokens * hidden, "moe: x holds {} floats, not [{tokens}, {hidden}]", x.len());
         assert!(
             router_logits.len() >= tokens * n,
@@ -168,23 +206,48 @@ impl Kernels {
             "moe: out holds {} floats, not [{tokens}, {hidden}]",
             out.len()
         );
+        if let Some(s) = &shared {
+            assert!(
+                tokens <= PER_PICK_MAX_TOKENS,
+                "moe: a shared expert as a pick in a call of {tokens} tokens"
+            );
+            assert!(
+                s.gate_logits.len() >= tokens,
+                "moe: {} shared gate logits for {tokens} tokens",
+                s.gate_logits.len()
+            );
+        }
         if tokens == 0 {
             return;
         }
         let alloc = |floats: usize| dev.alloc(floats).unwrap_or_else(|e| panic!("{e}"));
         // Ids are i32 in an f32 buffer of as many elements.
         let (ids, weights, act) = (alloc(picks), alloc(picks), alloc(picks * inter));
-        let (t32, n32, k32, i32_, h32) = (tokens as i32, n as i32, top_k as i32, inter as i32, hidden as i32);
+        let (t32, n32, i32_, h32) = (tokens as i32, n as i32, inter as i32, hidden as i32);
+        // The kernels after the router take `k` as the picks per token.
+        let k32 = per_token as i32;
+        let shared_logits = shared.as_ref().map_or(0, |s| s.gate_logits.ptr());
         dev.launch(
             "moe_route",
             &self.route,
             (tokens.div_ceil(ROUTE_WARPS) as u32, 1, 1),
             ((ROUTE_WARPS * 32) as u32, 1, 1),
-            (ROUTE_WARPS * n * 4) as u32,
-            kernel_args![router_logits.ptr(), t32, n32, k32, ids.ptr(), weights.ptr()],
+            0,
+            kernel_args![
+                router_logits.ptr(),
+                t32,
+                n32,
+                top_k as i32,
+                shared_logits,
+                ids.ptr(),
+                weights.ptr()
+            ],
         );
-        let gate_up = MoePair { a: table(experts.gate), b: table(experts.up) };
-        let down = MoeTable { w: table(experts.down) };
+        let gate_up = MoePair {
+            a: table(experts.gate, shared.as_ref().map(|s| s.gate)),
+            b: table(experts.up, shared.as_ref().map(|s| s.up)),
+        };
+        let down = MoeTable { w: table(experts.down, shared.as_ref().map(|s| s.down)) };
         let (gate_dtype, down_dtype) = (experts.gate[0].dtype(), experts.down[0].dtype());
         if tokens <= PER_PICK_MAX_TOKENS && gate_dtype == DType::BF16 {
             // A decode batch's picks, each its own blocks: no listing by expert needed.
@@ -208,7 +271,7 @@ impl Kernels {
         }
         // Each picked expert once over all its picks, its weights read once per 64 picks (bf16,
         // tensor cores) or once per call (packed).
-        let (count, active, start, members) = (alloc(1), alloc(n), alloc(n + 1), alloc(picks));
+        let (count, active, start, members) = (alloc(1), alloc(slots), alloc(slots + 1), alloc(picks));
         let y = alloc(picks * hidden);
         dev.launch(
             "moe_bucket",
@@ -216,9 +279,17 @@ impl Kernels {
             (1, 1, 1),
             (1024, 1, 1),
             0,
-            kernel_args![ids.ptr(), picks as i32, n32, count.ptr(), active.ptr(), start.ptr(), members.ptr()],
+            kernel_args![
+                ids.ptr(),
+                picks as i32,
+                slots as i32,
+                count.ptr(),
+                active.ptr(),
+                start.ptr(),
+                members.ptr()
+            ],
         );
-        let most = picks.min(n) as u32;
+        let most = picks.min(slots) as u32;
         let block = ((WARPS * 32) as u32, 1, 1);
         let listing = MoeListing {
             active_count: count.ptr(),
@@ -255,7 +326,7 @@ impl Kernels {
             // tensor-core kernels. Expert e of a projection at e * rows * cols in its scratch.
             let dequantized = |ws: &[CudaWeight], rows: usize, cols: usize| -> CudaWeight {
                 let dense = CudaWeight::scratch_bf16(dev, n * rows, cols).unwrap_or_else(|e| panic!("{e}"));
-                let src = MoeTable { w: table(ws) };
+                let src = MoeTable { w: table(ws, None) };
                 let blocks_per_expert = (rows * cols).div_ceil(1 << 16) as u32;
                 dev.launch(
                     "dequant_moe_bf16",
