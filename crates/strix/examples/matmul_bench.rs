@@ -139,10 +139,12 @@ fn main() {
         rows.push(gemv(min_time, &mut rng, r, c, false));
     }
     rows.push(gemv(min_time, &mut rng, 248_320, 1024, true));
-    for tokens in [4, 16, 64, 512] {
+    for tokens in [4, 16, 64, 128, 256, 512] {
         rows.push(matmul_case(min_time, &mut rng, tokens, 1024, 3584));
     }
-    rows.push(matmul_case(min_time, &mut rng, 512, 3584, 1024));
+    for tokens in [128, 512] {
+        rows.push(matmul_case(min_time, &mut rng, tokens, 3584, 1024));
+    }
 
     println!("rayon threads: {threads}");
     println!("{:<34} {:>9} {:>9} {:>8} {:>10}", "case", "median", "best", "unit", "cpu");
