@@ -238,6 +238,32 @@ fn bench_on_pool(args: BenchArgs) -> Result<()> {
     with_backend!(opened, backend => bench_with(backend, &args, config, source))
 }
 
+/// Refuses a preset whose weights cannot fit in the memory the backend has left (the
+/// 397B-A17B takes ~790 GB in bf16), before any is made: the synthesis would otherwise grow
+/// until an allocation failed or the OOM killer stopped it. With `--quant` the bound is the
+/// smallest format's 4.5 bits a weight (Q4_0), so a model that might fit is always tried.
+fn check_preset_fits(
+    name: &str,
+    weights: &SyntheticWeights,
+    quantized: bool,
+    backend: &impl DeviceInfo,
+) -> Result<()> {
+    let bf16 = weights.total_bytes() as u64;
+    let least = if quantized { bf16 / 32 * 9 } else { bf16 };
+    match backend.available_memory() {
+        Some(available) if least > available => bail!(
+            "the {name} preset's weights take {} GiB in bf16{} and {} has {} GiB free: \
+             it does not fit ({})",
+            bf16 >> 30,
+            if quantized { format!(" and at least {} GiB quantized", least >> 30) } else { String::new() },
+            backend.kind(),
+            available >> 30,
+            if quantized { "a smaller preset" } else { "--quant, or a smaller preset" }
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Where the weights come from.
 enum Source {
     Preset(String),
@@ -332,6 +358,7 @@ fn bench_with<B: DeviceInfo>(
     let (mut model, name, source_kind, dtype) = match source {
         Source::Preset(name) => {
             let weights = SyntheticWeights::new(config.clone(), SEED);
+            check_preset_fits(&name, &weights, args.quant.quant.is_some(), &backend)?;
             let model = match args.quant.quant {
                 None => common::with_progress("synthesising", "layers", |p| {
                     Model::from_source(config, &weights, backend, Some(p))

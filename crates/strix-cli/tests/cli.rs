@@ -591,6 +591,13 @@ fn error_bad_sampling_and_bench_parameters() {
     assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1 --top-p 0")), "top_p");
     assert_clean_error(&strix(&cmd("run", &model, "--prompt-ids 1 --threads 0")), "--threads");
     assert_clean_error(&strix(&["bench", "--preset", "gpt-2"]), "unknown preset");
+    // ~790 GB of bf16 (~220 GB at 4.5 bits): refused before any weight is made.
+    for quant in [&[][..], &["--quant", "q4_0"][..]] {
+        let mut argv =
+            vec!["bench", "--device", "cpu", "--preset", "qwen3.5-397b-a17b", "--bandwidth-mib", "0"];
+        argv.extend_from_slice(quant);
+        assert_clean_error(&strix(&argv), "does not fit");
+    }
     assert_clean_error(&strix(&cmd("bench", &model, "--gen 0")), "--gen");
     // The fixture allows 1024 positions.
     assert_clean_error(

@@ -13,14 +13,32 @@ use crate::model::TensorSource;
 use crate::tensor::{Bytes, DType, HostTensor};
 
 /// The published text decoders: the dense ones (see the table in the project's conventions)
-/// and the 35B-A3B mixture of experts.
-pub const PRESETS: &[&str] = &["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"];
+/// and the mixtures of experts.
+pub const PRESETS: &[&str] = &[
+    "qwen3.5-0.8b",
+    "qwen3.5-2b",
+    "qwen3.5-9b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-122b-a10b",
+    "qwen3.5-397b-a17b",
+];
 
 /// The config of a preset shape, by name (`qwen3.5-0.8b`, `…-2b`, `…-9b`, `…-27b`,
-/// `…-35b-a3b`).
+/// `…-35b-a3b`, `…-122b-a10b`, `…-397b-a17b`).
 pub fn preset(name: &str) -> Result<ModelConfig> {
-    if matches!(name.to_ascii_lowercase().as_str(), "qwen3.5-35b-a3b" | "35b-a3b") {
-        return Ok(qwen35_35b_a3b());
+    // The mixtures of experts' published `text_config`s: (hidden, layers, q heads, DeltaNet
+    // value heads, experts, experts per token, expert and shared expert width). All have 2 kv
+    // heads of 256, 16 DeltaNet key heads, heads of 128, untied embeddings.
+    let moe = match name.to_ascii_lowercase().as_str() {
+        // transformers' `Qwen3_5MoeTextConfig` defaults.
+        "qwen3.5-35b-a3b" | "35b-a3b" => Some((2048, 40, 16, 32, 256, 8, 512)),
+        "qwen3.5-122b-a10b" | "122b-a10b" => Some((3072, 48, 32, 64, 256, 8, 1024)),
+        "qwen3.5-397b-a17b" | "397b-a17b" => Some((4096, 60, 32, 64, 512, 10, 1024)),
+        _ => None,
+    };
+    if let Some((hidden, layers, heads, v_heads, experts, per_token, width)) = moe {
+        return Ok(moe_preset(hidden, layers, heads, v_heads, experts, per_token, width));
     }
     // (hidden, layers, intermediate, q heads, kv heads, GDN v heads, tied)
     let (hidden, layers, inter, heads, kv, v_heads, tied) = match name.to_ascii_lowercase().as_str() {
@@ -57,20 +75,28 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
     })
 }
 
-/// Qwen3.5-35B-A3B: the defaults of transformers' `Qwen3_5MoeTextConfig` (hidden 2048, 40
-/// layers, 16 q / 2 kv heads of 256, DeltaNet 16 key / 32 value heads of 128, 256 experts of
-/// width 512, 8 per token, a shared expert of 512), untied.
-fn qwen35_35b_a3b() -> ModelConfig {
-    let layers = 40;
+/// A Qwen3.5 mixture of experts: `layers` of hidden size `hidden`, every fourth gated
+/// attention (`heads` q / 2 kv heads of 256), the rest Gated DeltaNet (16 key / `v_heads`
+/// value heads of 128), each MLP `experts` experts of width `width`, `per_token` a token, plus
+/// a shared expert of the same width; untied.
+fn moe_preset(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    v_heads: usize,
+    experts: usize,
+    per_token: usize,
+    width: usize,
+) -> ModelConfig {
     ModelConfig {
         vocab_size: 248_320,
-        hidden_size: 2048,
+        hidden_size: hidden,
         intermediate_size: 0,
         moe: Some(MoeConfig {
-            num_experts: 256,
-            num_experts_per_tok: 8,
-            moe_intermediate_size: 512,
-            shared_expert_intermediate_size: 512,
+            num_experts: experts,
+            num_experts_per_tok: per_token,
+            moe_intermediate_size: width,
+            shared_expert_intermediate_size: width,
         }),
         num_layers: layers,
         layer_kinds: (0..layers)
@@ -79,14 +105,14 @@ fn qwen35_35b_a3b() -> ModelConfig {
         rms_norm_eps: 1e-6,
         tie_word_embeddings: false,
         max_position_embeddings: 262_144,
-        num_heads: 16,
+        num_heads: heads,
         num_kv_heads: 2,
         head_dim: 256,
         rope_theta: 1e7,
         rotary_dim: 64,
         conv_kernel: 4,
         linear_num_k_heads: 16,
-        linear_num_v_heads: 32,
+        linear_num_v_heads: v_heads,
         linear_k_head_dim: 128,
         linear_v_head_dim: 128,
         linear_value_head_order: ValueHeadOrder::Grouped,
@@ -264,10 +290,15 @@ mod tests {
         c.validate(std::path::Path::new("preset")).unwrap();
         let m = c.moe.unwrap();
         assert_eq!((c.hidden_size, c.num_layers, m.num_experts, m.num_experts_per_tok), (2048, 40, 256, 8));
-        let w = SyntheticWeights::new(c, 0);
-        // ~35B parameters in bf16.
-        let params = w.total_bytes() / 2;
-        assert!((34_000_000_000..36_500_000_000).contains(&params), "{params}");
+        // Parameters in bf16: ~35B, ~122B, ~397B.
+        for (name, billions) in
+            [("qwen3.5-35b-a3b", 35.0), ("qwen3.5-122b-a10b", 122.0), ("qwen3.5-397b-a17b", 397.0)]
+        {
+            let c = preset(name).unwrap();
+            c.validate(std::path::Path::new("preset")).unwrap();
+            let params = SyntheticWeights::new(c, 0).total_bytes() as f64 / 2e9;
+            assert!((params / billions - 1.0).abs() < 0.03, "{name}: {params:.1}B parameters");
+        }
     }
 
     #[test]
