@@ -256,6 +256,9 @@ pub struct Model<B: Backend> {
     /// Whether a decode step may be recorded: no layer's experts are routed on the host
     /// ([`Backend::moe_on_device`]). The weights never change, so it is decided at load.
     steps_recordable: bool,
+    /// Device bytes a prompt pass holds whatever its length: the largest of the layers'
+    /// [`Backend::moe_prompt_scratch_bytes`].
+    pass_fixed_bytes: usize,
 }
 
 /// Progress of a load: called with (done, total), in the units the loading function names.
@@ -402,11 +405,23 @@ impl<B: Backend> Model<B> {
         report(total_layers);
 
         let inv_freq = backend.upload(&rope_inv_freq(c));
-        // A device with its own memory gets a pass whose activations take at most a quarter of
-        // what the weights left free, so sessions still fit beside it.
+        let pass_fixed_bytes = layers
+            .iter()
+            .map(|l| match &l.mlp {
+                Mlp::Dense(_) => 0,
+                Mlp::Moe(m) => backend.moe_prompt_scratch_bytes(&m.experts),
+            })
+            .max()
+            .unwrap_or(0);
+        // A device with its own memory gets a pass whose activations (and fixed scratch) take
+        // at most a quarter of what the weights left free, so sessions still fit beside it.
         let per_token = pass_bytes_per_token(&config);
         let pass_tokens = match backend.free_memory() {
-            Some(free) => capped_pass_tokens(backend.preferred_pass_tokens(), free / 4, per_token),
+            Some(free) => capped_pass_tokens(
+                backend.preferred_pass_tokens(),
+                (free / 4).saturating_sub(pass_fixed_bytes),
+                per_token,
+            ),
             None => backend.preferred_pass_tokens(),
         };
         let steps_recordable = layers.iter().all(|l| match &l.mlp {
@@ -420,6 +435,7 @@ impl<B: Backend> Model<B> {
             inv_freq,
             pass_tokens,
             steps_recordable,
+            pass_fixed_bytes,
         })
     }
 
@@ -526,8 +542,10 @@ impl<B: Backend> Model<B> {
         let mut session = self.new_session(max_context);
         if let Some(free) = self.backend.free_memory() {
             let need = self.session_bytes(max_context);
-            // Leave room for the activations of a prefill pass and the allocator's slack.
-            let pass = self.pass_tokens.min(max_context.max(1)) * pass_bytes_per_token(&self.config);
+            // Leave room for a prefill pass (its activations, and the scratch a MoE layer's
+            // packed experts take on the device) and the allocator's slack.
+            let pass = self.pass_tokens.min(max_context.max(1)) * pass_bytes_per_token(&self.config)
+                + self.pass_fixed_bytes;
             let headroom = (free / 10).max(pass) + (256 << 20);
             if need + headroom > free {
                 let gib = |b: usize| b as f64 / (1u64 << 30) as f64;

@@ -1290,6 +1290,7 @@ fn moe_experts_on_the_device_match_the_cpu_and_are_batch_invariant() {
             top_k: k,
         };
         assert!(g.moe_on_device(&gpu_experts), "{n} bf16 experts, top {k}: not on the device");
+        assert_eq!(g.moe_prompt_scratch_bytes(&gpu_experts), 0, "bf16 experts need no prompt scratch");
         for tokens in [1usize, 3, 64, 100, 300] {
             let x = rng.vec(tokens * hidden, 1.0);
             let mut logits = rng.vec(tokens * n, 2.0);

@@ -228,6 +228,8 @@ fn packed_moe_experts_match_reference_and_are_batch_invariant() {
             deq.push((gd, ud, dd));
         }
         assert!(g.moe_on_device(&experts), "{gate_dtype:?}/{down_dtype:?} experts not on the device");
+        // A prompt widens every expert of the layer to bf16: the model keeps that much free.
+        assert_eq!(g.moe_prompt_scratch_bytes(&experts), n * 2 * 3 * inter * hidden);
         let what = format!(
             "packed moe {}/{} hidden {hidden} inter {inter} {n} experts top {k}",
             gate_dtype.name(),

@@ -541,6 +541,14 @@ pub trait Backend: Send + Sync {
         let _ = experts;
         false
     }
+    /// Device bytes a prompt pass holds for a MoE layer's experts whatever its length (a
+    /// backend that widens packed experts for its prompt GEMMs allocates them for the pass), on
+    /// top of [`crate::model::pass_bytes_per_token`]; the model keeps that much free beside
+    /// its sessions. None by default.
+    fn moe_prompt_scratch_bytes(&self, experts: &MoeExperts<Self>) -> usize {
+        let _ = experts;
+        0
+    }
     /// `Qwen3_5RMSNorm`: `out = x / rms(x) * (1 + weight)` over rows of `norm.dim`.
     fn rms_norm(&self, x: &Self::Buf, norm: RmsNorm<'_, Self::Buf>, out: &mut Self::Buf);
     /// `residual += x`, then `out = rms_norm(residual)`: the residual add fused with the next norm.

@@ -1185,6 +1185,10 @@ impl Backend for CudaBackend {
         moe::Kernels::supports(&kernel_experts(experts))
     }
 
+    fn moe_prompt_scratch_bytes(&self, experts: &MoeExperts<CudaBackend>) -> usize {
+        moe::Kernels::prompt_scratch_bytes(&kernel_experts(experts))
+    }
+
     fn mlp(
         &self,
         x: &CudaBuf,

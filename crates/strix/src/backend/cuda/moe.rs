@@ -153,6 +153,19 @@ impl Kernels {
             && shaped(experts.down, down.dtype(), hidden, inter)
     }
 
+    /// Device bytes a prompt (more than [`PER_PICK_MAX_TOKENS`] tokens) of these experts
+    /// allocates besides its activations: packed experts are dequantized to bf16 for the
+    /// tensor-core kernels, every expert of the layer into one scratch (1.5 GiB for the
+    /// 35B-A3B shape, 4.5 GiB for the 122B-A10B); bf16 experts need none.
+    pub fn prompt_scratch_bytes(experts: &Experts<'_>) -> usize {
+        match (experts.gate.first(), experts.down.first()) {
+            (Some(g), Some(d)) if Self::supports(experts) && g.dtype() != DType::BF16 => {
+                experts.gate.len() * 2 * (2 * g.rows() * g.cols() + d.rows() * d.cols())
+            }
+            _ => 0,
+        }
+    }
+
     /// Whether [`Kernels::experts`] can run this shared expert among `experts` (which it
     /// [`Kernels::supports`]): a free slot in the tables, and the routed experts' formats and
     /// shapes (its width the routed experts' width, as in the published MoE shapes).
