@@ -145,11 +145,18 @@ pub fn row_to_f32(w: WeightRef<'_>, cols: usize, r: usize, out: &mut [f32]) {
     }
 }
 
-/// From this many tokens on, the gemm path is used with AVX2. Measured per core (Zen 4,
-/// bf16): the register-blocked GEMV holds ~65–80 GFLOP/s from 4 tokens up, while gemm, which
-/// packs both operands for every block and is weak for short x, only draws level around 48
-/// tokens on 1024×3584 and 96 on 3584×1024, then climbs to ~100 GFLOP/s at 512.
-const GEMM_MIN_TOKENS: usize = 64;
+/// From this many tokens on, the gemm path is used with AVX2: 64 on Intel CPUs, 192 on
+/// others. Measured on a 2-vCPU AMD EPYC (Zen 4, BENCHMARKS-LOG session 18): in
+/// `examples/matmul_bench`, GFLOP/s on 1024×3584 at 64 / 128 / 256 / 512 tokens, the
+/// register-blocked GEMV 117 / 122 / 125 / 124 against gemm's 77 / 82 / 94 / 169; in `strix
+/// bench` (bf16 0.8B shape, prefill tok/s, GEMV against gemm) 105–119 / 83–89 at 128 tokens,
+/// 99–116 / 93 at 160, 97–99 / 101–108 at 192, 112–114 / 118–122 at 256. On the Intel Xeon of
+/// sessions 12–14, whose cores run gemm's 512-bit FMAs at twice Zen 4's rate, the 64 of earlier
+/// measurements stays (not re-measured).
+fn gemm_min_tokens() -> usize {
+    static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| if super::simd::cpu_vendor_is_intel() { 64 } else { 192 })
+}
 
 /// Which algorithm [`matmul_with`] runs; tests force each one on every shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +170,7 @@ impl Path {
         // Without AVX2 our GEMV kernel only wins for one token: gemm carries its own SIMD
         // kernels (NEON, FMA, ...) and was 1.2–2× faster than the portable GEMV from two
         // tokens on.
-        let gemm_from = if isa == Isa::Portable { 2 } else { GEMM_MIN_TOKENS };
+        let gemm_from = if isa == Isa::Portable { 2 } else { gemm_min_tokens() };
         if tokens >= gemm_from {
             Path::Gemm
         } else {
@@ -817,7 +824,8 @@ mod tests {
     #[test]
     fn public_matmul_across_threshold() {
         let mut rng = Rng(7);
-        for tokens in [1, GEMM_MIN_TOKENS - 1, GEMM_MIN_TOKENS, GEMM_MIN_TOKENS + 1] {
+        let from = gemm_min_tokens();
+        for tokens in [1, from - 1, from, from + 1] {
             for dtype in DTYPES {
                 let (rows, cols) = (300, 1100);
                 let w = Weights::random(&mut rng, dtype, rows * cols);
