@@ -27,10 +27,11 @@ pub const PRESETS: &[&str] = &[
 /// The config of a preset shape, by name (`qwen3.5-0.8b`, `…-2b`, `…-9b`, `…-27b`,
 /// `…-35b-a3b`, `…-122b-a10b`, `…-397b-a17b`).
 pub fn preset(name: &str) -> Result<ModelConfig> {
+    let name_lower = name.to_ascii_lowercase();
     // The mixtures of experts' published `text_config`s: (hidden, layers, q heads, DeltaNet
     // value heads, experts, experts per token, expert and shared expert width). All have 2 kv
-    // heads of 256, 16 DeltaNet key heads, heads of 128, untied embeddings.
-    let moe = match name.to_ascii_lowercase().as_str() {
+    // heads, untied embeddings.
+    let moe = match name_lower.as_str() {
         // transformers' `Qwen3_5MoeTextConfig` defaults.
         "qwen3.5-35b-a3b" | "35b-a3b" => Some((2048, 40, 16, 32, 256, 8, 512)),
         "qwen3.5-122b-a10b" | "122b-a10b" => Some((3072, 48, 32, 64, 256, 8, 1024)),
@@ -38,17 +39,38 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         _ => None,
     };
     if let Some((hidden, layers, heads, v_heads, experts, per_token, width)) = moe {
-        return Ok(moe_preset(hidden, layers, heads, v_heads, experts, per_token, width));
+        let moe = MoeConfig {
+            num_experts: experts,
+            num_experts_per_tok: per_token,
+            moe_intermediate_size: width,
+            shared_expert_intermediate_size: width,
+        };
+        return Ok(ModelConfig { moe: Some(moe), ..qwen35(hidden, layers, 0, heads, 2, v_heads, false) });
     }
     // (hidden, layers, intermediate, q heads, kv heads, GDN v heads, tied)
-    let (hidden, layers, inter, heads, kv, v_heads, tied) = match name.to_ascii_lowercase().as_str() {
+    let (hidden, layers, inter, heads, kv, v_heads, tied) = match name_lower.as_str() {
         "qwen3.5-0.8b" | "0.8b" => (1024, 24, 3584, 8, 2, 16, true),
         "qwen3.5-2b" | "2b" => (2048, 24, 6144, 8, 2, 16, true),
         "qwen3.5-9b" | "9b" => (4096, 32, 12288, 16, 4, 32, false),
         "qwen3.5-27b" | "27b" => (5120, 64, 17408, 24, 4, 48, false),
         _ => return Err(Error::input(format!("unknown preset `{name}`; known: {}", PRESETS.join(", ")))),
     };
-    Ok(ModelConfig {
+    Ok(qwen35(hidden, layers, inter, heads, kv, v_heads, tied))
+}
+
+/// The Qwen3.5 decoder shape every preset shares: `layers` of hidden size `hidden`, every fourth
+/// gated attention (`heads` q / `kv` kv heads of 256, rotary on 64 dimensions), the rest Gated
+/// DeltaNet (16 key / `v_heads` value heads of 128), a dense MLP of width `inter`.
+fn qwen35(
+    hidden: usize,
+    layers: usize,
+    inter: usize,
+    heads: usize,
+    kv: usize,
+    v_heads: usize,
+    tied: bool,
+) -> ModelConfig {
+    ModelConfig {
         vocab_size: 248_320,
         hidden_size: hidden,
         intermediate_size: inter,
@@ -62,51 +84,6 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         max_position_embeddings: 262_144,
         num_heads: heads,
         num_kv_heads: kv,
-        head_dim: 256,
-        rope_theta: 1e7,
-        rotary_dim: 64,
-        conv_kernel: 4,
-        linear_num_k_heads: 16,
-        linear_num_v_heads: v_heads,
-        linear_k_head_dim: 128,
-        linear_v_head_dim: 128,
-        linear_value_head_order: ValueHeadOrder::Grouped,
-        eos_token_ids: vec![248_046, 248_044],
-    })
-}
-
-/// A Qwen3.5 mixture of experts: `layers` of hidden size `hidden`, every fourth gated
-/// attention (`heads` q / 2 kv heads of 256), the rest Gated DeltaNet (16 key / `v_heads`
-/// value heads of 128), each MLP `experts` experts of width `width`, `per_token` a token, plus
-/// a shared expert of the same width; untied.
-fn moe_preset(
-    hidden: usize,
-    layers: usize,
-    heads: usize,
-    v_heads: usize,
-    experts: usize,
-    per_token: usize,
-    width: usize,
-) -> ModelConfig {
-    ModelConfig {
-        vocab_size: 248_320,
-        hidden_size: hidden,
-        intermediate_size: 0,
-        moe: Some(MoeConfig {
-            num_experts: experts,
-            num_experts_per_tok: per_token,
-            moe_intermediate_size: width,
-            shared_expert_intermediate_size: width,
-        }),
-        num_layers: layers,
-        layer_kinds: (0..layers)
-            .map(|i| if (i + 1) % 4 == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
-            .collect(),
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: false,
-        max_position_embeddings: 262_144,
-        num_heads: heads,
-        num_kv_heads: 2,
         head_dim: 256,
         rope_theta: 1e7,
         rotary_dim: 64,

@@ -20,7 +20,6 @@
 //
 // The experts' weight pointers come by value (MoeTable, MoePair of prelude.cu): up to
 // MOE_MAX_EXPERTS experts, which a recorded decode step keeps with its launches.
-#define MOE_MAX_K 16
 #define MOE_WARPS 8
 #define MOE_ROUTE_WARPS 4
 // 16-byte weight chunks a lane has in flight before its first FMA.
@@ -40,7 +39,8 @@ __device__ __forceinline__ unsigned moe_key(float p) {
 // probabilities in registers. ids / weights: [tokens, k], or [tokens, k + 1] when
 // shared_logits ([tokens], the shared expert's gate logits) is not null. Each of the k rounds
 // is one warp max of the keys and one warp min of the ids holding it (the lower id wins a tie);
-// pick r stays in lane r, and the lanes place their picks by rank at the end.
+// pick r stays in lane r (so k <= 32; moe.rs's MAX_TOP_K is 16), and the lanes place their
+// picks by rank at the end.
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
     moe_route(const float* logits, int tokens, int experts, int k, const float* shared_logits, int* ids,
               float* weights) {

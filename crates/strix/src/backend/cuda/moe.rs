@@ -25,7 +25,8 @@ use crate::tensor::DType;
 pub(super) const SOURCE: &str =
     concat!(include_str!("mma.cuh"), "\n#line 1 \"moe.cu\"\n", include_str!("moe.cu"));
 
-/// `MOE_MAX_EXPERTS` (prelude.cu), `MOE_MAX_K`, `MOE_WARPS` and `MOE_ROUTE_WARPS` of the kernels.
+/// `MOE_MAX_EXPERTS` (prelude.cu), `MOE_WARPS` and `MOE_ROUTE_WARPS` of the kernels; top-k at
+/// most 32 in `moe_route` (a pick a lane), 16 here.
 pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
 const WARPS: usize = 8;
